@@ -1,0 +1,24 @@
+# `make test` and `make setup` work on a fresh machine: they create .venv and install everything.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test bench-blockd clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench-blockd: setup
+	$(VENV)/bin/pagedkv bench blockd
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,281 @@
+"""The client library of blockd, used by executors, gateways and blockd-cli.
+
+`BlockdClient` is one DEALER connection with timeouts: a request that gets no answer within the timeout raises
+`BlockdUnavailable` (never a hang), and a late answer to it is recognised by its id and discarded.
+
+`PoolClient` is an executor's side of its pool. It mirrors the executor's live sequences (tokens, block tables,
+computed tokens) and the generation of every block from the replies it receives, so that after a blockd restart
+or an expired lease it can re-register and re-send them: blockd rebuilds refcounts from this mirror, and a step
+that got no answer is sent again only after that re-sync, which undoes whatever part of it blockd had applied.
+A client is not thread-safe: use one per thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from blockd import protocol as p
+from blockd.errors import BlockdError, ErrorCode
+from blockd.pool import AdmitResult, AppendResult
+
+R = TypeVar("R")
+
+
+class BlockdUnavailable(ConnectionError):
+    """blockd did not answer in time."""
+
+
+class BlockdClient:
+    """A connection to blockd. Every call either returns its result, raises BlockdError, or BlockdUnavailable."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._context = context or zmq.Context.instance()
+        self._ids = itertools.count(random.randrange(1, 2**31))
+        self._socket: zmq.Socket | None = None
+        self._pending: int | None = None
+
+    def _connect(self) -> zmq.Socket:
+        if self._socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.RECONNECT_IVL, 50)
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            socket.connect(self.endpoint)
+            self._socket = socket
+        return self._socket
+
+    def reset(self) -> None:
+        """Drop the connection (and anything queued on it); the next call connects afresh."""
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self._pending = None
+
+    def close(self) -> None:
+        self.reset()
+
+    def __enter__(self) -> BlockdClient:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ calls
+
+    def send(self, request_type: type[p.Request], **fields: Any) -> int:
+        """Send a request without waiting for its reply (see `receive`); returns its id."""
+        if self._pending is not None:
+            raise RuntimeError("a request is still waiting for its reply on this client")
+        request_id = next(self._ids)
+        frame = p.encode(request_type(v=p.PROTOCOL_VERSION, id=request_id, **fields))
+        self._connect().send(frame, copy=False)
+        self._pending = request_id
+        return request_id
+
+    def receive(self, result_type: type[R], timeout_s: float | None = None) -> R:
+        """Wait for the reply to the request in flight."""
+        request_id = self._pending
+        if request_id is None:
+            raise RuntimeError("no request in flight")
+        socket = self._connect()
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() < deadline:
+                    continue
+                self.reset()
+                raise BlockdUnavailable(f"blockd at {self.endpoint} did not answer within {self.timeout_s:g} s")
+            reply = p.decode_reply(socket.recv(copy=True))
+            if reply.id != request_id:
+                continue  # the late answer to a request that already timed out
+            self._pending = None
+            if not reply.ok:
+                error = reply.error or p.ErrorInfo(ErrorCode.INTERNAL, "error reply without details")
+                raise BlockdError(ErrorCode.of(error.code), error.message)
+            return p.decode_result(reply.result, result_type)
+
+    def call(self, request_type: type[p.Request], **fields: Any) -> Any:
+        self.send(request_type, **fields)
+        return self.receive(p.RESULT_TYPES[request_type])
+
+    # ------------------------------------------------------------------------------ operator calls
+
+    def stats(self, pool_id: str | None = None) -> p.StatsResult:
+        return self.call(p.Stats, pool_id=pool_id)
+
+    def pools(self) -> p.PoolsResult:
+        return self.call(p.Pools)
+
+    def sequence(self, seq_id: str, pool_id: str | None = None) -> p.SequenceInfo:
+        return self.call(p.GetSequence, seq_id=seq_id, pool_id=pool_id)
+
+    def check(self) -> list[str]:
+        return self.call(p.Check).problems
+
+    def reset_prefix_cache(self, pool_id: str) -> int:
+        return self.call(p.ResetPrefixCache, pool_id=pool_id).dropped
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
+        """Prompt tokens each registered pool has cached for this prompt (the gateway routes on it)."""
+        return self.call(p.Lookup, tokens=list(tokens), cache_salt=cache_salt).cached_tokens
+
+
+class MirroredSequence(msgspec.Struct):
+    tokens: list[int]
+    blocks: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None = None
+
+
+class StepFailed(BlockdError):
+    """A single-op convenience call whose op failed (out of blocks, unknown sequence, ...)."""
+
+
+class PoolClient:
+    """An executor's pool at blockd: registration, heartbeats, steps, and re-sync after failures."""
+
+    def __init__(
+        self,
+        client: BlockdClient,
+        *,
+        pool_id: str,
+        num_blocks: int,
+        block_size: int,
+        model_id: str,
+        epoch: int | None = None,
+        retry_for_s: float = 30.0,
+    ) -> None:
+        self.client = client
+        self.pool_id = pool_id
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_id = model_id
+        self.epoch = epoch if epoch is not None else random.randrange(1, 2**62)  # new per process start
+        self.retry_for_s = retry_for_s
+        self.seqs: dict[str, MirroredSequence] = {}
+        self.generations: list[int] = [0] * num_blocks
+        self.lease_timeout_s: float | None = None
+        self.resyncs = 0
+
+    # ------------------------------------------------------------------------------ registration
+
+    def register(self) -> p.RegisterResult:
+        """(Re-)register the pool with every live sequence and block generation this executor holds."""
+        result: p.RegisterResult = self.client.call(
+            p.Register,
+            pool_id=self.pool_id,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            model_id=self.model_id,
+            epoch=self.epoch,
+            sequences=[
+                p.LiveSequence(seq_id, s.tokens, s.blocks, s.num_computed_tokens, s.cache_salt)
+                for seq_id, s in self.seqs.items()
+            ],
+            generations=self.generations,
+        )
+        self.lease_timeout_s = result.lease_timeout_s
+        return result
+
+    def unregister(self) -> None:
+        self.client.call(p.Unregister, pool_id=self.pool_id, epoch=self.epoch)
+
+    def heartbeat(self) -> None:
+        self._with_resync(lambda: self.client.call(p.Heartbeat, pool_id=self.pool_id, epoch=self.epoch))
+
+    def _with_resync(self, attempt: Any) -> Any:
+        """Run `attempt`; if blockd lost this pool or did not answer, re-register and try again until retry_for_s."""
+        deadline = time.monotonic() + self.retry_for_s
+        while True:
+            try:
+                return attempt()
+            except BlockdError as exc:
+                if exc.code != ErrorCode.UNKNOWN_POOL:
+                    raise
+            except BlockdUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+            self._resync_until(deadline)
+
+    def _resync_until(self, deadline: float) -> None:
+        while True:
+            try:
+                self.register()
+                self.resyncs += 1
+                return
+            except BlockdUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    # ------------------------------------------------------------------------------ steps
+
+    def step(self, ops: Sequence[p.StepOp]) -> list[p.StepOpResult]:
+        """One round trip carrying every op of a scheduler step; results in op order, applied to the mirror."""
+        ops = list(ops)
+        result: p.StepResult = self._with_resync(
+            lambda: self.client.call(p.Step, pool_id=self.pool_id, ops=ops)
+        )
+        for op, outcome in zip(ops, result.results, strict=True):
+            if type(outcome) is not p.OpError:
+                self._mirror(op, outcome)
+        return result.results
+
+    def _mirror(self, op: p.StepOp, outcome: Any) -> None:
+        gens = self.generations
+        if type(op) is p.Append:
+            seq = self.seqs[op.seq_id]
+            seq.tokens.extend(op.tokens)
+            for (_, dst), gen in zip(outcome.copies, outcome.copy_generations):
+                seq.blocks[-1] = dst
+                gens[dst] = gen
+            for b, gen in zip(outcome.blocks, outcome.generations):
+                gens[b] = gen
+            seq.blocks.extend(outcome.blocks)
+        elif type(op) is p.Admit:
+            for b, gen in zip(outcome.blocks, outcome.generations):
+                gens[b] = gen
+            self.seqs[op.seq_id] = MirroredSequence(
+                list(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt
+            )
+        elif type(op) is p.Commit:
+            seq = self.seqs[op.seq_id]
+            seq.num_computed_tokens = max(seq.num_computed_tokens, op.num_computed_tokens)
+        elif type(op) is p.Free:
+            del self.seqs[op.seq_id]
+        elif type(op) is p.Fork:
+            parent = self.seqs[op.parent_id]
+            self.seqs[op.child_id] = MirroredSequence(
+                list(parent.tokens), list(parent.blocks), parent.num_computed_tokens, parent.cache_salt
+            )
+
+    def _one(self, op: p.StepOp) -> Any:
+        (outcome,) = self.step([op])
+        if type(outcome) is p.OpError:
+            raise StepFailed(ErrorCode.of(outcome.code), outcome.message, missing_blocks=outcome.missing_blocks)
+        return outcome
+
+    def admit(self, seq_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> AdmitResult:
+        return self._one(p.Admit(seq_id, list(tokens), cache_salt))
+
+    def append(self, seq_id: str, tokens: Sequence[int]) -> AppendResult:
+        return self._one(p.Append(seq_id, list(tokens)))
+
+    def commit(self, seq_id: str, num_computed_tokens: int) -> int:
+        return self._one(p.Commit(seq_id, num_computed_tokens)).added
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        self._one(p.Fork(parent_id, child_id))
+
+    def free(self, seq_id: str) -> int:
+        return self._one(p.Free(seq_id)).freed

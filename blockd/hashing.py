@@ -1,0 +1,64 @@
+"""The one block-hash function of pagedkv.
+
+hash(block i) = BLAKE2b-128(hash(block i-1) or the root, token ids of block i, extra key).
+
+The root is derived from a per-deployment secret-free string, and the extra key from the model identity and the
+optional cache salt, so a tenant with a salt can only ever hit its own prefixes and two models never share one.
+Token ids are packed as little-endian uint32, so the value is identical across processes, machines and restarts
+(unlike Python's `hash()`).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+HASH_BYTES = 16
+_TOKEN_BYTES = 4
+
+
+def root_hash(deployment: str = "pagedkv") -> bytes:
+    """The parent hash of every chain's first block."""
+    return blake2b(b"pagedkv-root\0" + deployment.encode(), digest_size=HASH_BYTES).digest()
+
+
+def extra_key(model_id: str, cache_salt: str | None = None) -> bytes:
+    """Everything besides the tokens that decides whether two blocks hold the same KV."""
+    salt = b"" if cache_salt is None else b"\1" + cache_salt.encode()
+    return blake2b(b"pagedkv-extra\0" + model_id.encode() + b"\0" + salt, digest_size=HASH_BYTES).digest()
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes; raises OverflowError for ids outside [0, 2**32)."""
+    packed = array("I", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: bytes,
+    extra: bytes,
+    start_block: int = 0,
+    stop_block: int | None = None,
+) -> list[bytes]:
+    """Chained hashes of full blocks [start_block, stop_block) of `token_ids`.
+
+    `parent` is the hash of block start_block-1 (or the root when start_block is 0).
+    """
+    full = len(token_ids) // block_size
+    stop = full if stop_block is None else min(stop_block, full)
+    if stop <= start_block:
+        return []
+    packed = pack_tokens(token_ids[start_block * block_size : stop * block_size])
+    stride = block_size * _TOKEN_BYTES
+    hashes: list[bytes] = []
+    h = parent
+    for offset in range(0, len(packed), stride):
+        h = blake2b(h + packed[offset : offset + stride] + extra, digest_size=HASH_BYTES).digest()
+        hashes.append(h)
+    return hashes

@@ -1,0 +1,254 @@
+"""The block manager: every pool blockd knows, their registration, re-sync, leases and the requests on them.
+
+No I/O here: the server decodes requests and hands them over; persistence collects the pools' journals.
+
+Pool lifecycle:
+  registered ──(no word from its executor for lease_timeout)──▶ expired: sequences freed, index dropped
+  dormant (restored from Redis at start) ──(register, same epoch)──▶ registered, index validated and kept
+                                          ──(register, new epoch)──▶ registered clean
+                                          ──(lease_timeout after start)──▶ dropped
+Re-registration with the same epoch (the executor lived on; blockd restarted or the executor reconnected)
+takes the executor's live sequences as the truth, rebuilds every refcount from their block tables, and keeps only
+index entries whose (block, generation) the executor's generations still back. A new epoch means the
+executor's KV memory is gone: the pool starts clean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from blockd import protocol as p
+from blockd.errors import BlockdError, ErrorCode
+from blockd.pool import BlockPool, IndexEntry, Journal, PoolSpec, PoolStats
+
+
+class DormantPool(msgspec.Struct):
+    """A pool restored from Redis whose executor has not re-registered since blockd started."""
+
+    spec: PoolSpec
+    entries: dict[bytes, IndexEntry]
+    since: float
+
+
+class PoolEvents:
+    """What persistence needs to hear besides index changes (it subclasses this)."""
+
+    def pool_registered(self, pool: BlockPool) -> None:
+        """The pool's index was rebuilt as a whole: its persisted copy must be replaced."""
+
+    def pool_dropped(self, pool_id: str) -> None:
+        """The pool is gone with its index."""
+
+    def new_journal(self) -> Journal | None:
+        return None
+
+
+class BlockManager:
+    """Every pool of this blockd and the operations on them."""
+
+    def __init__(
+        self,
+        *,
+        lease_timeout_s: float = 10.0,
+        deployment: str = "pagedkv",
+        events: PoolEvents | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lease_timeout_s = lease_timeout_s
+        self.deployment = deployment
+        self.events = events or PoolEvents()
+        self.clock = clock
+        self.pools: dict[str, BlockPool] = {}
+        self.last_seen: dict[str, float] = {}
+        self.dormant: dict[str, DormantPool] = {}
+
+    # ------------------------------------------------------------------------------------ registry
+
+    def pool(self, pool_id: str) -> BlockPool:
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            hint = " (restored from Redis: register it again)" if pool_id in self.dormant else ""
+            raise BlockdError(ErrorCode.UNKNOWN_POOL, f"pool {pool_id!r} is not registered{hint}")
+        return pool
+
+    def touch(self, pool_id: str) -> BlockPool:
+        """The pool's executor was heard from: its lease is renewed."""
+        pool = self.pool(pool_id)
+        self.last_seen[pool_id] = self.clock()
+        return pool
+
+    def restore(self, specs: Iterable[PoolSpec], entries: dict[str, dict[bytes, IndexEntry]]) -> None:
+        """Take pools and their index as persisted; they stay dormant until their executors re-register."""
+        now = self.clock()
+        for spec in specs:
+            self.dormant[spec.pool_id] = DormantPool(spec, entries.get(spec.pool_id, {}), now)
+
+    def register(self, req: p.Register) -> p.RegisterResult:
+        spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch)
+        previous = self.pools.get(req.pool_id)
+        dormant = self.dormant.get(req.pool_id)
+        known = previous.spec if previous is not None else dormant.spec if dormant is not None else None
+        resync = known is not None and known.epoch == spec.epoch
+        if resync and known != spec:
+            raise BlockdError(
+                ErrorCode.POOL_MISMATCH,
+                f"pool {req.pool_id!r} epoch {spec.epoch} was registered as {known}, not {spec}",
+            )
+        if req.generations is not None and len(req.generations) != spec.num_blocks:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"generations has {len(req.generations)} entries for {spec.num_blocks} blocks",
+            )
+        if resync:
+            candidates = previous.index_snapshot() if previous is not None else dormant.entries  # type: ignore[union-attr]
+        else:
+            candidates = {}
+        known_entries = len(previous.index) if previous is not None else len(dormant.entries) if dormant else 0
+        generations = req.generations
+        if generations is None and resync and previous is not None:
+            generations = previous.generation  # blockd never lost them; the executor simply did not send its own
+        pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal())
+        # Build the new pool completely before touching the registry: a bad sequence leaves everything as it was.
+        if generations is not None:
+            pool.adopt_generations(generations)
+        for seq in req.sequences:
+            pool.restore_sequence(seq.seq_id, seq.tokens, seq.blocks, seq.num_computed_tokens, seq.cache_salt)
+        if candidates:
+            pool.restore_index(candidates.items(), generations)
+        restored = len(pool.index)  # backed entries kept, plus the live sequences' computed blocks
+        if previous is not None and resync:
+            pool.counters = previous.counters
+        self.pools[req.pool_id] = pool
+        self.dormant.pop(req.pool_id, None)
+        self.last_seen[req.pool_id] = self.clock()
+        self.events.pool_registered(pool)
+        return p.RegisterResult(
+            resynced=resync,
+            restored_sequences=len(req.sequences),
+            restored_index_entries=restored,
+            dropped_index_entries=max(0, known_entries - restored),
+            lease_timeout_s=self.lease_timeout_s,
+        )
+
+    def unregister(self, pool_id: str, epoch: int) -> int:
+        pool = self.pool(pool_id)
+        if pool.spec.epoch != epoch:
+            raise BlockdError(
+                ErrorCode.POOL_MISMATCH, f"pool {pool_id!r} is registered with epoch {pool.spec.epoch}, not {epoch}"
+            )
+        return self._drop(pool_id)
+
+    def _drop(self, pool_id: str) -> int:
+        pool = self.pools.pop(pool_id, None)
+        self.last_seen.pop(pool_id, None)
+        dormant = self.dormant.pop(pool_id, None)
+        self.events.pool_dropped(pool_id)
+        if pool is not None:
+            return len(pool.index)
+        return len(dormant.entries) if dormant is not None else 0
+
+    def expire(self) -> list[str]:
+        """Drop pools whose executor has been silent past the lease timeout; returns their ids."""
+        now = self.clock()
+        expired = [pid for pid, seen in self.last_seen.items() if now - seen > self.lease_timeout_s]
+        expired += [pid for pid, d in self.dormant.items() if now - d.since > self.lease_timeout_s]
+        for pool_id in expired:
+            pool = self.pools.get(pool_id)
+            if pool is not None:
+                pool.free_all()
+            self._drop(pool_id)
+        return expired
+
+    # ------------------------------------------------------------------------------------ operations
+
+    def step(self, pool_id: str, ops: list[p.StepOp]) -> p.StepResult:
+        """Apply one scheduler step's ops in order; each op succeeds or fails on its own."""
+        pool = self.touch(pool_id)
+        results: list[p.StepOpResult] = []
+        append = results.append
+        for op in ops:
+            try:
+                if type(op) is p.Append:
+                    append(pool.append(op.seq_id, op.tokens))
+                elif type(op) is p.Admit:
+                    append(pool.admit(op.seq_id, op.tokens, op.cache_salt))
+                elif type(op) is p.Commit:
+                    append(p.CommitResult(pool.commit(op.seq_id, op.num_computed_tokens)))
+                elif type(op) is p.Free:
+                    append(p.FreeResult(pool.free(op.seq_id)))
+                else:
+                    pool.fork(op.parent_id, op.child_id)
+                    append(p.ForkResult())
+            except BlockdError as exc:
+                append(p.OpError(exc.code, exc.message, exc.missing_blocks))
+        return p.StepResult(results)
+
+    def lookup(self, tokens: list[int], cache_salt: str | None) -> dict[str, int]:
+        return {pool_id: pool.lookup(tokens, cache_salt) for pool_id, pool in self.pools.items()}
+
+    def reset_prefix_cache(self, pool_id: str) -> int:
+        return self.pool(pool_id).reset_prefix_cache()
+
+    def sequence(self, seq_id: str, pool_id: str | None) -> p.SequenceInfo:
+        pools = [self.pool(pool_id)] if pool_id is not None else list(self.pools.values())
+        for pool in pools:
+            seq = pool.seqs.get(seq_id)
+            if seq is not None:
+                return p.SequenceInfo(
+                    pool_id=pool.spec.pool_id,
+                    seq_id=seq_id,
+                    num_tokens=len(seq.tokens),
+                    committed_blocks=seq.committed,
+                    blocks=list(seq.table),
+                    refcounts=[pool.refcount[b] for b in seq.table],
+                )
+        where = f"pool {pool_id!r}" if pool_id is not None else "any pool"
+        raise BlockdError(ErrorCode.UNKNOWN_SEQUENCE, f"no live sequence {seq_id!r} in {where}")
+
+    def pool_infos(self) -> list[p.PoolInfo]:
+        now = self.clock()
+        return [
+            p.PoolInfo(
+                pool_id=pid,
+                model_id=pool.spec.model_id,
+                epoch=pool.spec.epoch,
+                num_blocks=pool.num_blocks,
+                block_size=pool.block_size,
+                live_sequences=len(pool.seqs),
+                last_seen_s=round(now - self.last_seen.get(pid, now), 3),
+            )
+            for pid, pool in sorted(self.pools.items())
+        ]
+
+    def pool_stats(self, pool_id: str | None) -> list[PoolStats]:
+        pools = [self.pool(pool_id)] if pool_id is not None else [self.pools[k] for k in sorted(self.pools)]
+        return [pool.stats() for pool in pools]
+
+    def check(self) -> list[str]:
+        problems: list[str] = []
+        for pool in self.pools.values():
+            problems += pool.check()
+        return problems
+
+
+def totals(stats: list[PoolStats]) -> p.Totals:
+    """Sums over pools; rates weighted by what they count."""
+    in_use = sum(s.blocks_in_use for s in stats)
+    slots = sum(s.blocks_in_use * s.block_size for s in stats)
+    queried_tokens = sum(s.counters.queried_tokens for s in stats)
+    queried_blocks = sum(s.counters.queried_blocks for s in stats)
+    return p.Totals(
+        pools=len(stats),
+        blocks_total=sum(s.blocks_total for s in stats),
+        blocks_in_use=in_use,
+        blocks_cached_free=sum(s.blocks_cached_free for s in stats),
+        blocks_never_used=sum(s.blocks_never_used for s in stats),
+        live_sequences=sum(s.live_sequences for s in stats),
+        kv_utilization=sum(s.tokens_held for s in stats) / slots if slots else 1.0,
+        prefix_hit_rate_tokens=sum(s.counters.hit_tokens for s in stats) / queried_tokens if queried_tokens else 0.0,
+        prefix_hit_rate_blocks=sum(s.counters.hit_blocks for s in stats) / queried_blocks if queried_blocks else 0.0,
+        evictions=sum(s.counters.evictions for s in stats),
+    )

@@ -1,0 +1,531 @@
+"""The block pool: every physical KV block of one executor, in memory, with no I/O.
+
+A pool is one executor's KV cache: `num_blocks` blocks of `block_size` token slots. It owns the refcount of every
+block, the block table of every live sequence, the prefix index (chained block hash -> block) and the free queue.
+
+Invariants (checked by `check()`, tested by property-based stateful tests):
+
+ I1. Every block is either free (in the free queue, refcount 0) or referenced (refcount > 0), never both:
+     the free queue holds exactly the blocks whose refcount is 0.
+ I2. A block's refcount equals the number of times it appears in the block tables of live sequences;
+     so the sum of refcounts equals the total length of all block tables.
+ I3. The prefix index and the per-block hash agree both ways: index[h] == b  <=>  block_hash[b] == h.
+     A block carries a hash only while its KV holds exactly the tokens that hash names.
+ I4. A live sequence of n tokens holds ceil(n / block_size) blocks, and its committed blocks are full.
+ I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
+     blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
+ I6. A failed operation changes nothing.
+
+Free blocks that carry a hash stay prefix hits until allocation evicts them. Everything on the request path is
+O(1) per block: no operation scans the pool.
+
+Generations: each time a block is granted to hold new content its generation rises by one and the grant carries
+it. The executor keeps the generation of what each of its blocks holds; when an index restored from Redis names
+(block, generation) and the executor's generation differs, the block has been rewritten since, and the entry
+is dropped (`validate_index`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import msgspec
+
+from blockd.errors import BlockdError, ErrorCode
+from blockd.hashing import chain_hashes, extra_key, root_hash
+
+#: What the persistence layer learns about an index entry: (block, generation, lru stamp), or None when dropped.
+IndexEntry = tuple[int, int, int]
+#: Index changes since persistence last collected them, newest per hash (a dict write is all the hot path pays).
+Journal = dict[bytes, "IndexEntry | None"]
+
+_RECENTLY_FREED_MEMORY: Final = 4096
+
+
+class PoolSpec(msgspec.Struct, frozen=True):
+    """What an executor declares about its KV cache when it registers."""
+
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    model_id: str
+    epoch: int
+
+
+class Sequence_(msgspec.Struct):
+    """A live sequence as the pool knows it."""
+
+    tokens: list[int]
+    table: list[int]
+    hashes: list[bytes]  # chained hashes of its full blocks computed so far (a prefix of the full blocks)
+    committed: int  # leading blocks that are in the index or were offered to it
+    extra: bytes  # extra key (model identity and cache salt) of its chain
+
+
+class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
+    blocks: list[int]  # the whole block table
+    generations: list[int]  # generation of each block of the table
+    num_cached_tokens: int  # prompt tokens whose KV is already there (cached prefix)
+
+
+class AppendResult(msgspec.Struct, tag="append", frozen=True, omit_defaults=True):
+    blocks: tuple[int, ...] = ()  # blocks appended to the table
+    generations: tuple[int, ...] = ()  # their generations
+    copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy src into dst; dst replaces src as the table's tail
+    copy_generations: tuple[int, ...] = ()  # generation of each dst
+
+
+_NOTHING_APPENDED = AppendResult()
+
+
+class PoolCounters(msgspec.Struct):
+    """Monotonic counters since the pool was registered."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    granted_blocks: int = 0
+    freed_blocks: int = 0
+    evictions: int = 0
+    copies_on_write: int = 0
+    admits: int = 0
+    admit_failures: int = 0
+
+
+class PoolStats(msgspec.Struct):
+    pool_id: str
+    epoch: int
+    model_id: str
+    block_size: int
+    blocks_total: int
+    blocks_in_use: int
+    blocks_cached_free: int
+    blocks_never_used: int
+    index_entries: int
+    live_sequences: int
+    tokens_held: int  # token slots of in-use blocks that hold a token
+    kv_utilization: float  # tokens_held / slots of in-use blocks (1 - internal fragmentation)
+    prefix_hit_rate_tokens: float
+    prefix_hit_rate_blocks: float
+    counters: PoolCounters
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockPool:
+    """All blocks of one pool. See the module docstring for what always holds."""
+
+    def __init__(self, spec: PoolSpec, *, deployment: str = "pagedkv", journal: Journal | None = None) -> None:
+        if spec.num_blocks <= 0:
+            raise BlockdError(ErrorCode.INVALID_REQUEST, f"num_blocks must be positive, got {spec.num_blocks}")
+        if spec.block_size <= 0:
+            raise BlockdError(ErrorCode.INVALID_REQUEST, f"block_size must be positive, got {spec.block_size}")
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.num_blocks = spec.num_blocks
+        self.root = root_hash(deployment)
+        self._default_extra = extra_key(spec.model_id)
+        self.refcount: list[int] = [0] * spec.num_blocks
+        self.block_hash: list[bytes | None] = [None] * spec.num_blocks
+        self.generation: list[int] = [0] * spec.num_blocks
+        self.stamp: list[int] = [0] * spec.num_blocks  # LRU clock value when the block last became free
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(spec.num_blocks))
+        self.index: dict[bytes, int] = {}
+        self.seqs: dict[str, Sequence_] = {}
+        self.counters = PoolCounters()
+        self.journal = journal
+        self._clock = 0
+        self._recently_freed: OrderedDict[str, None] = OrderedDict()
+
+    # ----------------------------------------------------------------------------------------- helpers
+
+    def extra_for(self, cache_salt: str | None) -> bytes:
+        return self._default_extra if cache_salt is None else extra_key(self.spec.model_id, cache_salt)
+
+    def _seq(self, seq_id: str) -> Sequence_:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            if seq_id in self._recently_freed:
+                raise BlockdError(ErrorCode.DOUBLE_FREE, f"sequence {seq_id!r} was already freed")
+            raise BlockdError(ErrorCode.UNKNOWN_SEQUENCE, f"no live sequence {seq_id!r} in pool {self.spec.pool_id!r}")
+        return seq
+
+    def _check_new_seq_id(self, seq_id: str) -> None:
+        if seq_id in self.seqs:
+            raise BlockdError(ErrorCode.SEQUENCE_EXISTS, f"sequence {seq_id!r} is already live")
+
+    def _allocate(self, count: int) -> list[int]:
+        """Take the `count` least recently used free blocks, evicting their index entries.
+
+        The caller has checked that there are enough.
+        """
+        popitem = self.free_queue.popitem
+        block_hash, generation, refcount = self.block_hash, self.generation, self.refcount
+        granted: list[int] = []
+        for _ in range(count):
+            block = popitem(last=False)[0]
+            old = block_hash[block]
+            if old is not None:
+                del self.index[old]
+                block_hash[block] = None
+                self.counters.evictions += 1
+                if self.journal is not None:
+                    self.journal[old] = None
+            generation[block] += 1
+            refcount[block] = 1
+            granted.append(block)
+        return granted
+
+    def _release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block, in the given order; blocks left unreferenced become free."""
+        refcount, block_hash, free_queue = self.refcount, self.block_hash, self.free_queue
+        for block in blocks:
+            rc = refcount[block] - 1
+            refcount[block] = rc
+            if rc:
+                continue
+            free_queue[block] = None
+            h = block_hash[block]
+            if h is None:
+                free_queue.move_to_end(block, last=False)  # holds nothing worth keeping: reuse it first
+            else:
+                self._clock += 1
+                self.stamp[block] = self._clock
+                if self.journal is not None:
+                    self.journal[h] = (block, self.generation[block], self._clock)
+
+    def _shortfall(self, needed: int, what: str) -> BlockdError:
+        missing = needed - len(self.free_queue)
+        return BlockdError(
+            ErrorCode.OUT_OF_BLOCKS,
+            f"{what} needs {needed} free blocks, {len(self.free_queue)} are free ({missing} missing)",
+            missing_blocks=missing,
+        )
+
+    # --------------------------------------------------------------------------------------- operations
+
+    def cached_prefix_blocks(self, hashes: Sequence[bytes], limit: int) -> list[int]:
+        """Blocks of the longest indexed chain among the first `limit` hashes."""
+        blocks: list[int] = []
+        index = self.index
+        for h in hashes[:limit]:
+            b = index.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def admit(self, seq_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> AdmitResult:
+        """Give a new sequence blocks for its whole prompt, reusing the longest cached prefix.
+
+        At least the prompt's last token is left to compute (its logits are needed), so a fully cached prompt
+        reuses all but its last block. All or nothing: if blocks are missing, nothing changes.
+        """
+        self._check_new_seq_id(seq_id)
+        n = len(tokens)
+        if n == 0:
+            raise BlockdError(ErrorCode.INVALID_REQUEST, "a sequence needs at least one prompt token")
+        bs = self.block_size
+        extra = self.extra_for(cache_salt)
+        try:
+            hashes = chain_hashes(tokens, bs, self.root, extra)
+        except (OverflowError, TypeError) as exc:
+            raise BlockdError(ErrorCode.INVALID_REQUEST, f"token ids must be integers in [0, 2**32): {exc}") from None
+        hits = self.cached_prefix_blocks(hashes, (n - 1) // bs)
+        refcount = self.refcount
+        needed = _ceil_div(n, bs) - len(hits)
+        reclaimed = sum(1 for b in hits if refcount[b] == 0)  # cached-free hits leave the free queue
+        counters = self.counters
+        if needed > len(self.free_queue) - reclaimed:
+            counters.admit_failures += 1
+            missing = needed - (len(self.free_queue) - reclaimed)
+            raise BlockdError(
+                ErrorCode.OUT_OF_BLOCKS,
+                f"admitting {seq_id!r} needs {needed} new blocks, {len(self.free_queue) - reclaimed} are free "
+                f"({missing} missing)",
+                missing_blocks=missing,
+            )
+        free = self.free_queue
+        for b in hits:
+            if refcount[b] == 0:
+                del free[b]
+            refcount[b] += 1
+        table = hits + self._allocate(needed)
+        self.seqs[seq_id] = Sequence_(list(tokens), table, hashes, len(hits), extra)
+        full_blocks = n // bs
+        counters.admits += 1
+        counters.queried_blocks += full_blocks
+        counters.hit_blocks += len(hits)
+        counters.queried_tokens += n
+        counters.hit_tokens += len(hits) * bs
+        counters.granted_blocks += needed
+        generation = self.generation
+        return AdmitResult(table, [generation[b] for b in table], len(hits) * bs)
+
+    def append(self, seq_id: str, tokens: Sequence[int]) -> AppendResult:
+        """Make room for `tokens` after the sequence's current tokens.
+
+        New blocks are taken at block boundaries. If the tokens land in a last block that another sequence
+        shares (after a fork), that block is copied first: a fresh block plus a (src, dst) copy instruction.
+        """
+        seq = self.seqs.get(seq_id) or self._seq(seq_id)
+        held = seq.tokens
+        table = seq.table
+        bs = self.block_size
+        n_old = len(held)
+        new_blocks = (n_old + len(tokens) + bs - 1) // bs - len(table)
+        cow = n_old % bs != 0 and self.refcount[table[-1]] > 1
+        if new_blocks <= 0 and not cow:  # the common decode step: room in an unshared last block
+            held.extend(tokens)
+            return _NOTHING_APPENDED
+        needed = new_blocks + cow
+        if needed > len(self.free_queue):
+            raise self._shortfall(needed, f"appending {len(tokens)} tokens to {seq_id!r}")
+        held.extend(tokens)  # ids were range-checked by the protocol; commit hashes them later
+        self.counters.granted_blocks += needed
+        generation = self.generation
+        copies: tuple[tuple[int, int], ...] = ()
+        copy_generations: tuple[int, ...] = ()
+        if cow:
+            src = table[-1]
+            (dst,) = self._allocate(1)
+            self.refcount[src] -= 1  # stays >= 1: another sequence holds it
+            table[-1] = dst
+            copies, copy_generations = ((src, dst),), (generation[dst],)
+            self.counters.copies_on_write += 1
+        grown = self._allocate(new_blocks) if new_blocks > 0 else []
+        table.extend(grown)
+        return AppendResult(tuple(grown), tuple(generation[b] for b in grown), copies, copy_generations)
+
+    def commit(self, seq_id: str, num_computed_tokens: int) -> int:
+        """Enter the sequence's computed full blocks into the prefix index; returns how many entries it added.
+
+        A block whose hash is already indexed under another block (the same prefix computed twice) is left out
+        of the index: the first copy stays the hit.
+        """
+        seq = self._seq(seq_id)
+        if num_computed_tokens < 0 or num_computed_tokens > len(seq.tokens):
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"num_computed_tokens {num_computed_tokens} is outside [0, {len(seq.tokens)}] for {seq_id!r}",
+            )
+        full = num_computed_tokens // self.block_size
+        if full <= seq.committed:
+            return 0
+        hashes = seq.hashes
+        if len(hashes) < full:
+            parent = hashes[-1] if hashes else self.root
+            hashes.extend(chain_hashes(seq.tokens, self.block_size, parent, seq.extra, len(hashes), full))
+        index, block_hash, table = self.index, self.block_hash, seq.table
+        added = 0
+        for i in range(seq.committed, full):
+            h = hashes[i]
+            if h in index:
+                continue
+            b = table[i]
+            if block_hash[b] is not None:  # already indexed under its own hash (shared via fork)
+                continue
+            index[h] = b
+            block_hash[b] = h
+            added += 1
+            if self.journal is not None:
+                self.journal[h] = (b, self.generation[b], self.stamp[b])
+        seq.committed = full
+        return added
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; writes into a shared last block copy it first."""
+        parent = self._seq(parent_id)
+        self._check_new_seq_id(child_id)
+        refcount = self.refcount
+        for b in parent.table:
+            refcount[b] += 1
+        self.seqs[child_id] = Sequence_(
+            list(parent.tokens), list(parent.table), list(parent.hashes), parent.committed, parent.extra
+        )
+        self._recently_freed.pop(child_id, None)
+
+    def free(self, seq_id: str) -> int:
+        """Release a sequence's blocks, tail first, so a chain's tail is evicted before its shared head."""
+        seq = self._seq(seq_id)
+        del self.seqs[seq_id]
+        self._release(reversed(seq.table))
+        self.counters.freed_blocks += len(seq.table)
+        self._recently_freed[seq_id] = None
+        if len(self._recently_freed) > _RECENTLY_FREED_MEMORY:
+            self._recently_freed.popitem(last=False)
+        return len(seq.table)
+
+    def free_all(self) -> int:
+        """Free every live sequence (lease expiry, executor restart)."""
+        return sum(self.free(seq_id) for seq_id in list(self.seqs))
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many prompt tokens `admit` would find cached right now."""
+        if not tokens:
+            return 0
+        limit = (len(tokens) - 1) // self.block_size
+        hashes = chain_hashes(tokens, self.block_size, self.root, self.extra_for(cache_salt), 0, limit)
+        return len(self.cached_prefix_blocks(hashes, limit)) * self.block_size
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every index entry; blocks stay where they are. Returns how many entries were dropped."""
+        dropped = len(self.index)
+        for h, b in self.index.items():
+            self.block_hash[b] = None
+            if self.journal is not None:
+                self.journal[h] = None
+            if self.refcount[b] == 0:
+                self.free_queue.move_to_end(b, last=False)
+        self.index.clear()
+        return dropped
+
+    # ----------------------------------------------------------------------------- restore and re-sync
+
+    def restore_sequence(
+        self,
+        seq_id: str,
+        tokens: Sequence[int],
+        table: Sequence[int],
+        num_computed: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Take a live sequence from its executor (re-sync): its table is the truth; refcounts follow from it."""
+        self._check_new_seq_id(seq_id)
+        if len(table) != _ceil_div(len(tokens), self.block_size) or not tokens:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"sequence {seq_id!r}: {len(tokens)} tokens need {_ceil_div(len(tokens), self.block_size)} "
+                f"blocks, the table has {len(table)}",
+            )
+        for b in table:
+            if not 0 <= b < self.num_blocks:
+                raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: block {b} is not in the pool")
+        for b in table:
+            if self.refcount[b] == 0:
+                del self.free_queue[b]
+            self.refcount[b] += 1
+        self.seqs[seq_id] = Sequence_(list(tokens), list(table), [], 0, self.extra_for(cache_salt))
+        self.commit(seq_id, min(max(num_computed, 0), len(tokens)))
+
+    def restore_index(self, entries: Iterable[tuple[bytes, IndexEntry]], generations: Sequence[int] | None) -> int:
+        """Re-enter index entries persisted earlier, keeping only those the executor's KV still backs.
+
+        An entry (h -> block, gen) survives only if the executor reports generation `gen` for that block and
+        the block carries no other hash. Free blocks among them go to the LRU queue in their persisted order.
+        Returns the number of entries restored.
+        """
+        if generations is None:
+            return 0
+        kept: list[tuple[int, bytes, int]] = []
+        for h, (b, gen, stamp) in entries:
+            if not 0 <= b < self.num_blocks or generations[b] != gen or gen == 0:
+                continue
+            if self.block_hash[b] is not None or h in self.index:
+                continue
+            self.index[h] = b
+            self.block_hash[b] = h
+            self.stamp[b] = stamp
+            kept.append((stamp, h, b))
+        for stamp, _, b in sorted(kept):
+            if self.refcount[b] == 0:
+                self.free_queue.move_to_end(b)
+        self._clock = max(self._clock, max((s for s, _, _ in kept), default=0))
+        return len(kept)
+
+    def adopt_generations(self, generations: Sequence[int]) -> None:
+        """Take the executor's generation of every block (what its KV holds) as the truth."""
+        if len(generations) != self.num_blocks:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"generations has {len(generations)} entries, the pool has {self.num_blocks} blocks",
+            )
+        for b, gen in enumerate(generations):
+            if gen < 0:
+                raise BlockdError(ErrorCode.INVALID_REQUEST, f"block {b}: generation {gen} is negative")
+        self.generation = list(generations)
+
+    def index_snapshot(self) -> dict[bytes, IndexEntry]:
+        """Every index entry as persistence writes it (O(index); for full re-writes, never on the hot path)."""
+        return {h: (b, self.generation[b], self.stamp[b]) for h, b in self.index.items()}
+
+    # ------------------------------------------------------------------------------------ observability
+
+    def stats(self) -> PoolStats:
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for seq in self.seqs.values():
+            n = len(seq.tokens)
+            for i, b in enumerate(seq.table):
+                used = min(bs, n - i * bs)
+                if used > fill.get(b, 0):
+                    fill[b] = used
+        in_use = self.num_blocks - len(self.free_queue)
+        tokens_held = sum(fill.values())
+        cached_free = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        never_used = sum(1 for b in self.free_queue if self.generation[b] == 0)
+        c = self.counters
+        return PoolStats(
+            pool_id=self.spec.pool_id,
+            epoch=self.spec.epoch,
+            model_id=self.spec.model_id,
+            block_size=bs,
+            blocks_total=self.num_blocks,
+            blocks_in_use=in_use,
+            blocks_cached_free=cached_free,
+            blocks_never_used=never_used,
+            index_entries=len(self.index),
+            live_sequences=len(self.seqs),
+            tokens_held=tokens_held,
+            kv_utilization=tokens_held / (in_use * bs) if in_use else 1.0,
+            prefix_hit_rate_tokens=c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0,
+            prefix_hit_rate_blocks=c.hit_blocks / c.queried_blocks if c.queried_blocks else 0.0,
+            counters=msgspec.structs.replace(c),
+        )
+
+    def check(self) -> list[str]:
+        """Verify every invariant of the module docstring; returns one line per violation (empty: all hold)."""
+        problems: list[str] = []
+        pid = self.spec.pool_id
+        references = [0] * self.num_blocks
+        for seq_id, seq in self.seqs.items():
+            expected = _ceil_div(len(seq.tokens), self.block_size)
+            if len(seq.table) != expected or not seq.tokens:
+                problems.append(f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for "
+                                f"{len(seq.tokens)} tokens (expected {expected})")
+            if seq.committed > len(seq.tokens) // self.block_size:
+                problems.append(f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, "
+                                f"more than its full blocks")
+            for b in seq.table:
+                if not 0 <= b < self.num_blocks:
+                    problems.append(f"{pid}: sequence {seq_id!r} names block {b} outside the pool")
+                else:
+                    references[b] += 1
+        for b in range(self.num_blocks):
+            if self.refcount[b] != references[b]:
+                problems.append(f"{pid}: I2 block {b} has refcount {self.refcount[b]} but {references[b]} references")
+            if (self.refcount[b] == 0) != (b in self.free_queue):
+                problems.append(f"{pid}: I1 block {b} refcount {self.refcount[b]}, in free queue: {b in self.free_queue}")
+            h = self.block_hash[b]
+            if h is not None and self.index.get(h) != b:
+                problems.append(f"{pid}: I3 block {b} carries a hash the index does not map to it")
+        for h, b in self.index.items():
+            if not 0 <= b < self.num_blocks or self.block_hash[b] != h:
+                problems.append(f"{pid}: I3 index entry {h.hex()} names block {b} whose hash differs")
+        seen_cached = False
+        last_stamp = -1
+        for b in self.free_queue:
+            if self.block_hash[b] is None:
+                if seen_cached:
+                    problems.append(f"{pid}: I5 uncached free block {b} sits behind a cached one")
+            else:
+                seen_cached = True
+                if self.stamp[b] < last_stamp:
+                    problems.append(f"{pid}: I5 cached free block {b} is out of LRU order")
+                last_stamp = self.stamp[b]
+        return problems

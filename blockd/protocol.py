@@ -1,0 +1,370 @@
+"""blockd's wire protocol: every message a client and the daemon exchange, and its codec.
+
+Transport: ZeroMQ, a ROUTER on the daemon and a DEALER per client; one frame = one request or one reply,
+MessagePack encoded and schema-checked by msgspec. Every request carries the protocol version `v` and a request
+id `id` that its reply echoes. A request is a map with an `op` tag naming its type.
+
+One scheduler step of an executor is one `step` request carrying every admit, append, commit, fork and free of
+that step; the reply holds one result per op, in order. Ops are independent: one failing (say, out of blocks)
+leaves the others applied and changes nothing itself.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from blockd.errors import BlockdError, ErrorCode
+from blockd.pool import AdmitResult, AppendResult, PoolStats
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5557"
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+# ------------------------------------------------------------------------------------------ step ops
+
+
+class Admit(msgspec.Struct, tag="admit"):
+    seq_id: Name
+    tokens: list[TokenId]
+    cache_salt: str | None = None
+
+
+class Append(msgspec.Struct, tag="append"):
+    seq_id: Name
+    tokens: list[TokenId]
+
+
+class Commit(msgspec.Struct, tag="commit"):
+    seq_id: Name
+    num_computed_tokens: Count
+
+
+class Fork(msgspec.Struct, tag="fork"):
+    parent_id: Name
+    child_id: Name
+
+
+class Free(msgspec.Struct, tag="free"):
+    seq_id: Name
+
+
+StepOp = Admit | Append | Commit | Fork | Free
+
+
+class CommitResult(msgspec.Struct, tag="commit"):
+    added: int  # new prefix-index entries
+
+
+class ForkResult(msgspec.Struct, tag="fork"):
+    pass
+
+
+class FreeResult(msgspec.Struct, tag="free"):
+    freed: int  # blocks released (references dropped)
+
+
+class OpError(msgspec.Struct, tag="error", omit_defaults=True):
+    code: str
+    message: str
+    missing_blocks: int = 0
+
+
+StepOpResult = AdmitResult | AppendResult | CommitResult | ForkResult | FreeResult | OpError
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+class LiveSequence(msgspec.Struct):
+    """A live sequence as its executor holds it, sent on (re-)registration."""
+
+    seq_id: Name
+    tokens: list[TokenId]
+    blocks: list[Count]
+    num_computed_tokens: Count
+    cache_salt: str | None = None
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True):
+    v: int
+    id: int
+
+
+class Register(Request, tag="register"):
+    """Register a pool, or re-register it: same epoch re-syncs the live sequences, a new epoch starts clean."""
+
+    pool_id: Name
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    model_id: Name
+    epoch: int
+    sequences: list[LiveSequence] = []
+    generations: list[Count] | None = None  # the executor's generation of every block (for re-sync)
+
+
+class Unregister(Request, tag="unregister"):
+    pool_id: Name
+    epoch: int
+
+
+class Heartbeat(Request, tag="heartbeat"):
+    pool_id: Name
+    epoch: int
+
+
+class Step(Request, tag="step"):
+    pool_id: Name
+    ops: list[StepOp]
+
+
+class Lookup(Request, tag="lookup"):
+    tokens: list[TokenId]
+    cache_salt: str | None = None
+
+
+class Stats(Request, tag="stats"):
+    pool_id: Name | None = None
+
+
+class Pools(Request, tag="pools"):
+    pass
+
+
+class GetSequence(Request, tag="seq"):
+    seq_id: Name
+    pool_id: Name | None = None
+
+
+class Check(Request, tag="check"):
+    pass
+
+
+class ResetPrefixCache(Request, tag="reset_prefix_cache"):
+    pool_id: Name
+
+
+AnyRequest = Register | Unregister | Heartbeat | Step | Lookup | Stats | Pools | GetSequence | Check | ResetPrefixCache
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+class RegisterResult(msgspec.Struct):
+    resynced: bool  # the same epoch was known: live sequences and cached prefixes carried over
+    restored_sequences: int
+    restored_index_entries: int
+    dropped_index_entries: int  # persisted or in-memory entries the executor's generations no longer back
+    lease_timeout_s: float
+
+
+class HeartbeatResult(msgspec.Struct):
+    lease_timeout_s: float
+
+
+class StepResult(msgspec.Struct):
+    results: list[StepOpResult]
+
+
+class LookupResult(msgspec.Struct):
+    cached_tokens: dict[str, int]  # pool id -> prompt tokens an admit there would find cached
+
+
+class PersistenceStats(msgspec.Struct):
+    enabled: bool
+    state: str  # "off", "ok" or "degraded"
+    redis: str  # where (credentials removed)
+    lag_s: float  # age of the oldest index change Redis has not acknowledged (0 when none)
+    flush_interval_s: float
+    pending_batches: int
+    entries_written: int
+    full_rewrites: int
+    last_error: str | None = None
+
+
+class Totals(msgspec.Struct):
+    pools: int
+    blocks_total: int
+    blocks_in_use: int
+    blocks_cached_free: int
+    blocks_never_used: int
+    live_sequences: int
+    kv_utilization: float
+    prefix_hit_rate_tokens: float
+    prefix_hit_rate_blocks: float
+    evictions: int
+
+
+class StatsResult(msgspec.Struct):
+    version: str
+    uptime_s: float
+    pools: list[PoolStats]
+    totals: Totals
+    persistence: PersistenceStats
+    dormant_pools: list[str]  # restored from Redis, waiting for their executor to re-register
+
+
+class PoolInfo(msgspec.Struct):
+    pool_id: str
+    model_id: str
+    epoch: int
+    num_blocks: int
+    block_size: int
+    live_sequences: int
+    last_seen_s: float  # seconds since its executor was last heard from
+
+
+class PoolsResult(msgspec.Struct):
+    pools: list[PoolInfo]
+    lease_timeout_s: float
+
+
+class SequenceInfo(msgspec.Struct):
+    pool_id: str
+    seq_id: str
+    num_tokens: int
+    committed_blocks: int
+    blocks: list[int]
+    refcounts: list[int]
+
+
+class CheckResult(msgspec.Struct):
+    problems: list[str]
+
+
+class ResetResult(msgspec.Struct):
+    dropped: int
+
+
+class ErrorInfo(msgspec.Struct):
+    code: str
+    message: str
+
+
+class Reply(msgspec.Struct, omit_defaults=True):
+    """A reply as the daemon encodes it; `result` holds the op's result struct."""
+
+    v: int
+    id: int
+    ok: bool
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class RawReply(msgspec.Struct):
+    """A reply as a client decodes it: the result stays raw until the caller names its type."""
+
+    v: int
+    id: int
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")
+    error: ErrorInfo | None = None
+
+
+RESULT_TYPES: Final[dict[type[Request], type]] = {
+    Register: RegisterResult,
+    Unregister: ResetResult,
+    Heartbeat: HeartbeatResult,
+    Step: StepResult,
+    Lookup: LookupResult,
+    Stats: StatsResult,
+    Pools: PoolsResult,
+    GetSequence: SequenceInfo,
+    Check: CheckResult,
+    ResetPrefixCache: ResetResult,
+}
+
+# ------------------------------------------------------------------------------------------ codec
+
+
+class _Header(msgspec.Struct):
+    """The least a request must have, decoded only to explain why a full decode failed."""
+
+    v: Any = None
+    id: Any = None
+    op: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+_reply_decoder = msgspec.msgpack.Decoder(RawReply)
+_KNOWN_OPS: Final = frozenset(t.__struct_config__.tag for t in AnyRequest.__args__)  # type: ignore[attr-defined]
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(frame: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> AnyRequest:
+    """Decode one request frame, or raise a BlockdError saying exactly what is wrong with it.
+
+    The error carries the request id when one could be read, so the client can match the reply.
+    """
+    if len(frame) > max_bytes:
+        raise RequestError(ErrorCode.TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of {max_bytes}", 0)
+    try:
+        request = _request_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _explain(frame, exc) from None
+    if request.v != PROTOCOL_VERSION:
+        raise RequestError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {request.v} is not spoken here; this blockd speaks {PROTOCOL_VERSION}",
+            request.id,
+        )
+    return request
+
+
+class RequestError(BlockdError):
+    """A request that could not be decoded or is not acceptable, with the id to answer it under."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int) -> None:
+        super().__init__(code, message)
+        self.request_id = request_id
+
+
+def _explain(frame: bytes, exc: Exception) -> RequestError:
+    try:
+        header = _header_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return RequestError(ErrorCode.BAD_MESSAGE, f"not a MessagePack map with v, id and op: {exc}", 0)
+    request_id = header.id if isinstance(header.id, int) and not isinstance(header.id, bool) else 0
+    if header.v != PROTOCOL_VERSION:
+        return RequestError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {header.v!r} is not spoken here; this blockd speaks {PROTOCOL_VERSION}",
+            request_id,
+        )
+    if header.op not in _KNOWN_OPS:
+        known = ", ".join(sorted(_KNOWN_OPS))
+        return RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {header.op!r}; known ops: {known}", request_id)
+    return RequestError(ErrorCode.INVALID_REQUEST, f"invalid {header.op!r} request: {exc}", request_id)
+
+
+def encode_ok(request_id: int, result: msgspec.Struct) -> bytes:
+    return _encoder.encode(Reply(PROTOCOL_VERSION, request_id, True, result))
+
+
+def encode_error(request_id: int, code: str, message: str) -> bytes:
+    return _encoder.encode(Reply(PROTOCOL_VERSION, request_id, False, None, ErrorInfo(code, message)))
+
+
+def decode_reply(frame: bytes) -> RawReply:
+    return _reply_decoder.decode(frame)
+
+
+_result_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def decode_result(raw: msgspec.Raw, result_type: type) -> Any:
+    decoder = _result_decoders.get(result_type)
+    if decoder is None:
+        decoder = _result_decoders[result_type] = msgspec.msgpack.Decoder(result_type)
+    return decoder.decode(raw)

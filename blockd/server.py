@@ -1,0 +1,303 @@
+"""The blockd daemon: a ZeroMQ ROUTER answering block-manager requests, one at a time, on one thread.
+
+One thread owns all state, so no request ever waits on a lock; Redis writes happen on a writer thread behind
+it (see persistence.py), and Prometheus is served from its own thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+import structlog
+import zmq
+
+from blockd import protocol as p
+from blockd.embedded_redis import EmbeddedRedis
+from blockd.errors import BlockdError, ErrorCode
+from blockd.manager import BlockManager, totals
+from blockd.metrics import BlockdMetrics
+from blockd.persistence import NoPersistence, RedisPersistence
+from pagedkv import __version__
+from pagedkv.logs import configure_logging
+from pagedkv.units import parse_size
+
+
+_TICK_S = 0.02
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "pagedkv" / "blockd"
+
+
+class BlockdServer:
+    """Decodes requests, applies them to the BlockManager, encodes replies; ticks leases and persistence."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        persistence: RedisPersistence | NoPersistence,
+        *,
+        metrics: BlockdMetrics | None = None,
+        max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
+        log: Any = None,
+    ) -> None:
+        self.manager = manager
+        self.persistence = persistence
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.log = log or structlog.get_logger(service="blockd")
+        self.started = time.monotonic()
+        self.running = True
+        self._next_lease_check = 0.0
+        self._next_metrics = 0.0
+        self._handlers = {
+            p.Step: self._step,
+            p.Heartbeat: self._heartbeat,
+            p.Register: self._register,
+            p.Unregister: self._unregister,
+            p.Lookup: self._lookup,
+            p.Stats: self._stats,
+            p.Pools: self._pools,
+            p.GetSequence: self._sequence,
+            p.Check: self._check,
+            p.ResetPrefixCache: self._reset,
+        }
+
+    # ------------------------------------------------------------------------------ request handling
+
+    def handle(self, frame: bytes) -> bytes:
+        """Answer one request frame. Never raises: every failure becomes an error reply."""
+        started = time.perf_counter()
+        request_id = 0
+        op = "invalid"
+        try:
+            request = p.decode_request(frame, self.max_message_bytes)
+            request_id = request.id
+            op = type(request).__struct_config__.tag  # type: ignore[attr-defined]
+            reply = p.encode_ok(request_id, self._handlers[type(request)](request))
+            outcome = "ok"
+        except p.RequestError as exc:
+            reply, outcome = p.encode_error(exc.request_id, exc.code, exc.message), exc.code
+        except BlockdError as exc:
+            reply, outcome = p.encode_error(request_id, exc.code, exc.message), exc.code
+        except Exception as exc:  # a bug must not take the daemon down with every pool's state
+            self.log.exception("request failed", op=op)
+            reply, outcome = p.encode_error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), "internal"
+        if self.metrics is not None:
+            self.metrics.requests.labels(op, outcome).inc()
+            self.metrics.request_seconds.labels(op).observe(time.perf_counter() - started)
+        return reply
+
+    def _step(self, req: p.Step) -> p.StepResult:
+        return self.manager.step(req.pool_id, req.ops)
+
+    def _heartbeat(self, req: p.Heartbeat) -> p.HeartbeatResult:
+        pool = self.manager.pool(req.pool_id)
+        if pool.spec.epoch != req.epoch:
+            raise BlockdError(
+                ErrorCode.UNKNOWN_POOL, f"pool {req.pool_id!r} is registered with another epoch: register again"
+            )
+        self.manager.touch(req.pool_id)
+        return p.HeartbeatResult(self.manager.lease_timeout_s)
+
+    def _register(self, req: p.Register) -> p.RegisterResult:
+        result = self.manager.register(req)
+        self.log.info(
+            "pool registered",
+            pool=req.pool_id,
+            epoch=req.epoch,
+            blocks=req.num_blocks,
+            block_size=req.block_size,
+            model=req.model_id,
+            resynced=result.resynced,
+            sequences=result.restored_sequences,
+            index_entries=result.restored_index_entries,
+            dropped_entries=result.dropped_index_entries,
+        )
+        return result
+
+    def _unregister(self, req: p.Unregister) -> p.ResetResult:
+        dropped = self.manager.unregister(req.pool_id, req.epoch)
+        self.log.info("pool unregistered", pool=req.pool_id, index_entries_dropped=dropped)
+        return p.ResetResult(dropped)
+
+    def _lookup(self, req: p.Lookup) -> p.LookupResult:
+        return p.LookupResult(self.manager.lookup(req.tokens, req.cache_salt))
+
+    def _stats(self, req: p.Stats) -> p.StatsResult:
+        pool_stats = self.manager.pool_stats(req.pool_id)
+        return p.StatsResult(
+            version=__version__,
+            uptime_s=round(time.monotonic() - self.started, 3),
+            pools=pool_stats,
+            totals=totals(pool_stats),
+            persistence=self.persistence.stats(time.monotonic()),
+            dormant_pools=sorted(self.manager.dormant),
+        )
+
+    def _pools(self, req: p.Pools) -> p.PoolsResult:
+        return p.PoolsResult(self.manager.pool_infos(), self.manager.lease_timeout_s)
+
+    def _sequence(self, req: p.GetSequence) -> p.SequenceInfo:
+        return self.manager.sequence(req.seq_id, req.pool_id)
+
+    def _check(self, req: p.Check) -> p.CheckResult:
+        return p.CheckResult(self.manager.check())
+
+    def _reset(self, req: p.ResetPrefixCache) -> p.ResetResult:
+        dropped = self.manager.reset_prefix_cache(req.pool_id)
+        self.log.info("prefix cache reset", pool=req.pool_id, entries=dropped)
+        return p.ResetResult(dropped)
+
+    # ------------------------------------------------------------------------------ housekeeping
+
+    def tick(self, now: float) -> None:
+        if now >= self._next_lease_check:
+            self._next_lease_check = now + min(1.0, self.manager.lease_timeout_s / 4)
+            for pool_id in self.manager.expire():
+                self.log.warning("lease expired: pool dropped", pool=pool_id)
+                if self.metrics is not None:
+                    self.metrics.expired_pools.inc()
+        self.persistence.tick(self.manager, now)
+        if self.metrics is not None and now >= self._next_metrics:
+            self._next_metrics = now + 1.0
+            self.metrics.update(self.manager.pools, self.persistence.stats(now))
+
+    def serve(self, socket: zmq.Socket) -> None:
+        """Answer requests until stop() is called."""
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        while self.running:
+            if poller.poll(int(_TICK_S * 1000)):
+                # Drain what is queued before housekeeping, so bursts are answered back to back.
+                for _ in range(256):
+                    try:
+                        frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 2:
+                        reply = p.encode_error(0, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}")
+                    else:
+                        reply = self.handle(frames[1])
+                    socket.send_multipart([frames[0], reply])
+            self.tick(time.monotonic())
+
+    def stop(self, *_: Any) -> None:
+        self.running = False
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--endpoint", envvar="BLOCKD_ENDPOINT", default=p.DEFAULT_ENDPOINT, help="ZeroMQ endpoint to bind.")
+@click.option(
+    "--redis-url",
+    envvar="REDIS_URL",
+    default=None,
+    help="Redis to persist the prefix index in. Default: an embedded redis-server in --state-dir.",
+)
+@click.option("--persistence/--no-persistence", default=True, help="Persist the prefix index to Redis at all.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=default_state_dir,
+    envvar="BLOCKD_STATE_DIR",
+    help="Where the embedded Redis keeps its data.",
+)
+@click.option("--flush-interval", type=float, default=0.1, help="Seconds between write-behind batches to Redis.")
+@click.option("--lease-timeout", type=float, default=10.0, envvar="BLOCKD_LEASE_TIMEOUT",
+              help="Seconds of silence after which an executor's pool is dropped.")
+@click.option("--metrics-port", type=int, default=0, envvar="BLOCKD_METRICS_PORT",
+              help="Serve Prometheus metrics on this port (0: off).")
+@click.option("--metrics-host", default="127.0.0.1", help="Address the metrics endpoint listens on.")
+@click.option("--max-message-bytes", default="64MiB", help="Largest request accepted (bigger ones get too_large).")
+@click.option("--deployment", default="pagedkv", help="Namespace of the block hashes (the chain's root).")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def main(
+    endpoint: str,
+    redis_url: str | None,
+    persistence: bool,
+    state_dir: Path,
+    flush_interval: float,
+    lease_timeout: float,
+    metrics_port: int,
+    metrics_host: str,
+    max_message_bytes: str,
+    deployment: str,
+    log_level: str,
+) -> None:
+    """blockd: the block-manager daemon of pagedkv.
+
+    It owns every KV block of every registered executor (allocation, refcounts, copy-on-write, the prefix index
+    and LRU eviction) and answers executors, gateways and blockd-cli over ZeroMQ. The prefix index is written
+    behind to Redis and reloaded at start, so a restarted blockd keeps the cached prefixes.
+    """
+    if lease_timeout <= 0 or flush_interval <= 0:
+        raise click.BadParameter("--lease-timeout and --flush-interval must be positive")
+    log = configure_logging("blockd", log_level)
+    try:
+        limit = parse_size(max_message_bytes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-message-bytes") from None
+    embedded: EmbeddedRedis | None = None
+    store: RedisPersistence | NoPersistence
+    if not persistence:
+        store = NoPersistence()
+    else:
+        if redis_url is None:
+            embedded = EmbeddedRedis(state_dir)
+            redis_url = embedded.start()
+            log.info("embedded redis started", url=redis_url, state_dir=str(state_dir))
+        store = RedisPersistence(redis_url, flush_interval_s=flush_interval)
+    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store)
+    specs, entries = store.load()
+    manager.restore(specs, entries)
+    store.start()
+
+    metrics = BlockdMetrics() if metrics_port else None
+    if metrics is not None:
+        metrics.serve(metrics_port, metrics_host)
+    server = BlockdServer(manager, store, metrics=metrics, max_message_bytes=limit, log=log)
+
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects under its old identity takes it over
+    socket.setsockopt(zmq.MAXMSGSIZE, limit * 2)  # far past the limit, a peer is cut off before it fills memory
+    try:
+        socket.bind(endpoint)
+    except zmq.ZMQError as exc:
+        store.close()
+        if embedded is not None:
+            embedded.stop()
+        raise click.ClickException(f"cannot bind {endpoint}: {exc}") from None
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    log.info(
+        "blockd ready",
+        endpoint=endpoint,
+        persistence=store.stats(time.monotonic()).state,
+        dormant_pools=len(manager.dormant),
+        index_entries=sum(len(e) for e in entries.values()),
+        lease_timeout_s=lease_timeout,
+        metrics_port=metrics_port or None,
+    )
+    try:
+        server.serve(socket)
+    finally:
+        flushed = store.flush_now(manager)
+        log.info("blockd stopping", flushed=flushed)
+        socket.close()
+        context.term()
+        store.close()
+        if embedded is not None:
+            embedded.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""Gateway: OpenAI-compatible HTTP front door (arrives with its issue)."""
