@@ -23,7 +23,8 @@ import zmq
 
 from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
-from blockd.pool import AdmitResult, AppendResult
+from blockd.hashing import as_packed, unpack_tokens
+from blockd.pool import AdmitResult, AppendResult, TokenIds
 
 R = TypeVar("R")
 
@@ -127,14 +128,17 @@ class BlockdClient:
 
     def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         """Prompt tokens each registered pool has cached for this prompt (the gateway routes on it)."""
-        return self.call(p.Lookup, tokens=list(tokens), cache_salt=cache_salt).cached_tokens
+        return self.call(p.Lookup, tokens=as_packed(tokens), cache_salt=cache_salt).cached_tokens
 
 
 class MirroredSequence(msgspec.Struct):
-    tokens: list[int]
+    tokens: bytearray  # packed token ids
     blocks: list[int]
     num_computed_tokens: int
     cache_salt: str | None = None
+
+    def token_ids(self) -> list[int]:
+        return unpack_tokens(self.tokens)
 
 
 class StepFailed(BlockdError):
@@ -179,7 +183,7 @@ class PoolClient:
             model_id=self.model_id,
             epoch=self.epoch,
             sequences=[
-                p.LiveSequence(seq_id, s.tokens, s.blocks, s.num_computed_tokens, s.cache_salt)
+                p.LiveSequence(seq_id, bytes(s.tokens), s.blocks, s.num_computed_tokens, s.cache_salt)
                 for seq_id, s in self.seqs.items()
             ],
             generations=self.generations,
@@ -235,7 +239,7 @@ class PoolClient:
         gens = self.generations
         if type(op) is p.Append:
             seq = self.seqs[op.seq_id]
-            seq.tokens.extend(op.tokens)
+            seq.tokens += op.tokens
             for (_, dst), gen in zip(outcome.copies, outcome.copy_generations):
                 seq.blocks[-1] = dst
                 gens[dst] = gen
@@ -246,7 +250,7 @@ class PoolClient:
             for b, gen in zip(outcome.blocks, outcome.generations):
                 gens[b] = gen
             self.seqs[op.seq_id] = MirroredSequence(
-                list(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt
+                bytearray(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt
             )
         elif type(op) is p.Commit:
             seq = self.seqs[op.seq_id]
@@ -256,7 +260,7 @@ class PoolClient:
         elif type(op) is p.Fork:
             parent = self.seqs[op.parent_id]
             self.seqs[op.child_id] = MirroredSequence(
-                list(parent.tokens), list(parent.blocks), parent.num_computed_tokens, parent.cache_salt
+                bytearray(parent.tokens), list(parent.blocks), parent.num_computed_tokens, parent.cache_salt
             )
 
     def _one(self, op: p.StepOp) -> Any:
@@ -265,11 +269,11 @@ class PoolClient:
             raise StepFailed(ErrorCode.of(outcome.code), outcome.message, missing_blocks=outcome.missing_blocks)
         return outcome
 
-    def admit(self, seq_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> AdmitResult:
-        return self._one(p.Admit(seq_id, list(tokens), cache_salt))
+    def admit(self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None) -> AdmitResult:
+        return self._one(p.Admit(seq_id, bytes(as_packed(tokens)), cache_salt))
 
-    def append(self, seq_id: str, tokens: Sequence[int]) -> AppendResult:
-        return self._one(p.Append(seq_id, list(tokens)))
+    def append(self, seq_id: str, tokens: TokenIds) -> AppendResult:
+        return self._one(p.Append(seq_id, bytes(as_packed(tokens))))
 
     def commit(self, seq_id: str, num_computed_tokens: int) -> int:
         return self._one(p.Commit(seq_id, num_computed_tokens)).added

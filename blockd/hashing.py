@@ -5,7 +5,8 @@ hash(block i) = BLAKE2b-128(hash(block i-1) or the root, token ids of block i, e
 The root is derived from a per-deployment secret-free string, and the extra key from the model identity and the
 optional cache salt, so a tenant with a salt can only ever hit its own prefixes and two models never share one.
 Token ids are packed as little-endian uint32, so the value is identical across processes, machines and restarts
-(unlike Python's `hash()`).
+(unlike Python's `hash()`). The same packing is blockd's wire format for token ids: a packed prompt is hashed
+as it arrives, without converting a single id.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 HASH_BYTES = 16
-_TOKEN_BYTES = 4
+TOKEN_BYTES = 4
 
 
 def root_hash(deployment: str = "pagedkv") -> bytes:
@@ -38,27 +39,43 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def unpack_tokens(packed: bytes | bytearray) -> list[int]:
+    """The inverse of pack_tokens."""
+    ids = array("I")
+    ids.frombytes(packed)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def as_packed(tokens: Sequence[int] | bytes | bytearray) -> bytes | bytearray:
+    """Token ids in their packed form, packing them if they are not already."""
+    if isinstance(tokens, (bytes, bytearray)):
+        if len(tokens) % TOKEN_BYTES:
+            raise ValueError(f"packed token ids must be a multiple of {TOKEN_BYTES} bytes, got {len(tokens)}")
+        return tokens
+    return pack_tokens(tokens)
+
+
 def chain_hashes(
-    token_ids: Sequence[int],
+    tokens: Sequence[int] | bytes | bytearray,
     block_size: int,
     parent: bytes,
     extra: bytes,
     start_block: int = 0,
     stop_block: int | None = None,
 ) -> list[bytes]:
-    """Chained hashes of full blocks [start_block, stop_block) of `token_ids`.
+    """Chained hashes of full blocks [start_block, stop_block) of `tokens` (ids, or ids packed).
 
     `parent` is the hash of block start_block-1 (or the root when start_block is 0).
     """
-    full = len(token_ids) // block_size
+    packed = as_packed(tokens)
+    stride = block_size * TOKEN_BYTES
+    full = len(packed) // stride
     stop = full if stop_block is None else min(stop_block, full)
-    if stop <= start_block:
-        return []
-    packed = pack_tokens(token_ids[start_block * block_size : stop * block_size])
-    stride = block_size * _TOKEN_BYTES
     hashes: list[bytes] = []
     h = parent
-    for offset in range(0, len(packed), stride):
+    for offset in range(start_block * stride, stop * stride, stride):
         h = blake2b(h + packed[offset : offset + stride] + extra, digest_size=HASH_BYTES).digest()
         hashes.append(h)
     return hashes

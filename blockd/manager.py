@@ -186,7 +186,7 @@ class BlockManager:
                 append(p.OpError(exc.code, exc.message, exc.missing_blocks))
         return p.StepResult(results)
 
-    def lookup(self, tokens: list[int], cache_salt: str | None) -> dict[str, int]:
+    def lookup(self, tokens: bytes, cache_salt: str | None) -> dict[str, int]:
         return {pool_id: pool.lookup(tokens, cache_salt) for pool_id, pool in self.pools.items()}
 
     def reset_prefix_cache(self, pool_id: str) -> int:

@@ -34,7 +34,8 @@ from typing import Final
 import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import chain_hashes, extra_key, root_hash
+from blockd.hashing import TOKEN_BYTES as _TOKEN_BYTES
+from blockd.hashing import as_packed, chain_hashes, extra_key, root_hash, unpack_tokens
 
 #: What the persistence layer learns about an index entry: (block, generation, lru stamp), or None when dropped.
 IndexEntry = tuple[int, int, int]
@@ -42,6 +43,16 @@ IndexEntry = tuple[int, int, int]
 Journal = dict[bytes, "IndexEntry | None"]
 
 _RECENTLY_FREED_MEMORY: Final = 4096
+
+#: Token ids as a sequence of ints, or packed as little-endian uint32 bytes (the wire format).
+TokenIds = Sequence[int] | bytes | bytearray
+
+
+def _packed(tokens: TokenIds) -> bytes | bytearray:
+    try:
+        return as_packed(tokens)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise BlockdError(ErrorCode.INVALID_REQUEST, f"token ids must be integers in [0, 2**32): {exc}") from None
 
 
 class PoolSpec(msgspec.Struct, frozen=True):
@@ -57,7 +68,7 @@ class PoolSpec(msgspec.Struct, frozen=True):
 class Sequence_(msgspec.Struct):
     """A live sequence as the pool knows it."""
 
-    tokens: list[int]
+    tokens: bytearray  # its token ids, packed (see hashing.pack_tokens)
     table: list[int]
     hashes: list[bytes]  # chained hashes of its full blocks computed so far (a prefix of the full blocks)
     committed: int  # leading blocks that are in the index or were offered to it
@@ -119,6 +130,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 class BlockPool:
     """All blocks of one pool. See the module docstring for what always holds."""
+
+    def num_tokens(self, seq_id: str) -> int:
+        return len(self._seq(seq_id).tokens) // _TOKEN_BYTES
+
+    def token_ids(self, seq_id: str) -> list[int]:
+        return unpack_tokens(self._seq(seq_id).tokens)
 
     def __init__(self, spec: PoolSpec, *, deployment: str = "pagedkv", journal: Journal | None = None) -> None:
         if spec.num_blocks <= 0:
@@ -220,22 +237,20 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
-    def admit(self, seq_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> AdmitResult:
+    def admit(self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None) -> AdmitResult:
         """Give a new sequence blocks for its whole prompt, reusing the longest cached prefix.
 
         At least the prompt's last token is left to compute (its logits are needed), so a fully cached prompt
         reuses all but its last block. All or nothing: if blocks are missing, nothing changes.
         """
         self._check_new_seq_id(seq_id)
-        n = len(tokens)
+        packed = _packed(tokens)
+        n = len(packed) // _TOKEN_BYTES
         if n == 0:
             raise BlockdError(ErrorCode.INVALID_REQUEST, "a sequence needs at least one prompt token")
         bs = self.block_size
         extra = self.extra_for(cache_salt)
-        try:
-            hashes = chain_hashes(tokens, bs, self.root, extra)
-        except (OverflowError, TypeError) as exc:
-            raise BlockdError(ErrorCode.INVALID_REQUEST, f"token ids must be integers in [0, 2**32): {exc}") from None
+        hashes = chain_hashes(packed, bs, self.root, extra)
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs)
         refcount = self.refcount
         needed = _ceil_div(n, bs) - len(hits)
@@ -256,7 +271,7 @@ class BlockPool:
                 del free[b]
             refcount[b] += 1
         table = hits + self._allocate(needed)
-        self.seqs[seq_id] = Sequence_(list(tokens), table, hashes, len(hits), extra)
+        self.seqs[seq_id] = Sequence_(bytearray(packed), table, hashes, len(hits), extra)
         full_blocks = n // bs
         counters.admits += 1
         counters.queried_blocks += full_blocks
@@ -267,26 +282,28 @@ class BlockPool:
         generation = self.generation
         return AdmitResult(table, [generation[b] for b in table], len(hits) * bs)
 
-    def append(self, seq_id: str, tokens: Sequence[int]) -> AppendResult:
+    def append(self, seq_id: str, tokens: TokenIds) -> AppendResult:
         """Make room for `tokens` after the sequence's current tokens.
 
         New blocks are taken at block boundaries. If the tokens land in a last block that another sequence
         shares (after a fork), that block is copied first: a fresh block plus a (src, dst) copy instruction.
         """
         seq = self.seqs.get(seq_id) or self._seq(seq_id)
+        packed = _packed(tokens)
         held = seq.tokens
         table = seq.table
         bs = self.block_size
-        n_old = len(held)
-        new_blocks = (n_old + len(tokens) + bs - 1) // bs - len(table)
-        cow = n_old % bs != 0 and self.refcount[table[-1]] > 1
+        n_old = len(held) // _TOKEN_BYTES
+        k = len(packed) // _TOKEN_BYTES
+        new_blocks = (n_old + k + bs - 1) // bs - len(table)
+        cow = k > 0 and n_old % bs != 0 and self.refcount[table[-1]] > 1
         if new_blocks <= 0 and not cow:  # the common decode step: room in an unshared last block
-            held.extend(tokens)
+            held += packed
             return _NOTHING_APPENDED
         needed = new_blocks + cow
         if needed > len(self.free_queue):
-            raise self._shortfall(needed, f"appending {len(tokens)} tokens to {seq_id!r}")
-        held.extend(tokens)  # ids were range-checked by the protocol; commit hashes them later
+            raise self._shortfall(needed, f"appending {k} tokens to {seq_id!r}")
+        held += packed
         self.counters.granted_blocks += needed
         generation = self.generation
         copies: tuple[tuple[int, int], ...] = ()
@@ -309,10 +326,11 @@ class BlockPool:
         of the index: the first copy stays the hit.
         """
         seq = self._seq(seq_id)
-        if num_computed_tokens < 0 or num_computed_tokens > len(seq.tokens):
+        n = len(seq.tokens) // _TOKEN_BYTES
+        if num_computed_tokens < 0 or num_computed_tokens > n:
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
-                f"num_computed_tokens {num_computed_tokens} is outside [0, {len(seq.tokens)}] for {seq_id!r}",
+                f"num_computed_tokens {num_computed_tokens} is outside [0, {n}] for {seq_id!r}",
             )
         full = num_computed_tokens // self.block_size
         if full <= seq.committed:
@@ -346,7 +364,7 @@ class BlockPool:
         for b in parent.table:
             refcount[b] += 1
         self.seqs[child_id] = Sequence_(
-            list(parent.tokens), list(parent.table), list(parent.hashes), parent.committed, parent.extra
+            bytearray(parent.tokens), list(parent.table), list(parent.hashes), parent.committed, parent.extra
         )
         self._recently_freed.pop(child_id, None)
 
@@ -365,12 +383,13 @@ class BlockPool:
         """Free every live sequence (lease expiry, executor restart)."""
         return sum(self.free(seq_id) for seq_id in list(self.seqs))
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+    def lookup(self, tokens: TokenIds, cache_salt: str | None = None) -> int:
         """How many prompt tokens `admit` would find cached right now."""
-        if not tokens:
+        packed = _packed(tokens)
+        if not packed:
             return 0
-        limit = (len(tokens) - 1) // self.block_size
-        hashes = chain_hashes(tokens, self.block_size, self.root, self.extra_for(cache_salt), 0, limit)
+        limit = (len(packed) // _TOKEN_BYTES - 1) // self.block_size
+        hashes = chain_hashes(packed, self.block_size, self.root, self.extra_for(cache_salt), 0, limit)
         return len(self.cached_prefix_blocks(hashes, limit)) * self.block_size
 
     def reset_prefix_cache(self) -> int:
@@ -390,17 +409,19 @@ class BlockPool:
     def restore_sequence(
         self,
         seq_id: str,
-        tokens: Sequence[int],
+        tokens: TokenIds,
         table: Sequence[int],
         num_computed: int,
         cache_salt: str | None = None,
     ) -> None:
         """Take a live sequence from its executor (re-sync): its table is the truth; refcounts follow from it."""
         self._check_new_seq_id(seq_id)
-        if len(table) != _ceil_div(len(tokens), self.block_size) or not tokens:
+        packed = _packed(tokens)
+        n = len(packed) // _TOKEN_BYTES
+        if len(table) != _ceil_div(n, self.block_size) or not n:
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
-                f"sequence {seq_id!r}: {len(tokens)} tokens need {_ceil_div(len(tokens), self.block_size)} "
+                f"sequence {seq_id!r}: {n} tokens need {_ceil_div(n, self.block_size)} "
                 f"blocks, the table has {len(table)}",
             )
         for b in table:
@@ -410,8 +431,8 @@ class BlockPool:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
-        self.seqs[seq_id] = Sequence_(list(tokens), list(table), [], 0, self.extra_for(cache_salt))
-        self.commit(seq_id, min(max(num_computed, 0), len(tokens)))
+        self.seqs[seq_id] = Sequence_(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt))
+        self.commit(seq_id, min(max(num_computed, 0), n))
 
     def restore_index(self, entries: Iterable[tuple[bytes, IndexEntry]], generations: Sequence[int] | None) -> int:
         """Re-enter index entries persisted earlier, keeping only those the executor's KV still backs.
@@ -460,7 +481,7 @@ class BlockPool:
         bs = self.block_size
         fill: dict[int, int] = {}
         for seq in self.seqs.values():
-            n = len(seq.tokens)
+            n = len(seq.tokens) // _TOKEN_BYTES
             for i, b in enumerate(seq.table):
                 used = min(bs, n - i * bs)
                 if used > fill.get(b, 0):
@@ -494,11 +515,12 @@ class BlockPool:
         pid = self.spec.pool_id
         references = [0] * self.num_blocks
         for seq_id, seq in self.seqs.items():
-            expected = _ceil_div(len(seq.tokens), self.block_size)
-            if len(seq.table) != expected or not seq.tokens:
+            n = len(seq.tokens) // _TOKEN_BYTES
+            expected = _ceil_div(n, self.block_size)
+            if len(seq.table) != expected or not n:
                 problems.append(f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for "
-                                f"{len(seq.tokens)} tokens (expected {expected})")
-            if seq.committed > len(seq.tokens) // self.block_size:
+                                f"{n} tokens (expected {expected})")
+            if seq.committed > n // self.block_size:
                 problems.append(f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, "
                                 f"more than its full blocks")
             for b in seq.table:

@@ -4,7 +4,7 @@ Transport: ZeroMQ, a ROUTER on the daemon and a DEALER per client; one frame = o
 MessagePack encoded and schema-checked by msgspec. Every request carries the protocol version `v` and a request
 id `id` that its reply echoes. A request is a map with an `op` tag naming its type.
 
-One scheduler step of an executor is one `step` request carrying every admit, append, commit, fork and free of
+Token ids are sent packed (see PackedTokens). One scheduler step of an executor is one `step` request carrying every admit, append, commit, fork and free of
 that step; the reply holds one result per op, in order. Ops are independent: one failing (say, out of blocks)
 leaves the others applied and changes nothing itself.
 """
@@ -22,7 +22,9 @@ PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5557"
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+#: Token ids travel packed: little-endian uint32, 4 bytes each (blockd.hashing.pack_tokens). Compact, decoded
+#: without per-id work, and hashed as they are.
+PackedTokens = bytes
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -32,13 +34,13 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 class Admit(msgspec.Struct, tag="admit"):
     seq_id: Name
-    tokens: list[TokenId]
+    tokens: PackedTokens
     cache_salt: str | None = None
 
 
 class Append(msgspec.Struct, tag="append"):
     seq_id: Name
-    tokens: list[TokenId]
+    tokens: PackedTokens
 
 
 class Commit(msgspec.Struct, tag="commit"):
@@ -86,7 +88,7 @@ class LiveSequence(msgspec.Struct):
     """A live sequence as its executor holds it, sent on (re-)registration."""
 
     seq_id: Name
-    tokens: list[TokenId]
+    tokens: PackedTokens
     blocks: list[Count]
     num_computed_tokens: Count
     cache_salt: str | None = None
@@ -125,7 +127,7 @@ class Step(Request, tag="step"):
 
 
 class Lookup(Request, tag="lookup"):
-    tokens: list[TokenId]
+    tokens: PackedTokens
     cache_salt: str | None = None
 
 
