@@ -1,0 +1,117 @@
+"""blockd-cli and `pagedkv bench blockd` as an operator runs them: real processes, real output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from blockd.client import BlockdClient, PoolClient
+
+BIN = Path(sys.executable).parent
+
+
+def cli(endpoint: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "blockd-cli"), "--endpoint", endpoint, *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_stats_pools_seq_check_reset_against_a_live_daemon(redis_process, start_blockd):
+    daemon = start_blockd("--redis-url", redis_process.url, "--flush-interval", "0.05")
+    ex = PoolClient(BlockdClient(daemon.endpoint), pool_id="gpu0", num_blocks=40, block_size=4, model_id="tiny")
+    ex.register()
+    ex.admit("done", list(range(17)))
+    ex.commit("done", 17)
+    ex.free("done")
+    ex.admit("live", list(range(17)) + [5, 6])  # 4 cached blocks reused, one new
+    ex.append("live", [1, 2])  # 21 tokens in 6 blocks: 3 empty slots in the last one
+
+    stats = cli(daemon.endpoint, "stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    figures = json.loads(stats.stdout)
+    (pool,) = figures["pools"]
+    assert pool["pool_id"] == "gpu0"
+    assert pool["blocks_total"] == 40 and pool["blocks_in_use"] == 6 and pool["live_sequences"] == 1
+    assert pool["blocks_cached_free"] == 0  # the cached blocks are in use again
+    assert pool["blocks_never_used"] == 40 - 5 - 1
+    assert pool["kv_utilization"] == 21 / 24
+    assert pool["prefix_hit_rate_tokens"] == 16 / (17 + 19)
+    assert figures["totals"]["blocks_in_use"] == 6
+    assert figures["persistence"]["state"] == "ok" and figures["persistence"]["enabled"]
+    assert figures["uptime_s"] > 0
+
+    table = cli(daemon.endpoint, "stats")
+    assert table.returncode == 0
+    assert "gpu0" in table.stdout and "TOTAL" in table.stdout and "persistence: ok" in table.stdout
+    assert "87.5%" in table.stdout  # kv utilization 21/24
+
+    pools = cli(daemon.endpoint, "pools", "--json")
+    assert json.loads(pools.stdout)["pools"][0]["epoch"] == ex.epoch
+
+    seq = cli(daemon.endpoint, "seq", "live", "--json")
+    assert json.loads(seq.stdout)["blocks"] == ex.seqs["live"].blocks
+    missing = cli(daemon.endpoint, "seq", "ghost")
+    assert missing.returncode == 1 and "unknown_sequence" in missing.stderr
+
+    check = cli(daemon.endpoint, "check")
+    assert check.returncode == 0 and "every invariant holds" in check.stdout
+
+    reset = cli(daemon.endpoint, "reset-prefix-cache", "gpu0")
+    assert reset.returncode == 0 and "dropped 4 index entries" in reset.stdout
+    assert BlockdClient(daemon.endpoint).lookup(list(range(17))) == {"gpu0": 0}
+    unknown = cli(daemon.endpoint, "reset-prefix-cache", "nope")
+    assert unknown.returncode == 1 and "unknown_pool" in unknown.stderr
+
+
+def test_unreachable_blockd_is_a_clear_error_not_a_hang():
+    started = time.monotonic()
+    result = cli("tcp://127.0.0.1:9", "--timeout", "1", "stats")
+    assert time.monotonic() - started < 10
+    assert result.returncode == 69
+    assert "did not answer within 1 s" in result.stderr and "is blockd running?" in result.stderr
+
+
+def test_blockd_rejects_bad_flags_with_help():
+    result = subprocess.run(
+        [str(BIN / "blockd"), "--max-message-bytes", "lots"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2 and "is not a size" in result.stderr
+    help_text = subprocess.run([str(BIN / "blockd"), "--help"], capture_output=True, text=True, timeout=30).stdout
+    assert "--lease-timeout" in help_text and "--redis-url" in help_text
+
+
+def test_bench_blockd_quick_prints_tables_and_a_json_last_line():
+    result = subprocess.run(
+        [str(BIN / "pagedkv"), "bench", "blockd", "--quick"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert any("in-process core" in line for line in lines)
+    figures = json.loads(lines[-1])
+    for key in ("inproc_block_ops_per_s", "rpc_step_p50_us", "rpc_step_p99_us", "rpc_block_ops_per_s",
+                "persist_throughput_ratio"):  # fmt: skip
+        assert figures[key] > 0, key
+
+
+def test_prometheus_metrics_endpoint(start_blockd):
+    import urllib.request
+
+    from tests.blockd.conftest import free_port, wait_for
+
+    port = free_port()
+    daemon = start_blockd("--no-persistence", "--metrics-port", str(port))
+    ex = PoolClient(BlockdClient(daemon.endpoint), pool_id="gpu0", num_blocks=16, block_size=4, model_id="tiny")
+    ex.register()
+    ex.admit("s", list(range(9)))
+
+    def scrape() -> str:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return text if 'blockd_pool_blocks_in_use{pool="gpu0"} 3.0' in text else ""
+
+    text = wait_for(scrape, timeout_s=10, what="pool gauges")
+    assert 'blockd_requests_total{op="step",outcome="ok"}' in text
+    assert "blockd_request_seconds_bucket" in text
+    assert "blockd_persistence_degraded 0.0" in text
