@@ -187,7 +187,15 @@ class BlockManager:
         return p.StepResult(results)
 
     def lookup(self, tokens: bytes, cache_salt: str | None) -> dict[str, int]:
-        return {pool_id: pool.lookup(tokens, cache_salt) for pool_id, pool in self.pools.items()}
+        """Cached prompt tokens per pool; the prompt is hashed once per (block size, model), not once per pool."""
+        chains: dict[tuple[int, str], list[bytes]] = {}
+        found: dict[str, int] = {}
+        for pool_id, pool in self.pools.items():
+            kind = (pool.block_size, pool.spec.model_id)
+            if kind not in chains:
+                chains[kind] = pool.prompt_hashes(tokens, cache_salt)
+            found[pool_id] = len(pool.cached_prefix_blocks(chains[kind], len(chains[kind]))) * pool.block_size
+        return found
 
     def reset_prefix_cache(self, pool_id: str) -> int:
         return self.pool(pool_id).reset_prefix_cache()

@@ -383,14 +383,16 @@ class BlockPool:
         """Free every live sequence (lease expiry, executor restart)."""
         return sum(self.free(seq_id) for seq_id in list(self.seqs))
 
+    def prompt_hashes(self, tokens: TokenIds, cache_salt: str | None = None) -> list[bytes]:
+        """Hashes of the prompt blocks an admit could reuse (all full blocks but a last one holding the end)."""
+        packed = _packed(tokens)
+        limit = max(len(packed) // _TOKEN_BYTES - 1, 0) // self.block_size
+        return chain_hashes(packed, self.block_size, self.root, self.extra_for(cache_salt), 0, limit)
+
     def lookup(self, tokens: TokenIds, cache_salt: str | None = None) -> int:
         """How many prompt tokens `admit` would find cached right now."""
-        packed = _packed(tokens)
-        if not packed:
-            return 0
-        limit = (len(packed) // _TOKEN_BYTES - 1) // self.block_size
-        hashes = chain_hashes(packed, self.block_size, self.root, self.extra_for(cache_salt), 0, limit)
-        return len(self.cached_prefix_blocks(hashes, limit)) * self.block_size
+        hashes = self.prompt_hashes(tokens, cache_salt)
+        return len(self.cached_prefix_blocks(hashes, len(hashes))) * self.block_size
 
     def reset_prefix_cache(self) -> int:
         """Forget every index entry; blocks stay where they are. Returns how many entries were dropped."""
