@@ -1,0 +1,164 @@
+"""The public kernel API: validate once, pick a backend, call it.
+
+Backend choice, first match wins:
+1. the call's `backend=` argument when it is not "auto";
+2. the environment variable PAGEDKV_KERNELS = triton | reference | auto;
+3. auto: Triton for CUDA tensors, the torch reference for CPU tensors.
+
+Forcing Triton on CPU tensors runs the kernels under the Triton interpreter. Triton decides between
+compiling and interpreting when `@triton.jit` *decorates* a function, i.e. when the kernel module is
+imported, from the env var TRITON_INTERPRET. So the Triton modules are imported lazily, on first use:
+if the first use is on CPU, TRITON_INTERPRET=1 is set (process-wide) just before the import. Once
+imported in compiled mode (a CUDA call came first), CPU tensors cannot be run on Triton in that
+process and a RuntimeError says so; set TRITON_INTERPRET=1 before the first call to avoid it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from kernels import reference, validate
+from kernels.heuristics import MAX_SPLITS
+
+Backend = Literal["auto", "triton", "reference"]
+BACKEND_ENV = "PAGEDKV_KERNELS"
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "reference"]:
+    """Which implementation runs for tensors on `device`, given the call's `backend` argument and the env."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    choice = backend
+    if choice == "auto":
+        choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+        if choice not in _BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={choice!r} is not one of {_BACKENDS}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if choice == "triton" and device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the Triton backend runs on CUDA (or CPU via the interpreter), not {device.type}")
+    return choice  # type: ignore[return-value]
+
+
+def triton_module(name: Literal["triton_attention", "triton_cache"], device: torch.device) -> ModuleType:
+    """Import `kernels.<name>`, under the Triton interpreter when the tensors are on the CPU."""
+    full_name = f"kernels.{name}"
+    if device.type == "cpu" and "kernels.triton_offsets" not in sys.modules:  # imported first by both
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the import: @triton.jit reads it then
+    module = importlib.import_module(full_name)
+    if device.type == "cpu" and not module.INTERPRETED:
+        raise RuntimeError(
+            f"{full_name} was imported in compiled (GPU) mode, so its Triton kernels cannot run on CPU tensors "
+            "in this process; set TRITON_INTERPRET=1 before the first kernel call to use the interpreter"
+        )
+    return module
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+) -> None:
+    """Scatter new tokens' K and V into one layer's paged caches, in place.
+
+    Args:
+        key, value: `[num_tokens, num_kv_heads, head_dim]`, same dtype as the caches (last dim dense).
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
+        slot_mapping: `[num_tokens]` int32/int64; slot = block_id * block_size + offset, -1 = padding
+            (that token is skipped and the cache left untouched).
+        backend: "auto" | "triton" | "reference" (see module docstring).
+    """
+    validate.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
+    if resolve_backend(backend, key_cache.device) == "reference":
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        triton_module("triton_cache", key_cache.device).write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention for a whole scheduler step (prefill chunks and decode tokens mixed) over paged K/V.
+
+    Query token i of a sequence with q_len queries and kv_len total tokens sits at absolute position
+    kv_len - q_len + i and attends causally to positions <= that: its cached prefix plus itself and
+    earlier new tokens. The new tokens' K/V must already be in the cache (see `write_kv`).
+
+    Args:
+        q: `[num_tokens, num_heads, head_dim]`, sequences back to back; num_heads a multiple of num_kv_heads.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, q's dtype.
+        block_tables: `[num_seqs, max_blocks]` int32 physical block ids per sequence.
+        query_start_loc: `[num_seqs + 1]` int32 cumulative query offsets (0, q_len0, q_len0 + q_len1, ...);
+            every sequence has at least one query token.
+        seq_lens: `[num_seqs]` int32 total KV length per sequence, new tokens included.
+        scale: softmax scale; default head_dim ** -0.5.
+        out: optional preallocated `[num_tokens, num_heads, head_dim]` output of q's dtype.
+        num_splits: Triton only: force the number of KV splits for decode tokens (1 = no
+            flash-decoding split); None lets `choose_num_splits` decide. Ignored by the reference.
+        backend: "auto" | "triton" | "reference" (see module docstring).
+
+    Returns:
+        The attention output (`out` if given).
+    """
+    validate.check_paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS
+    ):
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if resolve_backend(backend, q.device) == "reference":
+        return reference.paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    module = triton_module("triton_attention", q.device)
+    return module.paged_attention(
+        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out, num_splits
+    )
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor | tuple[Sequence[int], Sequence[int]],
+    *,
+    backend: Backend = "auto",
+) -> None:
+    """Copy whole blocks src -> dst in every layer's K and V cache (copy-on-write after a fork), in place.
+
+    Args:
+        key_caches, value_caches: one cache per layer, all of one shape, dtype and device.
+        block_mapping: `[n, 2]` int64 tensor of (src, dst) rows, or a tuple of two equal-length lists
+            (src_ids, dst_ids). Destinations must be distinct and disjoint from the sources.
+        backend: "auto" | "triton" | "reference" (see module docstring).
+    """
+    cache, mapping = validate.check_copy_blocks(key_caches, value_caches, block_mapping)
+    if resolve_backend(backend, cache.device) == "reference":
+        reference.copy_blocks(key_caches, value_caches, mapping)
+    else:
+        triton_module("triton_cache", cache.device).copy_blocks(key_caches, value_caches, mapping)

@@ -1,0 +1,43 @@
+"""Triton helpers that turn token positions into element offsets into a paged cache, always in int64.
+
+A pool of num_blocks x block_size x num_kv_heads x head_dim elements passes 2**31 well within real
+deployments (e.g. 70k blocks x 16 x 8 x 128), and Triton integer scalars and loaded int32 block ids
+multiply in int32 unless told otherwise, which would silently wrap. Every offset into a cache is
+therefore widened to int64 *before* the first multiplication, here and only here.
+
+Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Whether the kernels of this package are interpreted (fixed at import; the other Triton modules follow it).
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def paged_token_offsets(
+    block_table_row_ptr,
+    positions,
+    mask,
+    BLOCK_SIZE: tl.constexpr,
+    stride_block,
+    stride_token,
+):
+    """Element offset (int64) of each logical token position's row in `[num_blocks, block_size, ...]`.
+
+    Looks the physical block up per token, so a tile of positions may span several physical blocks
+    in any order. Masked-off positions get block 0 (never dereferenced by callers that mask).
+    """
+    physical = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    within = (positions % BLOCK_SIZE).to(tl.int64)
+    return physical * stride_block + within * stride_token
+
+
+@triton.jit
+def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_block, stride_token):
+    """Element offset (int64) of flat slot `block_id * block_size + offset` in a paged cache."""
+    slot = slot.to(tl.int64)
+    return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token

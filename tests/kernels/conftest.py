@@ -1,0 +1,15 @@
+"""Kernel tests run the Triton kernels under the Triton interpreter on CPU tensors.
+
+`@triton.jit` decides between compiling and interpreting when it decorates, from TRITON_INTERPRET,
+so the variable is set here, at conftest import, before any test module imports a Triton kernel.
+pytest imports every collected conftest before running tests, so this holds for the whole pytest
+process (other test folders do not use Triton, so they are unaffected).
+
+On a machine with a GPU, `PAGEDKV_TEST_DEVICE=cuda pytest tests/kernels` instead runs the same tests
+on CUDA tensors with compiled kernels (and adds bfloat16, which the interpreter computes wrongly).
+"""
+
+import os
+
+if os.environ.get("PAGEDKV_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
