@@ -1,0 +1,601 @@
+"""Stateful property test: a real BlockPool against a deliberately naive reference model.
+
+The model knows nothing about hashes: its prefix index is keyed by (cache salt, tuple(full token prefix)), it keeps
+the free queue as a plain Python list (head = index 0) and does every lookup with a linear scan. It implements the
+same allocation policy as the pool (uncached free blocks first, then least recently freed cached blocks; a freed
+sequence releases its blocks tail first), so the two must agree exactly after every step: results, error codes,
+missing_blocks, granted block ids, generations, copy instructions, refcounts, free-queue order and the index.
+
+Every failing operation must leave the pool's state untouched (I6), and after each step the invariants I1-I5 are
+checked both by `pool.check()` and independently here. A `restart` step re-syncs a fresh pool from the executor's
+view (adopt_generations + restore_sequence + restore_index, possibly from a stale persisted snapshot) and checks
+that no restored index entry names a block whose KV no longer holds that prefix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+from hypothesis import HealthCheck, Phase, event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from blockd.errors import BlockdError, ErrorCode
+from blockd.hashing import chain_hashes
+from blockd.pool import BlockPool, PoolSpec
+
+SEQ_IDS = ["a", "b", "c", "d", "e"]
+SALTS = [None, "t1", "t2"]
+TOKENS = st.integers(0, 2)  # a tiny alphabet, so prefixes collide and prefix hits happen
+PROMPTS = st.lists(TOKENS, min_size=1, max_size=12)
+
+Key = tuple[Any, tuple[int, ...]]  # (cache salt, full token prefix up to the end of a block)
+
+
+class ModelError(Exception):
+    def __init__(self, code: ErrorCode, missing_blocks: int = 0) -> None:
+        super().__init__(code)
+        self.code = code
+        self.missing_blocks = missing_blocks
+
+
+class ModelSeq:
+    def __init__(self, tokens: list[int], table: list[int], committed: int, salt: str | None) -> None:
+        self.tokens = tokens
+        self.table = table
+        self.committed = committed
+        self.salt = salt
+
+
+class Model:
+    """The naive reference: plain lists, linear scans, no hashing."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.n = num_blocks
+        self.bs = block_size
+        self.refcount = [0] * num_blocks
+        self.generation = [0] * num_blocks
+        self.key: list[Key | None] = [None] * num_blocks  # what the index says each block holds
+        self.free: list[int] = list(range(num_blocks))  # head (index 0) is allocated next
+        self.index: list[tuple[Key, int]] = []  # insertion order, like a dict
+        self.seqs: dict[str, ModelSeq] = {}
+        self.freed: set[str] = set()
+        self.counters = dict(
+            queried_tokens=0, hit_tokens=0, queried_blocks=0, hit_blocks=0, granted_blocks=0, freed_blocks=0,
+            evictions=0, copies_on_write=0, admits=0, admit_failures=0,
+        )
+        # The full-block content each block's KV actually holds (None: unknown/partial); survives freeing.
+        self.content: list[Key | None] = [None] * num_blocks
+
+    # ---- helpers
+
+    def seq(self, sid: str) -> ModelSeq:
+        for s, seq in self.seqs.items():
+            if s == sid:
+                return seq
+        if sid in self.freed:
+            raise ModelError(ErrorCode.DOUBLE_FREE)
+        raise ModelError(ErrorCode.UNKNOWN_SEQUENCE)
+
+    def block_key(self, salt: str | None, tokens: list[int], i: int) -> Key:
+        return (salt, tuple(tokens[: (i + 1) * self.bs]))
+
+    def find(self, key: Key) -> int | None:
+        for k, b in self.index:
+            if k == key:
+                return b
+        return None
+
+    def allocate(self, count: int) -> list[int]:
+        granted = []
+        for _ in range(count):
+            b = self.free.pop(0)
+            if self.key[b] is not None:
+                self.index = [(k, x) for k, x in self.index if x != b]
+                self.key[b] = None
+                self.counters["evictions"] += 1
+            self.generation[b] += 1
+            self.refcount[b] = 1
+            self.content[b] = None
+            granted.append(b)
+        return granted
+
+    def refresh_content(self) -> None:
+        for seq in self.seqs.values():
+            for i in range(len(seq.tokens) // self.bs):
+                self.content[seq.table[i]] = self.block_key(seq.salt, seq.tokens, i)
+
+    # ---- operations
+
+    def admit(self, sid: str, tokens: list[int], salt: str | None) -> tuple[list[int], list[int], int]:
+        if sid in self.seqs:
+            raise ModelError(ErrorCode.SEQUENCE_EXISTS)
+        n = len(tokens)
+        if n == 0 or any(not 0 <= t < 2**32 for t in tokens):
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        hits = []
+        for i in range((n - 1) // self.bs):
+            b = self.find(self.block_key(salt, tokens, i))
+            if b is None:
+                break
+            hits.append(b)
+        needed = -(-n // self.bs) - len(hits)
+        available = len(self.free) - len([b for b in hits if self.refcount[b] == 0])
+        if needed > available:
+            self.counters["admit_failures"] += 1
+            raise ModelError(ErrorCode.OUT_OF_BLOCKS, needed - available)
+        for b in hits:
+            if self.refcount[b] == 0:
+                self.free.remove(b)
+            self.refcount[b] += 1
+        table = hits + self.allocate(needed)
+        self.seqs[sid] = ModelSeq(list(tokens), table, len(hits), salt)
+        c = self.counters
+        c["admits"] += 1
+        c["queried_blocks"] += n // self.bs
+        c["hit_blocks"] += len(hits)
+        c["queried_tokens"] += n
+        c["hit_tokens"] += len(hits) * self.bs
+        c["granted_blocks"] += needed
+        return table, [self.generation[b] for b in table], len(hits) * self.bs
+
+    def append(self, sid: str, tokens: list[int]) -> tuple[tuple, tuple, tuple, tuple]:
+        seq = self.seq(sid)
+        if any(not 0 <= t < 2**32 for t in tokens):
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        n_old = len(seq.tokens)
+        new_blocks = -(-(n_old + len(tokens)) // self.bs) - len(seq.table)
+        cow = n_old % self.bs != 0 and self.refcount[seq.table[-1]] > 1
+        if new_blocks <= 0 and not cow:
+            seq.tokens.extend(tokens)
+            return (), (), (), ()
+        needed = max(new_blocks, 0) + int(cow)
+        if needed > len(self.free):
+            raise ModelError(ErrorCode.OUT_OF_BLOCKS, needed - len(self.free))
+        seq.tokens.extend(tokens)
+        self.counters["granted_blocks"] += needed
+        copies: tuple = ()
+        copy_gens: tuple = ()
+        if cow:
+            src = seq.table[-1]
+            (dst,) = self.allocate(1)
+            self.refcount[src] -= 1
+            seq.table[-1] = dst
+            copies, copy_gens = ((src, dst),), (self.generation[dst],)
+            self.counters["copies_on_write"] += 1
+        grown = self.allocate(new_blocks) if new_blocks > 0 else []
+        seq.table.extend(grown)
+        return tuple(grown), tuple(self.generation[b] for b in grown), copies, copy_gens
+
+    def commit(self, sid: str, num_computed: int) -> int:
+        seq = self.seq(sid)
+        if num_computed < 0 or num_computed > len(seq.tokens):
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        full = num_computed // self.bs
+        added = 0
+        for i in range(seq.committed, full):
+            key = self.block_key(seq.salt, seq.tokens, i)
+            if self.find(key) is not None:
+                continue  # the first copy stays the hit
+            b = seq.table[i]
+            if self.key[b] is not None:
+                continue
+            self.index.append((key, b))
+            self.key[b] = key
+            added += 1
+        seq.committed = max(seq.committed, full)
+        return added
+
+    def fork(self, parent: str, child: str) -> None:
+        p = self.seq(parent)
+        if child in self.seqs:
+            raise ModelError(ErrorCode.SEQUENCE_EXISTS)
+        for b in p.table:
+            self.refcount[b] += 1
+        self.seqs[child] = ModelSeq(list(p.tokens), list(p.table), p.committed, p.salt)
+        self.freed.discard(child)
+
+    def free_seq(self, sid: str) -> int:
+        seq = self.seq(sid)
+        del self.seqs[sid]
+        for b in reversed(seq.table):
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                if self.key[b] is None:
+                    self.free.insert(0, b)  # holds nothing worth keeping: reused first
+                else:
+                    self.free.append(b)  # most recently freed cached block: evicted last
+        self.counters["freed_blocks"] += len(seq.table)
+        self.freed.add(sid)
+        return len(seq.table)
+
+    def lookup(self, tokens: list[int], salt: str | None) -> int:
+        if any(not 0 <= t < 2**32 for t in tokens):
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        hits = 0
+        for i in range((len(tokens) - 1) // self.bs if tokens else 0):
+            if self.find(self.block_key(salt, tokens, i)) is None:
+                break
+            hits += 1
+        return hits * self.bs
+
+    def reset(self) -> int:
+        dropped = len(self.index)
+        for _, b in self.index:
+            self.key[b] = None
+            if self.refcount[b] == 0:
+                self.free.remove(b)
+                self.free.insert(0, b)
+        self.index = []
+        return dropped
+
+
+def snapshot(pool: BlockPool) -> dict[str, Any]:
+    """Everything a failed operation must leave as it was (failure counters excepted)."""
+    counters = msgspec.structs.asdict(pool.counters)
+    counters.pop("admit_failures")
+    return dict(
+        refcount=list(pool.refcount),
+        block_hash=list(pool.block_hash),
+        generation=list(pool.generation),
+        stamp=list(pool.stamp),
+        free_queue=list(pool.free_queue),
+        index=list(pool.index.items()),
+        seqs={
+            sid: (pool.token_ids(sid), list(s.table), list(s.hashes), s.committed, s.extra)
+            for sid, s in pool.seqs.items()
+        },
+        counters=counters,
+        clock=pool._clock,
+        journal=dict(pool.journal) if pool.journal is not None else None,
+        recently_freed=list(pool._recently_freed),
+    )
+
+
+class PoolMachine(RuleBasedStateMachine):
+    pool: BlockPool
+    model: Model
+
+    @initialize(num_blocks=st.one_of(st.integers(4, 10), st.integers(4, 24)), block_size=st.integers(2, 4))
+    def setup(self, num_blocks: int, block_size: int) -> None:
+        self.spec = PoolSpec("p0", num_blocks, block_size, "model-x", 1)
+        self.journal: dict = {}
+        self.pool = BlockPool(self.spec, journal=self.journal)
+        self.model = Model(num_blocks, block_size)
+        # (tokens, salt) seen so far, to build prompts that share prefixes with them
+        self.history: list[tuple[list[int], str | None]] = []
+        self.persisted: list[dict] = []  # index snapshots taken earlier (what Redis may still hold)
+
+    # ---- the comparison harness
+
+    def both(self, desc: str, pool_op, model_op, *, mutating: bool = True) -> Any:
+        """Run the same operation on pool and model; they must agree on success/failure, code and result."""
+        note(f"pool.{desc}")
+        before = snapshot(self.pool)
+        try:
+            got = pool_op()
+        except BlockdError as exc:
+            try:
+                model_op()
+            except ModelError as mexc:
+                assert exc.code == mexc.code, (exc, mexc.code)
+                assert exc.missing_blocks == mexc.missing_blocks, (exc, mexc.missing_blocks)
+            else:
+                raise AssertionError(f"pool failed ({exc}) where the model succeeded") from None
+            assert snapshot(self.pool) == before, f"I6: failed operation changed the pool ({exc})"
+            event(f"failure: {exc.code}")
+            return exc
+        try:
+            want = model_op()
+        except ModelError as mexc:
+            raise AssertionError(f"model failed ({mexc.code}) where the pool succeeded with {got!r}") from None
+        if not mutating:
+            assert snapshot(self.pool) == before, "a read-only operation changed the pool"
+        self.model.refresh_content()
+        return got, want
+
+    # ---- the one rule: a weighted choice of operation
+    #
+    # Hypothesis' own rule selection (swarm-disabled rules, a strong bias to the first rule) left most runs with
+    # almost no prefix hits or evictions; a weighted dispatch keeps every run busy with the interesting mix.
+
+    OPS: tuple[tuple[str, int], ...] = (
+        # Hypothesis favours the first choice: a prompt sharing a prefix with an earlier one (prefix hits).
+        ("admit_sharing_prefix", 22), ("admit", 14), ("free", 16), ("append", 12), ("commit_all_computed", 10),
+        ("commit", 6), ("fork", 8), ("lookup", 3), ("on_dead_sequence", 3), ("reset_prefix_cache", 2),
+        ("persist", 4), ("restart", 4),
+    )
+    NEEDS_LIVE = frozenset({"append", "commit_all_computed", "commit", "free", "fork"})
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        weighted = [name for name, weight in self.OPS for _ in range(weight)]
+        name = data.draw(st.sampled_from(weighted), label="op")
+        if name in self.NEEDS_LIVE and not self.model.seqs or name == "admit_sharing_prefix" and not self.history:
+            name = "admit"
+        getattr(self, "op_" + name)(data)
+
+    def live(self) -> list[str]:
+        return [s for s in SEQ_IDS if s in self.model.seqs]
+
+    def draw_new_id(self, data: st.DataObject) -> str:
+        """Mostly an id that is not live (the op can succeed), sometimes a live one (SEQUENCE_EXISTS)."""
+        dead = [s for s in SEQ_IDS if s not in self.model.seqs]
+        if not dead or data.draw(st.integers(0, 9)) == 9:
+            return data.draw(st.sampled_from(SEQ_IDS))
+        return data.draw(st.sampled_from(dead))
+
+    def _lookup(self, tokens: list[int], salt: str | None) -> int | None:
+        out = self.both(
+            f"lookup({tokens}, {salt!r})",
+            lambda: self.pool.lookup(tokens, salt),
+            lambda: self.model.lookup(tokens, salt),
+            mutating=False,
+        )
+        if isinstance(out, BlockdError):
+            return None
+        got, want = out
+        assert got == want
+        return got
+
+    def _admit(self, sid: str, tokens: list[int], salt: str | None) -> None:
+        expected_hit = self._lookup(tokens, salt)  # lookup reports what admit will hit
+        free_before = set(self.pool.free_queue)
+        out = self.both(
+            f"admit({sid!r}, {tokens}, {salt!r})",
+            lambda: self.pool.admit(sid, tokens, salt),
+            lambda: self.model.admit(sid, tokens, salt),
+        )
+        if isinstance(out, tuple):
+            got, (table, gens, cached) = out
+            assert got.blocks == table
+            assert got.generations == gens
+            assert got.num_cached_tokens == cached == expected_hit
+            assert cached <= len(tokens) - 1
+            if cached:
+                event("admit: prefix hit")
+                if free_before & set(got.blocks[: cached // self.pool.block_size]):
+                    event("admit: hit on a cached-free block")
+            self.history.append((list(tokens), salt))
+        elif out.code == ErrorCode.INVALID_REQUEST:
+            event("admit: invalid request")
+
+    def op_admit(self, data: st.DataObject) -> None:
+        tokens = data.draw(PROMPTS)
+        salt = data.draw(st.sampled_from(SALTS))
+        if data.draw(st.integers(0, 19)) == 19:  # now and then an id out of range, anywhere in the prompt
+            tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(st.sampled_from([-1, 2**32, 2**40]))
+        elif data.draw(st.integers(0, 29)) == 29:
+            tokens = []
+        self._admit(self.draw_new_id(data), tokens, salt)
+
+    def op_admit_sharing_prefix(self, data: st.DataObject) -> None:
+        """A prompt that shares a prefix with an indexed one or one seen before, usually under the same salt."""
+        if self.model.index and data.draw(st.integers(0, 2)) < 2:
+            salt, prefix = data.draw(st.sampled_from([key for key, _ in self.model.index]))
+            base = list(prefix)
+        else:
+            base, salt = data.draw(st.sampled_from(self.history))
+        cut = data.draw(st.one_of(st.just(len(base)), st.integers(1, len(base))))
+        suffix = data.draw(st.lists(TOKENS, max_size=4))
+        if data.draw(st.integers(0, 5)) == 5:
+            salt = data.draw(st.sampled_from(SALTS))
+        self._admit(self.draw_new_id(data), base[:cut] + suffix, salt)
+
+    def op_append(self, data: st.DataObject, sid: str | None = None) -> None:
+        if sid is None:
+            sid = data.draw(st.sampled_from(self.live()))
+        tokens = data.draw(st.lists(TOKENS, min_size=1, max_size=5))
+        if data.draw(st.integers(0, 19)) == 19:  # now and then an id out of range
+            tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(st.sampled_from([-1, 2**32]))
+        out = self.both(
+            f"append({sid!r}, {tokens})", lambda: self.pool.append(sid, tokens), lambda: self.model.append(sid, tokens)
+        )
+        if isinstance(out, tuple):
+            got, (blocks, gens, copies, copy_gens) = out
+            assert got.blocks == blocks
+            assert got.generations == gens
+            assert got.copies == copies
+            assert got.copy_generations == copy_gens
+            if copies:
+                event("append: copy-on-write")
+            self.history.append((list(self.model.seqs[sid].tokens), self.model.seqs[sid].salt))
+
+    def op_commit_all_computed(self, data: st.DataObject) -> None:
+        """Every live sequence reports all its tokens computed (the executor's usual step)."""
+        for sid in self.live():
+            n = len(self.model.seqs[sid].tokens)
+            got, want = self.both(
+                f"commit({sid!r}, {n})", lambda: self.pool.commit(sid, n), lambda: self.model.commit(sid, n)
+            )
+            assert got == want
+        self.persisted.append(self.pool.index_snapshot())  # a write-behind flush that may go stale later
+
+    def op_commit(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(self.live()))
+        n = len(self.model.seqs[sid].tokens)
+        num_computed = data.draw(st.one_of(st.integers(0, n), st.sampled_from([-1, n + 1])))
+        out = self.both(
+            f"commit({sid!r}, {num_computed})",
+            lambda: self.pool.commit(sid, num_computed),
+            lambda: self.model.commit(sid, num_computed),
+        )
+        if isinstance(out, tuple):
+            got, want = out
+            assert got == want
+
+    def op_fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.live()))
+        child = self.draw_new_id(data)
+        out = self.both(
+            f"fork({parent!r}, {child!r})",
+            lambda: self.pool.fork(parent, child),
+            lambda: self.model.fork(parent, child),
+        )
+        if isinstance(out, tuple):
+            assert out == (None, None)
+            if data.draw(st.booleans()):  # usually one of them writes next: copy-on-write if the tail is partial
+                self.op_append(data, sid=data.draw(st.sampled_from([parent, child])))
+
+    def _op_on_dead(self, sid: str, data: st.DataObject) -> None:
+        """Any op on a freed id answers DOUBLE_FREE, on a never-seen id UNKNOWN_SEQUENCE; nothing changes."""
+        expected = ErrorCode.DOUBLE_FREE if sid in self.model.freed else ErrorCode.UNKNOWN_SEQUENCE
+        op = data.draw(st.sampled_from(["free", "append", "commit", "fork"]))
+        pool_op = {
+            "free": lambda: self.pool.free(sid),
+            "append": lambda: self.pool.append(sid, [1]),
+            "commit": lambda: self.pool.commit(sid, 0),
+            "fork": lambda: self.pool.fork(sid, "child-of-dead"),
+        }[op]
+        model_op = {
+            "free": lambda: self.model.free_seq(sid),
+            "append": lambda: self.model.append(sid, [1]),
+            "commit": lambda: self.model.commit(sid, 0),
+            "fork": lambda: self.model.fork(sid, "child-of-dead"),
+        }[op]
+        exc = self.both(f"{op}({sid!r}, ...)", pool_op, model_op)
+        assert isinstance(exc, BlockdError) and exc.code == expected, exc
+
+    def op_free(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(self.live()))
+        got, want = self.both(f"free({sid!r})", lambda: self.pool.free(sid), lambda: self.model.free_seq(sid))
+        assert got == want
+        if data.draw(st.integers(0, 3)) == 3:  # sometimes free it again (or use it) right away
+            self._op_on_dead(sid, data)
+
+    def op_lookup(self, data: st.DataObject) -> None:
+        if self.history and data.draw(st.booleans()):
+            tokens, salt = data.draw(st.sampled_from(self.history))
+        else:
+            tokens, salt = data.draw(st.lists(TOKENS, max_size=12)), data.draw(st.sampled_from(SALTS))
+        self._lookup(tokens, salt)
+
+    def op_on_dead_sequence(self, data: st.DataObject) -> None:
+        dead = [s for s in SEQ_IDS + ["never-admitted"] if s not in self.model.seqs]
+        self._op_on_dead(data.draw(st.sampled_from(dead)), data)
+
+    def op_reset_prefix_cache(self, data: st.DataObject) -> None:
+        got, want = self.both("reset_prefix_cache()", self.pool.reset_prefix_cache, self.model.reset)
+        assert got == want
+        if got:
+            event("reset: dropped entries")
+
+    def op_persist(self, data: st.DataObject) -> None:
+        """What a persistence writer would have put in Redis at this moment."""
+        note("persist: index_snapshot()")
+        self.persisted.append(self.pool.index_snapshot())
+
+    def op_restart(self, data: st.DataObject) -> None:
+        """Re-sync a fresh pool from the executor's view; the live pool itself is left as it is."""
+        use_stale = not data.draw(st.booleans())  # mostly the stale snapshot: the write-behind race
+        note(f"restart(use_stale={use_stale})")
+        pool, bs = self.pool, self.pool.block_size
+        fresh = pool.index_snapshot()
+        snap = fresh
+        if use_stale and self.persisted:  # the oldest snapshot is the most likely one to be stale
+            snap = self.persisted[data.draw(st.integers(0, len(self.persisted) - 1))]
+        executor_generations = list(pool.generation)
+        p2 = BlockPool(self.spec)
+        p2.adopt_generations(executor_generations)
+        for sid, seq in pool.seqs.items():
+            salt = next(s for s in SALTS if pool.extra_for(s) == seq.extra)
+            p2.restore_sequence(sid, pool.token_ids(sid), seq.table, seq.committed * bs, salt)
+        p2.restore_index(snap.items(), executor_generations)
+        assert p2.check() == []
+        assert p2.refcount == pool.refcount
+        assert set(p2.free_queue) == set(pool.free_queue)
+        # Every restored entry names a block whose KV really holds that prefix (never a stale hit).
+        truth = set()
+        for b, key in enumerate(self.model.content):
+            if key is not None:
+                salt, prefix = key
+                truth.add((chain_hashes(list(prefix), bs, pool.root, pool.extra_for(salt))[-1], b))
+        if len(p2.index) < len(snap):
+            event("restart: entries dropped")
+        for h, b in p2.index.items():
+            assert (h, b) in truth, f"restored index entry names block {b}, which no longer holds that prefix"
+        if snap is fresh:  # nothing was lost: every current prefix hit is still a hit after the re-sync
+            assert set(pool.index) <= set(p2.index)
+            for tokens, _ in self.history[-5:]:
+                for salt in SALTS:
+                    assert p2.lookup(tokens, salt) >= pool.lookup(tokens, salt)
+
+    # ---- invariants
+
+    @invariant()
+    def pool_check_passes(self) -> None:
+        assert self.pool.check() == []
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        pool, model = self.pool, self.model
+        assert pool.refcount == model.refcount
+        assert pool.generation == model.generation
+        assert list(pool.free_queue) == model.free
+        bs = pool.block_size
+
+        def h(key: Key) -> bytes:
+            salt, prefix = key
+            return chain_hashes(list(prefix), bs, pool.root, pool.extra_for(salt))[-1]
+
+        assert list(pool.index.items()) == [(h(k), b) for k, b in model.index]
+        assert pool.block_hash == [None if k is None else h(k) for k in model.key]
+        assert set(pool.seqs) == set(model.seqs)
+        for sid, seq in pool.seqs.items():
+            m = model.seqs[sid]
+            assert (pool.token_ids(sid), seq.table, seq.committed) == (m.tokens, m.table, m.committed), sid
+            assert seq.extra == pool.extra_for(m.salt)
+        assert msgspec.structs.asdict(pool.counters) == model.counters
+        if pool.counters.evictions:
+            event("evictions happened")
+
+    @invariant()
+    def invariants_hold_independently(self) -> None:
+        pool = self.pool
+        # I1: the free queue is exactly the unreferenced blocks.
+        assert len(pool.free_queue) == len(set(pool.free_queue))
+        assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if pool.refcount[b] == 0}
+        # I2: refcounts add up to the block tables.
+        assert sum(pool.refcount) == sum(len(s.table) for s in pool.seqs.values())
+        referenced = {b for s in pool.seqs.values() for b in s.table}
+        assert not referenced & set(pool.free_queue), "a block is both free and referenced"
+        assert all(pool.refcount[b] > 0 for b in referenced)
+        # I3: every index entry names a block carrying that hash.
+        for hsh, b in pool.index.items():
+            assert pool.block_hash[b] == hsh
+        assert sum(x is not None for x in pool.block_hash) == len(pool.index)
+        # I4: block counts and committed blocks.
+        for sid, s in pool.seqs.items():
+            assert len(s.table) == -(-pool.num_tokens(sid) // pool.block_size)
+            assert s.committed <= pool.num_tokens(sid) // pool.block_size
+        # I5: uncached free blocks first, then cached ones in least-recently-freed order.
+        cached = [pool.block_hash[b] is not None for b in pool.free_queue]
+        assert cached == sorted(cached)
+        stamps = [pool.stamp[b] for b in pool.free_queue if pool.block_hash[b] is not None]
+        assert stamps == sorted(stamps)
+
+    @invariant()
+    def journal_replays_to_the_index(self) -> None:
+        """Applying the journal of changes yields exactly the current index snapshot."""
+        assert {h: e for h, e in self.journal.items() if e is not None} == self.pool.index_snapshot()
+
+
+# Shrinking this machine runs at ~20 examples/s and could take Hypothesis' full 300 s shrink budget, longer than the
+# pytest timeout. By default a failure is reported at once, with every pool call of the run as a note; set
+# BLOCKD_MODEL_SHRINK=1 to get a minimal example instead (slow).
+_PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+if os.environ.get("BLOCKD_MODEL_SHRINK"):
+    _PHASES.append(Phase.shrink)
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("BLOCKD_MODEL_EXAMPLES", "300")),
+    stateful_step_count=50,
+    derandomize=True,  # the same runs every time: stable in CI
+    database=None,
+    deadline=None,
+    phases=_PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestPoolAgainstModel = PoolMachine.TestCase
