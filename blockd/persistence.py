@@ -2,19 +2,24 @@
 
 Redis is never waited on inside a request. Pools record index changes in a plain dict (their journal, newest
 value per hash). Every `flush_interval_s` the daemon's loop collects the journals into a batch and hands it to a
-writer thread, which applies it to Redis in one pipelined MULTI/EXEC. So a committed prefix reaches Redis within
-flush_interval_s plus one write (the `lag_s` in stats says how far behind Redis is right now); a `kill -9` of
-blockd loses at most that much.
+writer thread, which appends each pool's changes to Redis as one msgpack blob (an append-only log, written in one
+MULTI/EXEC). So a committed prefix reaches Redis within flush_interval_s plus one write (the `lag_s` in stats says
+how far behind Redis is right now); a `kill -9` of blockd loses at most that much. When a pool's log outgrows
+twice its live entries, the writer compacts it into a snapshot. Neither this process nor Redis does per-entry
+work on the write path beyond one C-speed encode: persistence stays cheap next to the request loop.
 
 When Redis fails, persistence turns "degraded": journals are discarded (memory stays bounded), the writer
-reconnects with backoff, and once Redis answers again the loop sends a full snapshot of every pool that
-replaces what Redis holds: whatever Redis missed, or lost itself, is re-written.
+reconnects with backoff, and once Redis answers again (or answers with a new run id, having lost its data) the
+loop sends a full snapshot of every pool that replaces what Redis holds: whatever Redis missed is re-written.
 
 Key schema (all keys under the prefix `pagedkv:blockd:v1`):
-  pagedkv:blockd:v1:meta             hash   schema -> "1"
-  pagedkv:blockd:v1:pools            hash   pool id -> msgpack [pool_id, num_blocks, block_size, model_id, epoch]
-  pagedkv:blockd:v1:index:<pool id>  hash   block hash (32 hex digits) -> msgpack [block, generation, lru stamp]
-An entry is valid only while its pool's executor still reports that generation for that block (see pool.py).
+  pagedkv:blockd:v1:meta                hash  schema -> "1"
+  pagedkv:blockd:v1:pools               hash  pool id -> msgpack map of the pool spec (id, blocks, block size,
+                                              model, epoch)
+  pagedkv:blockd:v1:snapshot:<pool id>  list  msgpack maps, block hash (16 bytes) -> [block, generation, stamp]
+  pagedkv:blockd:v1:log:<pool id>       list  msgpack maps of later changes, same shape, nil = entry dropped
+A pool's index is its snapshot chunks merged in order, then its log blobs applied in order. An entry is valid
+only while its pool's executor still reports that generation for that block (see pool.py).
 """
 
 from __future__ import annotations
@@ -41,29 +46,23 @@ POOLS_KEY = f"{KEY_PREFIX}:pools"
 META_KEY = f"{KEY_PREFIX}:meta"
 SCHEMA_VERSION = "1"
 
-# KEYS[1]: an index hash. ARGV[1]: msgpack map hex hash -> [block, generation, stamp], or [] for a dropped entry.
-_APPLY_CHANGES_LUA = """
-local changes = cmsgpack.unpack(ARGV[1])
-for h, e in pairs(changes) do
-  if #e == 0 then
-    redis.call('HDEL', KEYS[1], h)
-  else
-    redis.call('HSET', KEYS[1], h, cmsgpack.pack(e))
-  end
-end
-return 0
-"""
+_SNAPSHOT_CHUNK = 20_000  # entries per snapshot blob: each encode holds the GIL only briefly
+_COMPACT_MIN = 50_000  # log entries a pool may gather before compaction is considered
 
 log = structlog.get_logger(service="blockd", component="persistence")
 
 
-def index_key(pool_id: str) -> str:
-    return f"{KEY_PREFIX}:index:{pool_id}"
+def snapshot_key(pool_id: str) -> str:
+    return f"{KEY_PREFIX}:snapshot:{pool_id}"
+
+
+def log_key(pool_id: str) -> str:
+    return f"{KEY_PREFIX}:log:{pool_id}"
 
 
 _encode = msgspec.msgpack.encode
 _decode_spec = msgspec.msgpack.Decoder(PoolSpec)
-_decode_entry = msgspec.msgpack.Decoder(tuple[int, int, int])
+_decode_changes = msgspec.msgpack.Decoder(dict[bytes, tuple[int, int, int] | None])
 
 
 def _encode_spec(spec: PoolSpec) -> bytes:
@@ -92,14 +91,23 @@ def redact(url: str) -> str:
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
+def load_pool_index(client: redis.Redis, pool_id: str) -> tuple[dict[bytes, IndexEntry], int]:
+    """One pool's persisted index, and how many log entries it took to rebuild it."""
+    index: dict[bytes, IndexEntry | None] = {}
+    for blob in client.lrange(snapshot_key(pool_id), 0, -1):
+        index.update(_decode_changes.decode(blob))
+    logged = 0
+    for blob in client.lrange(log_key(pool_id), 0, -1):
+        changes = _decode_changes.decode(blob)
+        index.update(changes)
+        logged += len(changes)
+    return {h: e for h, e in index.items() if e is not None}, logged
+
+
 def load(client: redis.Redis) -> tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]]]:
     """Read every persisted pool and its index."""
     specs = [_decode_spec.decode(raw) for raw in client.hgetall(POOLS_KEY).values()]
-    entries: dict[str, dict[bytes, IndexEntry]] = {}
-    for spec in specs:
-        raw = client.hgetall(index_key(spec.pool_id))
-        entries[spec.pool_id] = {bytes.fromhex(h.decode()): _decode_entry.decode(v) for h, v in raw.items()}
-    return specs, entries
+    return specs, {spec.pool_id: load_pool_index(client, spec.pool_id)[0] for spec in specs}
 
 
 class RedisPersistence(PoolEvents):
@@ -111,7 +119,6 @@ class RedisPersistence(PoolEvents):
         self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._unacked: collections.deque[float] = collections.deque()  # collected_at of batches not yet written
-        self._registered: dict[str, PoolSpec] = {}
         self._replace: set[str] = set()
         self._dropped: list[str] = []
         self._next_flush = 0.0
@@ -125,7 +132,9 @@ class RedisPersistence(PoolEvents):
         self.full_rewrites = 0
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="blockd-redis-writer", daemon=True)
-        self._apply_script = self.client.register_script(_APPLY_CHANGES_LUA)
+        # What Redis holds, per pool (writer thread only): to compact a log without reading it back.
+        self._persisted: dict[str, dict[bytes, IndexEntry | None]] = {}
+        self._logged: dict[str, int] = {}
 
     # ------------------------------------------------------------------ called on the daemon's thread
 
@@ -135,7 +144,12 @@ class RedisPersistence(PoolEvents):
         while True:
             try:
                 self.client.hsetnx(META_KEY, "schema", SCHEMA_VERSION)
-                return load(self.client)
+                specs = [_decode_spec.decode(raw) for raw in self.client.hgetall(POOLS_KEY).values()]
+                entries: dict[str, dict[bytes, IndexEntry]] = {}
+                for spec in specs:
+                    entries[spec.pool_id], self._logged[spec.pool_id] = load_pool_index(self.client, spec.pool_id)
+                    self._persisted[spec.pool_id] = dict(entries[spec.pool_id])
+                return specs, entries
             except redis.RedisError as exc:
                 if time.monotonic() > deadline:
                     self._mark_degraded(exc)
@@ -150,11 +164,9 @@ class RedisPersistence(PoolEvents):
         return {}
 
     def pool_registered(self, pool: BlockPool) -> None:
-        self._registered[pool.spec.pool_id] = pool.spec
         self._replace.add(pool.spec.pool_id)
 
     def pool_dropped(self, pool_id: str) -> None:
-        self._registered.pop(pool_id, None)
         self._replace.discard(pool_id)
         self._dropped.append(pool_id)
 
@@ -313,29 +325,37 @@ class RedisPersistence(PoolEvents):
     def _apply(self, batch: Batch) -> None:
         pipe = self.client.pipeline(transaction=True)
         if batch.full:
-            stale = [index_key(pid) for pid in self.client.hkeys(POOLS_KEY)]
-            pipe.delete(POOLS_KEY, *stale)
+            stale = [pid.decode() for pid in self.client.hkeys(POOLS_KEY)]
+            pipe.delete(POOLS_KEY, *(key for pid in stale for key in (snapshot_key(pid), log_key(pid))))
             pipe.hset(META_KEY, "schema", SCHEMA_VERSION)
+            self._persisted.clear()
+            self._logged.clear()
         for pool_id in batch.dropped:
-            pipe.delete(index_key(pool_id))
+            pipe.delete(snapshot_key(pool_id), log_key(pool_id))
             pipe.hdel(POOLS_KEY, pool_id)
+            self._persisted.pop(pool_id, None)
+            self._logged.pop(pool_id, None)
         for pool_id, spec in batch.specs.items():
             pipe.hset(POOLS_KEY, pool_id, _encode_spec(spec))
         for pool_id, entries in batch.replaced.items():
-            if not batch.full:
-                pipe.delete(index_key(pool_id))
-            if entries:
-                self._apply_changes(index_key(pool_id), entries, pipe)
+            self._write_snapshot(pipe, pool_id, dict(entries))
         for pool_id, changes in batch.changes.items():
-            self._apply_changes(index_key(pool_id), changes, pipe)
+            persisted = self._persisted.setdefault(pool_id, {})
+            persisted.update(changes)
+            pipe.rpush(log_key(pool_id), _encode(changes))
+            self._logged[pool_id] = self._logged.get(pool_id, 0) + len(changes)
+            if self._logged[pool_id] > max(_COMPACT_MIN, 2 * len(persisted)):
+                self._write_snapshot(pipe, pool_id, {h: e for h, e in persisted.items() if e is not None})
         pipe.execute()
 
-    def _apply_changes(self, key: str, changes: Journal | dict[bytes, IndexEntry], pipe: redis.client.Pipeline) -> None:
-        # One msgpack blob per pool and batch, applied inside Redis by a Lua script: per entry, this process
-        # pays a C-speed encode instead of redis-py's per-argument command packing.
-        # Lua's msgpack predates the bin type: hashes travel (and are stored) as hex.
-        blob = _encode({h.hex(): () if e is None else e for h, e in changes.items()})
-        self._apply_script(keys=[key], args=[blob], client=pipe)
+    def _write_snapshot(self, pipe: redis.client.Pipeline, pool_id: str, entries: dict[bytes, IndexEntry | None]) -> None:
+        """Replace a pool's snapshot and log by `entries`, in chunks so no single encode stalls the request loop."""
+        self._persisted[pool_id] = entries
+        self._logged[pool_id] = 0
+        pipe.delete(snapshot_key(pool_id), log_key(pool_id))
+        items = list(entries.items())
+        for start in range(0, len(items), _SNAPSHOT_CHUNK):
+            pipe.rpush(snapshot_key(pool_id), _encode(dict(items[start : start + _SNAPSHOT_CHUNK])))
 
 
 class NoPersistence(PoolEvents):

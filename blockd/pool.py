@@ -201,6 +201,7 @@ class BlockPool:
     def _release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the given order; blocks left unreferenced become free."""
         refcount, block_hash, free_queue = self.refcount, self.block_hash, self.free_queue
+        stamp, journal, clock = self.stamp, self.journal, self._clock
         for block in blocks:
             rc = refcount[block] - 1
             refcount[block] = rc
@@ -211,10 +212,11 @@ class BlockPool:
             if h is None:
                 free_queue.move_to_end(block, last=False)  # holds nothing worth keeping: reuse it first
             else:
-                self._clock += 1
-                self.stamp[block] = self._clock
-                if self.journal is not None:
-                    self.journal[h] = (block, self.generation[block], self._clock)
+                clock += 1
+                stamp[block] = clock
+                if journal is not None:
+                    journal[h] = (block, self.generation[block], clock)
+        self._clock = clock
 
     def _shortfall(self, needed: int, what: str) -> BlockdError:
         missing = needed - len(self.free_queue)
@@ -289,17 +291,17 @@ class BlockPool:
         shares (after a fork), that block is copied first: a fresh block plus a (src, dst) copy instruction.
         """
         seq = self.seqs.get(seq_id) or self._seq(seq_id)
-        packed = _packed(tokens)
+        packed = tokens if type(tokens) is bytes and not len(tokens) % _TOKEN_BYTES else _packed(tokens)
         held = seq.tokens
         table = seq.table
         bs = self.block_size
         n_old = len(held) // _TOKEN_BYTES
         k = len(packed) // _TOKEN_BYTES
-        new_blocks = (n_old + k + bs - 1) // bs - len(table)
-        cow = k > 0 and n_old % bs != 0 and self.refcount[table[-1]] > 1
-        if new_blocks <= 0 and not cow:  # the common decode step: room in an unshared last block
-            held += packed
+        if k <= len(table) * bs - n_old and (k == 0 or self.refcount[table[-1]] == 1):
+            held += packed  # the common decode step: room in an unshared last block
             return _NOTHING_APPENDED
+        new_blocks = (n_old + k + bs - 1) // bs - len(table)
+        cow = n_old % bs != 0 and self.refcount[table[-1]] > 1
         needed = new_blocks + cow
         if needed > len(self.free_queue):
             raise self._shortfall(needed, f"appending {k} tokens to {seq_id!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,8 @@ def main(
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
+    # The Redis writer thread must not hold the GIL for long while a request waits for it.
+    sys.setswitchinterval(0.0005)
 
     metrics = BlockdMetrics() if metrics_port else None
     if metrics is not None:

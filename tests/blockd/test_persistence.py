@@ -1,0 +1,102 @@
+"""The write-behind store against a real redis-server: what Redis holds always rebuilds blockd's index."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from blockd import persistence
+from blockd import protocol as p
+from blockd.manager import BlockManager
+from blockd.persistence import RedisPersistence, load, log_key, snapshot_key
+from tests.blockd.conftest import wait_for
+
+
+def churn(manager: BlockManager, rng: random.Random, rounds: int) -> None:
+    """Admit, commit and free sequences over a small vocabulary: hits, evictions and re-commits all happen."""
+    pool = manager.pools["p"]
+    for i in range(rounds):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 24))]
+        seq = f"s{i}"
+        try:
+            pool.admit(seq, tokens)
+        except Exception:
+            continue
+        pool.commit(seq, len(tokens))
+        if rng.random() < 0.8:
+            pool.free(seq)
+
+
+@pytest.fixture
+def store(redis_process):
+    store = RedisPersistence(redis_process.url, flush_interval_s=0.01)
+    yield store
+    store.close()
+
+
+def register(manager: BlockManager, num_blocks: int = 48) -> None:
+    manager.register(p.Register(v=1, id=1, pool_id="p", num_blocks=num_blocks, block_size=2, model_id="m", epoch=3))
+
+
+def test_log_and_compaction_rebuild_the_exact_index(store, redis_process, monkeypatch):
+    monkeypatch.setattr(persistence, "_COMPACT_MIN", 40)  # compact often
+    manager = BlockManager(events=store)
+    specs, entries = store.load()
+    assert specs == [] and entries == {}
+    store.start()
+    register(manager)
+    rng = random.Random(7)
+    redis = redis_process.client()
+    compacted = False
+    for _ in range(30):
+        churn(manager, rng, 20)
+        assert store.flush_now(manager)
+        _, persisted = load(redis)
+        assert persisted["p"] == manager.pools["p"].index_snapshot()
+        compacted |= redis.llen(log_key("p")) == 0 and redis.llen(snapshot_key("p")) > 0
+    assert compacted, "the log was never compacted into a snapshot"
+    assert store.stats(0).state == "ok" and store.stats(0).entries_written > 0
+
+
+def test_a_restarted_store_continues_the_log_it_found(store, redis_process):
+    manager = BlockManager(events=store)
+    store.load()
+    store.start()
+    register(manager)
+    rng = random.Random(11)
+    churn(manager, rng, 60)
+    assert store.flush_now(manager)
+    expected = manager.pools["p"].index_snapshot()
+
+    second = RedisPersistence(redis_process.url, flush_interval_s=0.01)
+    try:
+        specs, entries = second.load()
+        assert [s.pool_id for s in specs] == ["p"] and entries["p"] == expected
+        restarted = BlockManager(events=second)
+        restarted.restore(specs, entries)
+        second.start()
+        generations = manager.pools["p"].generation
+        restarted.register(p.Register(v=1, id=2, pool_id="p", num_blocks=48, block_size=2, model_id="m", epoch=3,
+                                      generations=generations))  # fmt: skip
+        assert restarted.pools["p"].index_snapshot().keys() == expected.keys()
+        churn(restarted, rng, 60)
+        assert second.flush_now(restarted)
+        assert load(redis_process.client())[1]["p"] == restarted.pools["p"].index_snapshot()
+    finally:
+        second.close()
+
+
+def test_dropping_a_pool_removes_its_keys(store, redis_process):
+    manager = BlockManager(events=store)
+    store.load()
+    store.start()
+    register(manager)
+    churn(manager, random.Random(3), 30)
+    assert store.flush_now(manager)
+    assert wait_for(lambda: load(redis_process.client())[1].get("p"), what="index persisted")
+    manager.unregister("p", 3)
+    assert store.flush_now(manager)
+    redis = redis_process.client()
+    assert load(redis) == ([], {})
+    assert not redis.exists(snapshot_key("p"), log_key("p"))
