@@ -22,7 +22,7 @@ O(1) per block: no operation scans the pool.
 Generations: each time a block is granted to hold new content its generation rises by one and the grant carries
 it. The executor keeps the generation of what each of its blocks holds; when an index restored from Redis names
 (block, generation) and the executor's generation differs, the block has been rewritten since, and the entry
-is dropped (`validate_index`).
+is dropped (`restore_index`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from blockd.hashing import TOKEN_BYTES as _TOKEN_BYTES
 from blockd.hashing import as_packed, chain_hashes, extra_key, root_hash, unpack_tokens
 
 #: What the persistence layer learns about an index entry: (block, generation, lru stamp), or None when dropped.
+#: The stamp it hears is the LRU clock when the prefix was committed or last reused from the free queue; plain
+#: frees are not journaled (they are the commonest event), so a restored LRU order is by last commit or reuse.
 IndexEntry = tuple[int, int, int]
 #: Index changes since persistence last collected them, newest per hash (a dict write is all the hot path pays).
 Journal = dict[bytes, "IndexEntry | None"]
@@ -201,7 +203,7 @@ class BlockPool:
     def _release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the given order; blocks left unreferenced become free."""
         refcount, block_hash, free_queue = self.refcount, self.block_hash, self.free_queue
-        stamp, journal, clock = self.stamp, self.journal, self._clock
+        stamp, clock = self.stamp, self._clock
         for block in blocks:
             rc = refcount[block] - 1
             refcount[block] = rc
@@ -214,8 +216,6 @@ class BlockPool:
             else:
                 clock += 1
                 stamp[block] = clock
-                if journal is not None:
-                    journal[h] = (block, self.generation[block], clock)
         self._clock = clock
 
     def _shortfall(self, needed: int, what: str) -> BlockdError:
@@ -268,9 +268,12 @@ class BlockPool:
                 missing_blocks=missing,
             )
         free = self.free_queue
-        for b in hits:
+        journal = self.journal
+        for i, b in enumerate(hits):
             if refcount[b] == 0:
                 del free[b]
+                if journal is not None:  # a cached prefix proved useful: persistence records its recency
+                    journal[hashes[i]] = (b, self.generation[b], self._clock)
             refcount[b] += 1
         table = hits + self._allocate(needed)
         self.seqs[seq_id] = Sequence_(bytearray(packed), table, hashes, len(hits), extra)
@@ -354,7 +357,7 @@ class BlockPool:
             block_hash[b] = h
             added += 1
             if self.journal is not None:
-                self.journal[h] = (b, self.generation[b], self.stamp[b])
+                self.journal[h] = (b, self.generation[b], self._clock)
         seq.committed = full
         return added
 

@@ -13,6 +13,11 @@ from blockd.persistence import RedisPersistence, load, log_key, snapshot_key
 from tests.blockd.conftest import wait_for
 
 
+def blocks_and_generations(index: dict) -> dict:
+    """An index without LRU stamps: Redis hears a stamp only at commit or reuse, memory at every free."""
+    return {h: entry[:2] for h, entry in index.items()}
+
+
 def churn(manager: BlockManager, rng: random.Random, rounds: int) -> None:
     """Admit, commit and free sequences over a small vocabulary: hits, evictions and re-commits all happen."""
     pool = manager.pools["p"]
@@ -53,7 +58,7 @@ def test_log_and_compaction_rebuild_the_exact_index(store, redis_process, monkey
         churn(manager, rng, 20)
         assert store.flush_now(manager)
         _, persisted = load(redis)
-        assert persisted["p"] == manager.pools["p"].index_snapshot()
+        assert blocks_and_generations(persisted["p"]) == blocks_and_generations(manager.pools["p"].index_snapshot())
         compacted |= redis.llen(log_key("p")) == 0 and redis.llen(snapshot_key("p")) > 0
     assert compacted, "the log was never compacted into a snapshot"
     assert store.stats(0).state == "ok" and store.stats(0).entries_written > 0
@@ -72,7 +77,8 @@ def test_a_restarted_store_continues_the_log_it_found(store, redis_process):
     second = RedisPersistence(redis_process.url, flush_interval_s=0.01)
     try:
         specs, entries = second.load()
-        assert [s.pool_id for s in specs] == ["p"] and entries["p"] == expected
+        assert [s.pool_id for s in specs] == ["p"]
+        assert blocks_and_generations(entries["p"]) == blocks_and_generations(expected)
         restarted = BlockManager(events=second)
         restarted.restore(specs, entries)
         second.start()
@@ -82,7 +88,9 @@ def test_a_restarted_store_continues_the_log_it_found(store, redis_process):
         assert restarted.pools["p"].index_snapshot().keys() == expected.keys()
         churn(restarted, rng, 60)
         assert second.flush_now(restarted)
-        assert load(redis_process.client())[1]["p"] == restarted.pools["p"].index_snapshot()
+        assert blocks_and_generations(load(redis_process.client())[1]["p"]) == blocks_and_generations(
+            restarted.pools["p"].index_snapshot()
+        )
     finally:
         second.close()
 
