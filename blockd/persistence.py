@@ -25,6 +25,7 @@ only while its pool's executor still reports that generation for that block (see
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import threading
 import time
@@ -46,7 +47,8 @@ POOLS_KEY = f"{KEY_PREFIX}:pools"
 META_KEY = f"{KEY_PREFIX}:meta"
 SCHEMA_VERSION = "1"
 
-_SNAPSHOT_CHUNK = 20_000  # entries per snapshot blob: each encode holds the GIL only briefly
+_SNAPSHOT_CHUNK = 4096  # entries per snapshot blob: each C-level encode holds the GIL only briefly
+_JOURNAL_LIMIT = 4096  # index changes a pool may gather before they are handed over early
 _COMPACT_MIN = 50_000  # log entries a pool may gather before compaction is considered
 
 log = structlog.get_logger(service="blockd", component="persistence")
@@ -171,8 +173,11 @@ class RedisPersistence(PoolEvents):
         self._dropped.append(pool_id)
 
     def tick(self, manager: BlockManager, now: float) -> None:
-        """Hand the changes since the last tick to the writer, at most once per flush interval."""
-        if now < self._next_flush:
+        """Hand the changes since the last tick to the writer: every flush interval, or sooner when a journal
+        grows big (small batches keep every C-level step of the writer, which holds the GIL, short)."""
+        if now < self._next_flush and not any(
+            pool.journal is not None and len(pool.journal) >= _JOURNAL_LIMIT for pool in manager.pools.values()
+        ):
             return
         self._next_flush = now + self.flush_interval_s
         batch = self.collect(manager, now)
@@ -353,9 +358,9 @@ class RedisPersistence(PoolEvents):
         self._persisted[pool_id] = entries
         self._logged[pool_id] = 0
         pipe.delete(snapshot_key(pool_id), log_key(pool_id))
-        items = list(entries.items())
-        for start in range(0, len(items), _SNAPSHOT_CHUNK):
-            pipe.rpush(snapshot_key(pool_id), _encode(dict(items[start : start + _SNAPSHOT_CHUNK])))
+        items = iter(entries.items())
+        while chunk := dict(itertools.islice(items, _SNAPSHOT_CHUNK)):
+            pipe.rpush(snapshot_key(pool_id), _encode(chunk))
 
 
 class NoPersistence(PoolEvents):
