@@ -67,7 +67,7 @@ class PoolSpec(msgspec.Struct, frozen=True):
     epoch: int
 
 
-class Sequence_(msgspec.Struct):
+class SeqState(msgspec.Struct):
     """A live sequence as the pool knows it."""
 
     tokens: bytearray  # its token ids, packed (see hashing.pack_tokens)
@@ -155,7 +155,7 @@ class BlockPool:
         self.stamp: list[int] = [0] * spec.num_blocks  # LRU clock value when the block last became free
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(spec.num_blocks))
         self.index: dict[bytes, int] = {}
-        self.seqs: dict[str, Sequence_] = {}
+        self.seqs: dict[str, SeqState] = {}
         self.counters = PoolCounters()
         self.journal = journal
         self._clock = 0
@@ -166,7 +166,7 @@ class BlockPool:
     def extra_for(self, cache_salt: str | None) -> bytes:
         return self._default_extra if cache_salt is None else extra_key(self.spec.model_id, cache_salt)
 
-    def _seq(self, seq_id: str) -> Sequence_:
+    def _seq(self, seq_id: str) -> SeqState:
         seq = self.seqs.get(seq_id)
         if seq is None:
             if seq_id in self._recently_freed:
@@ -276,7 +276,7 @@ class BlockPool:
                     journal[hashes[i]] = (b, self.generation[b], self._clock)
             refcount[b] += 1
         table = hits + self._allocate(needed)
-        self.seqs[seq_id] = Sequence_(bytearray(packed), table, hashes, len(hits), extra)
+        self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra)
         full_blocks = n // bs
         counters.admits += 1
         counters.queried_blocks += full_blocks
@@ -368,7 +368,7 @@ class BlockPool:
         refcount = self.refcount
         for b in parent.table:
             refcount[b] += 1
-        self.seqs[child_id] = Sequence_(
+        self.seqs[child_id] = SeqState(
             bytearray(parent.tokens), list(parent.table), list(parent.hashes), parent.committed, parent.extra
         )
         self._recently_freed.pop(child_id, None)
@@ -438,7 +438,7 @@ class BlockPool:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
-        self.seqs[seq_id] = Sequence_(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt))
+        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt))
         self.commit(seq_id, min(max(num_computed, 0), n))
 
     def restore_index(self, entries: Iterable[tuple[bytes, IndexEntry]], generations: Sequence[int] | None) -> int:

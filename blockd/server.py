@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgspec
 import structlog
 import zmq
 

@@ -118,7 +118,6 @@ def bench_decode(
     splits = choose_num_splits(
         batch, num_kv_heads, p["block_tables"].shape[1] * block_size, num_sms=device_num_sms(device)
     )
-    del p, k, v
     bw = kv_bytes / (ms * 1e-3)
     return {
         **row, "num_splits": splits, "ms": ms, "gbps": bw / 1e9, "bw_fraction": bw / copy_bw,
@@ -155,7 +154,6 @@ def bench_prefill(
         expected = sdpa(gqa)
     sdpa_ms = timer(lambda: sdpa(gqa))
     max_err = (out.float() - expected.transpose(1, 2).reshape(out.shape).float()).abs().max().item()
-    del p, q, k, v
     return {
         "num_seqs": num_seqs, "seq_len": seq_len, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
         "sdpa_ms": sdpa_ms, "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12, "vs_sdpa": sdpa_ms / ms,

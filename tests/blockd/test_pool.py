@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
 
-import msgspec
 import pytest
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes
 from blockd.pool import AppendResult, BlockPool, PoolSpec
+from tests.blockd.pool_state import pool_state
 
 
 def make_pool(num_blocks: int, block_size: int, *, journal: dict | None = None, model: str = "m") -> BlockPool:
@@ -19,26 +18,6 @@ def make_pool(num_blocks: int, block_size: int, *, journal: dict | None = None, 
 def block_hash_of(pool: BlockPool, tokens: list[int], cache_salt: str | None = None) -> bytes:
     """The chained hash of the last full block of `tokens`."""
     return chain_hashes(tokens, pool.block_size, pool.root, pool.extra_for(cache_salt))[-1]
-
-
-def state(pool: BlockPool) -> dict[str, Any]:
-    """Everything an operation may change, failure counters excepted."""
-    counters = msgspec.structs.asdict(pool.counters)
-    counters.pop("admit_failures")
-    return dict(
-        refcount=list(pool.refcount),
-        block_hash=list(pool.block_hash),
-        generation=list(pool.generation),
-        stamp=list(pool.stamp),
-        free_queue=list(pool.free_queue),
-        index=dict(pool.index),
-        seqs={
-            sid: (pool.token_ids(sid), list(s.table), list(s.hashes), s.committed, s.extra)
-            for sid, s in pool.seqs.items()
-        },
-        counters=counters,
-        journal=None if pool.journal is None else dict(pool.journal),
-    )
 
 
 def expect_error(code: ErrorCode, fn, *args, **kwargs) -> BlockdError:
@@ -70,10 +49,10 @@ def test_admit_is_all_or_nothing() -> None:
     pool = make_pool(4, 2)
     pool.admit("a", [1, 2, 3, 4, 5])  # 3 of 4 blocks
     pool.commit("a", 4)
-    before = state(pool)
+    before = pool_state(pool)
     err = expect_error(ErrorCode.OUT_OF_BLOCKS, pool.admit, "b", [7, 7, 7, 7, 7])  # needs 3, 1 free
     assert err.missing_blocks == 2
-    assert state(pool) == before
+    assert pool_state(pool) == before
     assert pool.counters.admit_failures == 1
     assert "b" not in pool.seqs
     # A prompt that fits still goes in afterwards.
@@ -108,11 +87,11 @@ def test_admit_counts_cached_free_hits_against_the_free_blocks() -> None:
     pool.admit("a", [1, 2, 3, 4, 5])
     pool.commit("a", 4)
     pool.free("a")
-    before = state(pool)
+    before = pool_state(pool)
     # 9 tokens: 5 blocks, 2 of them hits, so 3 new ones; 4 blocks are free but 2 of those are the hits.
     err = expect_error(ErrorCode.OUT_OF_BLOCKS, pool.admit, "b", [1, 2, 3, 4, 9, 9, 9, 9, 9])
     assert err.missing_blocks == 1
-    assert state(pool) == before
+    assert pool_state(pool) == before
     assert pool.lookup([1, 2, 3, 4, 5]) == 4  # the cached chain survived the failed admit
 
 
@@ -235,28 +214,28 @@ def test_appending_nothing_to_a_shared_partial_block_copies_nothing() -> None:
     pool = make_pool(4, 2)
     pool.admit("a", [1, 2, 3])
     pool.fork("a", "b")
-    before = state(pool)
+    before = pool_state(pool)
     assert pool.append("b", []) == AppendResult()
-    assert state(pool) == before
+    assert pool_state(pool) == before
 
 
 def test_copy_on_write_out_of_blocks_changes_nothing() -> None:
     pool = make_pool(2, 2)
     pool.admit("a", [1, 2, 3])
     pool.fork("a", "b")
-    before = state(pool)
+    before = pool_state(pool)
     err = expect_error(ErrorCode.OUT_OF_BLOCKS, pool.append, "b", [4])
     assert err.missing_blocks == 1
-    assert state(pool) == before
+    assert pool_state(pool) == before
 
 
 def test_append_out_of_blocks_reports_what_is_missing_and_changes_nothing() -> None:
     pool = make_pool(3, 2)
     pool.admit("a", [1, 2, 3])  # blocks 0, 1; one free
-    before = state(pool)
+    before = pool_state(pool)
     err = expect_error(ErrorCode.OUT_OF_BLOCKS, pool.append, "a", [4, 5, 6, 7, 8])  # 8 tokens: 4 blocks
     assert err.missing_blocks == 1
-    assert state(pool) == before
+    assert pool_state(pool) == before
     assert pool.append("a", [4, 5]).blocks == (2,)
 
 
@@ -582,9 +561,9 @@ def test_admit_rejects_bad_prompts_and_changes_nothing(tokens: list) -> None:
     pool = make_pool(8, 4)
     pool.admit("live", [1, 2, 3, 4, 5])
     pool.commit("live", 4)
-    before = state(pool)
+    before = pool_state(pool)
     expect_error(ErrorCode.INVALID_REQUEST, pool.admit, "bad", tokens)
-    assert state(pool) == before
+    assert pool_state(pool) == before
     assert pool.counters.admit_failures == 0
 
 
@@ -592,19 +571,19 @@ def test_admit_rejects_bad_prompts_and_changes_nothing(tokens: list) -> None:
 def test_append_and_lookup_reject_bad_ids(tokens: list) -> None:
     pool = make_pool(8, 2)
     pool.admit("a", [1, 2, 3])
-    before = state(pool)
+    before = pool_state(pool)
     expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", tokens)
     expect_error(ErrorCode.INVALID_REQUEST, pool.lookup, [1, 2, 3, *tokens])
-    assert state(pool) == before
+    assert pool_state(pool) == before
 
 
 def test_commit_outside_the_sequence_is_rejected() -> None:
     pool = make_pool(8, 2)
     pool.admit("a", [1, 2, 3])
-    before = state(pool)
+    before = pool_state(pool)
     expect_error(ErrorCode.INVALID_REQUEST, pool.commit, "a", 4)
     expect_error(ErrorCode.INVALID_REQUEST, pool.commit, "a", -1)
-    assert state(pool) == before
+    assert pool_state(pool) == before
 
 
 @pytest.mark.parametrize(
@@ -621,9 +600,9 @@ def test_commit_outside_the_sequence_is_rejected() -> None:
 def test_restore_sequence_rejects_bad_input_and_changes_nothing(tokens: list, table: list) -> None:
     pool = make_pool(6, 2)
     pool.admit("live", [4, 4, 4])
-    before = state(pool)
+    before = pool_state(pool)
     expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "r", tokens, table, len(tokens))
-    assert state(pool) == before
+    assert pool_state(pool) == before
     assert pool.check() == []
 
 
@@ -642,19 +621,19 @@ def test_pool_shape_must_be_positive(num_blocks: int, block_size: int) -> None:
 def test_sequence_id_errors() -> None:
     pool = make_pool(8, 2)
     pool.admit("a", [1, 2, 3])
-    before = state(pool)
+    before = pool_state(pool)
     expect_error(ErrorCode.SEQUENCE_EXISTS, pool.admit, "a", [5])
     expect_error(ErrorCode.SEQUENCE_EXISTS, pool.fork, "a", "a")
     expect_error(ErrorCode.SEQUENCE_EXISTS, pool.restore_sequence, "a", [1], [5], 0)
     for op in (pool.free, lambda s: pool.append(s, [1]), lambda s: pool.commit(s, 0), lambda s: pool.fork(s, "z")):
         expect_error(ErrorCode.UNKNOWN_SEQUENCE, op, "never")
-    assert state(pool) == before
+    assert pool_state(pool) == before
 
     assert pool.free("a") == 2
-    before = state(pool)
+    before = pool_state(pool)
     for op in (pool.free, lambda s: pool.append(s, [1]), lambda s: pool.commit(s, 0), lambda s: pool.fork(s, "z")):
         expect_error(ErrorCode.DOUBLE_FREE, op, "a")
-    assert state(pool) == before
+    assert pool_state(pool) == before
     # The id can be used again; freed again, it is a double free again.
     pool.admit("a", [1])
     pool.free("a")

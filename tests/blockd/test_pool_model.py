@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes
 from blockd.pool import BlockPool, PoolSpec
+from tests.blockd.pool_state import pool_state
 
 SEQ_IDS = ["a", "b", "c", "d", "e"]
 SALTS = [None, "t1", "t2"]
@@ -232,28 +233,6 @@ class Model:
         return dropped
 
 
-def snapshot(pool: BlockPool) -> dict[str, Any]:
-    """Everything a failed operation must leave as it was (failure counters excepted)."""
-    counters = msgspec.structs.asdict(pool.counters)
-    counters.pop("admit_failures")
-    return dict(
-        refcount=list(pool.refcount),
-        block_hash=list(pool.block_hash),
-        generation=list(pool.generation),
-        stamp=list(pool.stamp),
-        free_queue=list(pool.free_queue),
-        index=list(pool.index.items()),
-        seqs={
-            sid: (pool.token_ids(sid), list(s.table), list(s.hashes), s.committed, s.extra)
-            for sid, s in pool.seqs.items()
-        },
-        counters=counters,
-        clock=pool._clock,
-        journal=dict(pool.journal) if pool.journal is not None else None,
-        recently_freed=list(pool._recently_freed),
-    )
-
-
 class PoolMachine(RuleBasedStateMachine):
     pool: BlockPool
     model: Model
@@ -273,7 +252,7 @@ class PoolMachine(RuleBasedStateMachine):
     def both(self, desc: str, pool_op, model_op, *, mutating: bool = True) -> Any:
         """Run the same operation on pool and model; they must agree on success/failure, code and result."""
         note(f"pool.{desc}")
-        before = snapshot(self.pool)
+        before = pool_state(self.pool)
         try:
             got = pool_op()
         except BlockdError as exc:
@@ -284,7 +263,7 @@ class PoolMachine(RuleBasedStateMachine):
                 assert exc.missing_blocks == mexc.missing_blocks, (exc, mexc.missing_blocks)
             else:
                 raise AssertionError(f"pool failed ({exc}) where the model succeeded") from None
-            assert snapshot(self.pool) == before, f"I6: failed operation changed the pool ({exc})"
+            assert pool_state(self.pool) == before, f"I6: failed operation changed the pool ({exc})"
             event(f"failure: {exc.code}")
             return exc
         try:
@@ -292,7 +271,7 @@ class PoolMachine(RuleBasedStateMachine):
         except ModelError as mexc:
             raise AssertionError(f"model failed ({mexc.code}) where the pool succeeded with {got!r}") from None
         if not mutating:
-            assert snapshot(self.pool) == before, "a read-only operation changed the pool"
+            assert pool_state(self.pool) == before, "a read-only operation changed the pool"
         self.model.refresh_content()
         return got, want
 
