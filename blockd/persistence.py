@@ -305,8 +305,9 @@ class RedisPersistence(PoolEvents):
             self._mark_degraded(exc)
             self._recover(backoff)
             return
-        if self._run_id is not None and run_id != self._run_id and not self._full_rewrite_wanted:
-            log.warning("redis restarted: re-writing the index", run_id=run_id)
+        restarted = self._run_id is not None and run_id != self._run_id
+        if (restarted or self.degraded) and not self._full_rewrite_wanted:
+            log.warning("redis answers again: re-writing the index", run_id=run_id, restarted=restarted)
             self._full_rewrite_wanted = True
         self._run_id = run_id
 

@@ -115,3 +115,42 @@ def test_prometheus_metrics_endpoint(start_blockd):
     assert 'blockd_requests_total{op="step",outcome="ok"}' in text
     assert "blockd_request_seconds_bucket" in text
     assert "blockd_persistence_degraded 0.0" in text
+
+
+def test_check_reports_a_corrupted_pool_with_exit_status_1():
+    """A real BlockdServer on a real socket (in a thread, so the test can corrupt its state directly)."""
+    import threading
+
+    import zmq
+    from click.testing import CliRunner
+
+    from blockd import cli as blockd_cli
+    from blockd.manager import BlockManager
+    from blockd.persistence import NoPersistence
+    from blockd.server import BlockdServer
+    from tests.blockd.conftest import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    manager = BlockManager()
+    server = BlockdServer(manager, NoPersistence())
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind(endpoint)
+    thread = threading.Thread(target=server.serve, args=(socket,), daemon=True)
+    thread.start()
+    try:
+        ex = PoolClient(BlockdClient(endpoint), pool_id="gpu0", num_blocks=8, block_size=4, model_id="tiny")
+        ex.register()
+        ex.admit("s", list(range(6)))
+        runner = CliRunner()
+        assert runner.invoke(blockd_cli.main, ["--endpoint", endpoint, "check"]).exit_code == 0
+
+        manager.pools["gpu0"].refcount[ex.seqs["s"].blocks[0]] += 1  # a leaked reference
+        result = runner.invoke(blockd_cli.main, ["--endpoint", endpoint, "check"])
+        assert result.exit_code == 1
+        assert "I2 block" in result.output and "1 invariant violation(s)" in result.output
+    finally:
+        server.stop()
+        thread.join(timeout=5)
+        socket.close(linger=0)
+        context.term()

@@ -313,3 +313,21 @@ def test_register_rejects_bad_generations(start_blockd):
             client.call(p.Register, pool_id="x", num_blocks=4, block_size=2, model_id="m", epoch=1, generations=[0])
         assert err.value.code == ErrorCode.INVALID_REQUEST
         assert client.pools().pools == []
+
+
+def test_redis_unreachable_at_start_serves_degraded_then_catches_up(tmp_path, start_blockd):
+    from tests.blockd.conftest import RedisProcess
+
+    redis_process = RedisProcess(tmp_path / "late-redis")  # its port is chosen, nothing listens yet
+    try:
+        daemon = start_blockd("--redis-url", redis_process.url, "--flush-interval", "0.05")
+        ex = pool_client(daemon)
+        ex.admit("a", prompt(0, 9))  # allocation does not wait for Redis
+        ex.commit("a", 9)
+        with daemon.client() as operator:
+            assert operator.stats().persistence.state == "degraded"
+            redis_process.start()
+            wait_for(lambda: operator.stats().persistence.state == "ok", timeout_s=15, what="recovery")
+        wait_for(lambda: persisted_entries(redis_process, "ex0") == 2, what="index written")
+    finally:
+        redis_process.server.stop()
