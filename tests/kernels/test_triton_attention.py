@@ -60,6 +60,21 @@ def test_decode_flash_decoding_splits(num_splits, dtype):
     check(make_batch(seqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=2), num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [1, 8], ids=["unsplit", "8-splits"])
+def test_long_context_decode(num_splits):
+    # Thousands of tokens of context: hundreds of blocks and dozens of KV tiles per sequence.
+    seqs = [(1, 4100), (1, 2333)]
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16, seed=9)
+    check(batch, num_splits)
+
+
+def test_long_prefill_chunk_after_a_long_cached_prefix():
+    # A 40-token chunk after 3,000 cached tokens: the unmasked tiles span thousands of positions.
+    batch = make_batch([(40, 3040)], num_heads=4, num_kv_heads=1, head_dim=64, block_size=32, dtype=torch.float32,
+                       seed=10)  # fmt: skip
+    check(batch)
+
+
 def test_split_path_in_a_mixed_batch():
     # Decode tokens are split, prefill tiles in the same launch are not, and both land in `out`.
     seqs = [(1, 150), (12, 90), (1, 17), (5, 5)]
