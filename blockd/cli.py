@@ -55,7 +55,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 @click.option("--timeout", type=float, default=3.0, help="Seconds to wait for blockd before giving up.")
 @click.pass_context
 def main(ctx: click.Context, endpoint: str, timeout: float) -> None:
-    """Inspect and operate a running blockd."""
+    """Inspect and operate a running blockd.
+
+    Exit status: 0 on success; 1 when blockd answers with an error or `check` finds a violated invariant;
+    69 when blockd does not answer within --timeout.
+    """
     ctx.obj = BlockdClient(endpoint, timeout_s=timeout)
 
 

@@ -206,9 +206,9 @@ class BlockdServer:
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=default_state_dir,
+    default=default_state_dir(),
     envvar="BLOCKD_STATE_DIR",
-    help="Where the embedded Redis keeps its data.",
+    help="Where the embedded Redis keeps its data (used without --redis-url).",
 )
 @click.option("--flush-interval", type=float, default=0.1, help="Seconds between write-behind batches to Redis.")
 @click.option("--lease-timeout", type=float, default=10.0, envvar="BLOCKD_LEASE_TIMEOUT",
