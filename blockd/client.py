@@ -170,6 +170,7 @@ class PoolClient:
         self.generations: list[int] = [0] * num_blocks
         self.lease_timeout_s: float | None = None
         self.resyncs = 0
+        self._in_flight: list[p.StepOp] | None = None
 
     # ------------------------------------------------------------------------------ registration
 
@@ -226,10 +227,32 @@ class PoolClient:
 
     def step(self, ops: Sequence[p.StepOp]) -> list[p.StepOpResult]:
         """One round trip carrying every op of a scheduler step; results in op order, applied to the mirror."""
-        ops = list(ops)
-        result: p.StepResult = self._with_resync(
-            lambda: self.client.call(p.Step, pool_id=self.pool_id, ops=ops)
-        )
+        self.submit_step(ops)
+        return self.finish_step()
+
+    def submit_step(self, ops: Sequence[p.StepOp]) -> None:
+        """Send a step's ops now; `finish_step` collects the results, so the round trip can overlap other work
+        (the model's forward pass)."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is already in flight: finish_step() it first")
+        self._in_flight = list(ops)
+        self.client.send(p.Step, pool_id=self.pool_id, ops=self._in_flight)
+
+    def finish_step(self) -> list[p.StepOpResult]:
+        """The results of the step in flight, after a re-sync and a resend if blockd lost it."""
+        if self._in_flight is None:
+            raise RuntimeError("no step in flight")
+        ops, self._in_flight = self._in_flight, None
+        answered_in_flight = False
+
+        def attempt() -> p.StepResult:
+            nonlocal answered_in_flight
+            if not answered_in_flight:
+                answered_in_flight = True
+                return self.client.receive(p.StepResult)
+            return self.client.call(p.Step, pool_id=self.pool_id, ops=ops)
+
+        result: p.StepResult = self._with_resync(attempt)
         for op, outcome in zip(ops, result.results, strict=True):
             if type(outcome) is not p.OpError:
                 self._mirror(op, outcome)

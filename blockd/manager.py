@@ -208,7 +208,7 @@ class BlockManager:
                 return p.SequenceInfo(
                     pool_id=pool.spec.pool_id,
                     seq_id=seq_id,
-                    num_tokens=len(seq.tokens),
+                    num_tokens=pool.num_tokens(seq_id),
                     committed_blocks=seq.committed,
                     blocks=list(seq.table),
                     refcounts=[pool.refcount[b] for b in seq.table],

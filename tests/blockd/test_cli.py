@@ -53,6 +53,7 @@ def test_stats_pools_seq_check_reset_against_a_live_daemon(redis_process, start_
 
     seq = cli(daemon.endpoint, "seq", "live", "--json")
     assert json.loads(seq.stdout)["blocks"] == ex.seqs["live"].blocks
+    assert json.loads(seq.stdout)["num_tokens"] == 21
     missing = cli(daemon.endpoint, "seq", "ghost")
     assert missing.returncode == 1 and "unknown_sequence" in missing.stderr
 

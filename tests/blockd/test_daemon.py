@@ -331,3 +331,26 @@ def test_redis_unreachable_at_start_serves_degraded_then_catches_up(tmp_path, st
         wait_for(lambda: persisted_entries(redis_process, "ex0") == 2, what="index written")
     finally:
         redis_process.server.stop()
+
+
+def test_a_step_in_flight_survives_a_blockd_restart(redis_process, start_blockd):
+    """The executor sends its step, runs its forward pass meanwhile; blockd dies and comes back in between."""
+    args = ("--redis-url", redis_process.url, "--flush-interval", "0.05", "--lease-timeout", "30")
+    daemon = start_blockd(*args)
+    ex = pool_client(daemon, num_blocks=64)
+    ex.admit("a", prompt(0, 8))
+    ex.submit_step([p.Append("a", pack_tokens([1])), p.Admit("b", pack_tokens(prompt(100, 9)))])
+    assert ex.finish_step()[1].num_cached_tokens == 0  # overlapped round trip: same results as step()
+
+    ex.submit_step([p.Append("a", pack_tokens([2])), p.Admit("c", pack_tokens(prompt(200, 5)))])
+    daemon.kill9()  # the step may or may not have been applied: the executor cannot tell
+    daemon.start()
+    results = ex.finish_step()  # re-syncs from the executor's mirror, then sends the step again
+    assert type(results[0]) is p.AppendResult and type(results[1]) is p.AdmitResult
+    assert ex.resyncs == 1
+    with daemon.client() as operator:
+        assert operator.sequence("a").num_tokens == 10  # the append applied exactly once
+        assert operator.sequence("c").blocks == ex.seqs["c"].blocks
+        assert operator.check() == []
+        in_use = operator.stats("ex0").pools[0].blocks_in_use
+    assert in_use == len({b for s in ex.seqs.values() for b in s.blocks})
