@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 
 def test_kernels_compile_for_sm90():
@@ -20,7 +19,6 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
-    if result.returncode == 3:
-        pytest.skip(f"no Triton NVIDIA toolchain: {result.stdout.strip()}")
+    # Exit 3 would mean no toolchain; the triton wheel this project pins ships ptxas, so that is a failure too.
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok ") >= 19
