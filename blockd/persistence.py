@@ -106,10 +106,14 @@ def load_pool_index(client: redis.Redis, pool_id: str) -> tuple[dict[bytes, Inde
     return {h: e for h, e in index.items() if e is not None}, logged
 
 
-def load(client: redis.Redis) -> tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]]]:
-    """Read every persisted pool and its index."""
+def load(client: redis.Redis) -> tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]], dict[str, int]]:
+    """Every persisted pool, its index, and the length of its log (entries since its snapshot)."""
     specs = [_decode_spec.decode(raw) for raw in client.hgetall(POOLS_KEY).values()]
-    return specs, {spec.pool_id: load_pool_index(client, spec.pool_id)[0] for spec in specs}
+    entries: dict[str, dict[bytes, IndexEntry]] = {}
+    logged: dict[str, int] = {}
+    for spec in specs:
+        entries[spec.pool_id], logged[spec.pool_id] = load_pool_index(client, spec.pool_id)
+    return specs, entries, logged
 
 
 class RedisPersistence(PoolEvents):
@@ -146,11 +150,8 @@ class RedisPersistence(PoolEvents):
         while True:
             try:
                 self.client.hsetnx(META_KEY, "schema", SCHEMA_VERSION)
-                specs = [_decode_spec.decode(raw) for raw in self.client.hgetall(POOLS_KEY).values()]
-                entries: dict[str, dict[bytes, IndexEntry]] = {}
-                for spec in specs:
-                    entries[spec.pool_id], self._logged[spec.pool_id] = load_pool_index(self.client, spec.pool_id)
-                    self._persisted[spec.pool_id] = dict(entries[spec.pool_id])
+                specs, entries, self._logged = load(self.client)
+                self._persisted = {pool_id: dict(index) for pool_id, index in entries.items()}
                 return specs, entries
             except redis.RedisError as exc:
                 if time.monotonic() > deadline:

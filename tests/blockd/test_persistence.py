@@ -57,7 +57,7 @@ def test_log_and_compaction_rebuild_the_exact_index(store, redis_process, monkey
     for _ in range(30):
         churn(manager, rng, 20)
         assert store.flush_now(manager)
-        _, persisted = load(redis)
+        _, persisted, _ = load(redis)
         assert blocks_and_generations(persisted["p"]) == blocks_and_generations(manager.pools["p"].index_snapshot())
         compacted |= redis.llen(log_key("p")) == 0 and redis.llen(snapshot_key("p")) > 0
     assert compacted, "the log was never compacted into a snapshot"
@@ -106,5 +106,5 @@ def test_dropping_a_pool_removes_its_keys(store, redis_process):
     manager.unregister("p", 3)
     assert store.flush_now(manager)
     redis = redis_process.client()
-    assert load(redis) == ([], {})
+    assert load(redis) == ([], {}, {})
     assert not redis.exists(snapshot_key("p"), log_key("p"))
