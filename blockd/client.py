@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -164,7 +165,8 @@ class PoolClient:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_id = model_id
-        self.epoch = epoch if epoch is not None else random.randrange(1, 2**62)  # new per process start
+        # New at every process start, and not from `random`, which a caller may have seeded.
+        self.epoch = epoch if epoch is not None else secrets.randbelow(2**62) + 1
         self.retry_for_s = retry_for_s
         self.seqs: dict[str, MirroredSequence] = {}
         self.generations: list[int] = [0] * num_blocks
@@ -205,7 +207,7 @@ class PoolClient:
             try:
                 return attempt()
             except BlockdError as exc:
-                if exc.code != ErrorCode.UNKNOWN_POOL:
+                if exc.code != ErrorCode.UNKNOWN_POOL or time.monotonic() > deadline:
                     raise
             except BlockdUnavailable:
                 if time.monotonic() > deadline:
