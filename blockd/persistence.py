@@ -130,6 +130,8 @@ class RedisPersistence(PoolEvents):
         self._next_flush = 0.0
         self._full_rewrite_wanted = False  # set by the writer after an outage; read by the daemon's thread
         self._run_id: str | None = None
+        self._unloaded = False  # Redis never answered the start-up load
+        self._late_load: tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]]] | None = None
         self.probe_interval_s = 1.0
         self.degraded = False
         self.degraded_since: float | None = None
@@ -156,7 +158,9 @@ class RedisPersistence(PoolEvents):
             except redis.RedisError as exc:
                 if time.monotonic() > deadline:
                     self._mark_degraded(exc)
-                    log.warning("redis unreachable at start: starting with an empty index", error=str(exc))
+                    self._unloaded = True
+                    log.warning("redis unreachable at start: serving without its index until it answers",
+                                error=str(exc))  # fmt: skip
                     return [], {}
                 time.sleep(0.2)
 
@@ -189,6 +193,11 @@ class RedisPersistence(PoolEvents):
     def collect(self, manager: BlockManager, now: float) -> Batch | None:
         if self._full_rewrite_wanted:
             self._full_rewrite_wanted = False
+            if self._late_load is not None:  # blockd started without Redis: take what it kept
+                specs, entries = self._late_load
+                self._late_load = None
+                known = manager.pools.keys() | manager.dormant.keys()
+                manager.restore([s for s in specs if s.pool_id not in known], entries)
             return self._snapshot(manager, now)
         if self.degraded:  # a full re-write follows the outage: nothing to keep until then
             for pool in manager.pools.values():
@@ -307,10 +316,10 @@ class RedisPersistence(PoolEvents):
             self._recover(backoff)
             return
         restarted = self._run_id is not None and run_id != self._run_id
+        self._run_id = run_id
         if (restarted or self.degraded) and not self._full_rewrite_wanted:
             log.warning("redis answers again: re-writing the index", run_id=run_id, restarted=restarted)
-            self._full_rewrite_wanted = True
-        self._run_id = run_id
+            self._redis_back()
 
     def _ack(self) -> None:
         if self._unacked:
@@ -326,7 +335,23 @@ class RedisPersistence(PoolEvents):
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
-        # Batches queued meanwhile are dropped as superseded; the snapshot carries their content.
+        self._redis_back()
+
+    def _redis_back(self) -> None:
+        """Redis answers after an outage: read what it kept if blockd never could, then ask for a full snapshot.
+
+        Batches queued meanwhile are dropped as superseded; the snapshot carries their content. Pools that Redis
+        kept and blockd does not know join as dormant first, so the snapshot writes them back instead of losing
+        them.
+        """
+        if self._unloaded:
+            try:
+                specs, entries, self._logged = load(self.client)
+            except (redis.RedisError, OSError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return  # the next probe tries again
+            self._late_load = (specs, entries)
+            self._unloaded = False
         self._full_rewrite_wanted = True
 
     def _apply(self, batch: Batch) -> None:

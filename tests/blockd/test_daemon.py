@@ -354,3 +354,27 @@ def test_a_step_in_flight_survives_a_blockd_restart(redis_process, start_blockd)
         assert operator.check() == []
         in_use = operator.stats("ex0").pools[0].blocks_in_use
     assert in_use == len({b for s in ex.seqs.values() for b in s.blocks})
+
+
+def test_prefixes_kept_by_redis_survive_a_blockd_started_while_redis_was_down(redis_process, start_blockd):
+    args = ("--redis-url", redis_process.url, "--flush-interval", "0.05", "--lease-timeout", "30")
+    first = start_blockd(*args)
+    ex = pool_client(first, epoch=21)
+    ex.admit("a", prompt(0, 9))
+    ex.commit("a", 9)
+    ex.free("a")
+    wait_for(lambda: persisted_entries(redis_process, "ex0") == 2, what="index in redis")
+    assert first.terminate() == 0
+    redis_process.server.stop()  # Redis writes its AOF and goes away
+
+    second = start_blockd(*args)  # finds no Redis: serves from memory, degraded
+    with second.client() as operator:
+        assert operator.stats().persistence.state == "degraded"
+        redis_process.start()  # back, with what it kept
+        wait_for(lambda: operator.stats().persistence.state == "ok", timeout_s=15, what="recovery")
+        assert operator.stats().dormant_pools == ["ex0"]
+    assert persisted_entries(redis_process, "ex0") == 2  # written back, not wiped
+    ex.client = second.client(timeout_s=1.0)
+    ex.heartbeat()  # the executor re-syncs with its generations: its prefix is a hit again
+    with second.client() as operator:
+        assert operator.lookup(prompt(0, 9)) == {"ex0": 8}
