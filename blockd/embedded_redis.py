@@ -9,12 +9,14 @@ next start finds the data there.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import IO
 
 import redis
 
@@ -60,6 +62,7 @@ class EmbeddedRedis:
         self.port = port
         self.die_with_parent = die_with_parent
         self.process: subprocess.Popen[bytes] | None = None
+        self._lock: IO[str] | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -89,9 +92,20 @@ class EmbeddedRedis:
             while _alive(pid) and time.monotonic() < deadline + 5:
                 time.sleep(0.05)
 
+    def _lock_state_dir(self) -> None:
+        """Hold the state directory for this process's lifetime (the kernel lets go if it dies)."""
+        self._lock = open(self.state_dir / "redis.lock", "w")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            self._lock = None
+            raise RuntimeError(f"{self.state_dir} is in use by another process's embedded Redis") from None
+
     def start(self, timeout_s: float = 15.0) -> str:
         """Start the server and wait until it answers PING; returns its URL."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_state_dir()
         self._wait_previous_gone(timeout_s)
         self.socket_path.unlink(missing_ok=True)
         command = [
@@ -134,6 +148,12 @@ class EmbeddedRedis:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server gracefully (it writes its AOF), killing it only if it will not go."""
+        self._stop_process(timeout_s)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _stop_process(self, timeout_s: float) -> None:
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -151,3 +171,6 @@ class EmbeddedRedis:
             self.process.kill()
             self.process.wait()
         self.process = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None

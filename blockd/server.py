@@ -245,6 +245,17 @@ def main(
         limit = parse_size(max_message_bytes)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-message-bytes") from None
+    # Bind first: a second blockd on the same endpoint fails here, before it touches anyone's Redis.
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects under its old identity takes it over
+    socket.setsockopt(zmq.MAXMSGSIZE, limit * 2)  # far past the limit, a peer is cut off before it fills memory
+    try:
+        socket.bind(endpoint)
+    except zmq.ZMQError as exc:
+        context.destroy(linger=0)
+        raise click.ClickException(f"cannot bind {endpoint}: {exc}") from None
     embedded: EmbeddedRedis | None = None
     store: RedisPersistence | NoPersistence
     if not persistence:
@@ -252,7 +263,11 @@ def main(
     else:
         if redis_url is None:
             embedded = EmbeddedRedis(state_dir)
-            redis_url = embedded.start()
+            try:
+                redis_url = embedded.start()
+            except (RuntimeError, FileNotFoundError) as exc:
+                context.destroy(linger=0)
+                raise click.ClickException(str(exc)) from None
             log.info("embedded redis started", url=redis_url, state_dir=str(state_dir))
         store = RedisPersistence(redis_url, flush_interval_s=flush_interval)
     manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store)
@@ -272,18 +287,6 @@ def main(
         metrics.serve(metrics_port, metrics_host)
     server = BlockdServer(manager, store, metrics=metrics, max_message_bytes=limit, log=log)
 
-    context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 1000)
-    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects under its old identity takes it over
-    socket.setsockopt(zmq.MAXMSGSIZE, limit * 2)  # far past the limit, a peer is cut off before it fills memory
-    try:
-        socket.bind(endpoint)
-    except zmq.ZMQError as exc:
-        store.close()
-        if embedded is not None:
-            embedded.stop()
-        raise click.ClickException(f"cannot bind {endpoint}: {exc}") from None
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     log.info(

@@ -155,3 +155,15 @@ def test_check_reports_a_corrupted_pool_with_exit_status_1():
         thread.join(timeout=5)
         socket.close(linger=0)
         context.term()
+
+
+def test_a_second_blockd_on_the_same_state_dir_refuses_to_start(start_blockd, tmp_path):
+    from tests.blockd.conftest import free_port
+
+    state = tmp_path / "state"
+    start_blockd("--state-dir", str(state))
+    result = subprocess.run(
+        [str(BIN / "blockd"), "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--state-dir", str(state)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1 and "in use by another process" in result.stderr
