@@ -185,19 +185,22 @@ class BlockPool:
         """
         popitem = self.free_queue.popitem
         block_hash, generation, refcount = self.block_hash, self.generation, self.refcount
+        index, journal = self.index, self.journal
         granted: list[int] = []
+        evicted = 0
         for _ in range(count):
             block = popitem(last=False)[0]
             old = block_hash[block]
             if old is not None:
-                del self.index[old]
+                del index[old]
                 block_hash[block] = None
-                self.counters.evictions += 1
-                if self.journal is not None:
-                    self.journal[old] = None
+                evicted += 1
+                if journal is not None:
+                    journal[old] = None
             generation[block] += 1
             refcount[block] = 1
             granted.append(block)
+        self.counters.evictions += evicted
         return granted
 
     def _release(self, blocks: Iterable[int]) -> None:
