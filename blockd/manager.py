@@ -22,14 +22,14 @@ import msgspec
 
 from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
-from blockd.pool import BlockPool, IndexEntry, Journal, PoolSpec, PoolStats
+from blockd.pool import BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
 
 
 class DormantPool(msgspec.Struct):
     """A pool restored from Redis whose executor has not re-registered since blockd started."""
 
     spec: PoolSpec
-    entries: dict[bytes, IndexEntry]
+    records: dict[int, BlockRecord]
     since: float
 
 
@@ -80,11 +80,11 @@ class BlockManager:
         self.last_seen[pool_id] = self.clock()
         return pool
 
-    def restore(self, specs: Iterable[PoolSpec], entries: dict[str, dict[bytes, IndexEntry]]) -> None:
+    def restore(self, specs: Iterable[PoolSpec], records: dict[str, dict[int, BlockRecord]]) -> None:
         """Take pools and their index as persisted; they stay dormant until their executors re-register."""
         now = self.clock()
         for spec in specs:
-            self.dormant[spec.pool_id] = DormantPool(spec, entries.get(spec.pool_id, {}), now)
+            self.dormant[spec.pool_id] = DormantPool(spec, records.get(spec.pool_id, {}), now)
 
     def register(self, req: p.Register) -> p.RegisterResult:
         spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch)
@@ -103,10 +103,10 @@ class BlockManager:
                 f"generations has {len(req.generations)} entries for {spec.num_blocks} blocks",
             )
         if resync:
-            candidates = previous.index_snapshot() if previous is not None else dormant.entries  # type: ignore[union-attr]
+            candidates = previous.block_records() if previous is not None else dormant.records  # type: ignore[union-attr]
         else:
             candidates = {}
-        known_entries = len(previous.index) if previous is not None else len(dormant.entries) if dormant else 0
+        known_entries = len(previous.index) if previous is not None else len(dormant.records) if dormant else 0
         generations = req.generations
         if generations is None and resync and previous is not None:
             generations = previous.generation  # blockd never lost them; the executor simply did not send its own
@@ -148,7 +148,7 @@ class BlockManager:
         self.events.pool_dropped(pool_id)
         if pool is not None:
             return len(pool.index)
-        return len(dormant.entries) if dormant is not None else 0
+        return len(dormant.records) if dormant is not None else 0
 
     def expire(self) -> list[str]:
         """Drop pools whose executor has been silent past the lease timeout; returns their ids."""

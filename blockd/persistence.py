@@ -3,7 +3,8 @@
 Redis is never waited on inside a request. Pools record index changes in a plain dict (their journal, newest
 value per hash). Every `flush_interval_s` the daemon's loop collects the journals into a batch and hands it to a
 writer thread, which appends each pool's changes to Redis as one msgpack blob (an append-only log, written in one
-MULTI/EXEC). So a committed prefix reaches Redis within flush_interval_s plus one write (the `lag_s` in stats says
+MULTI/EXEC). What is recorded is what each block holds (block -> hash, generation, stamp), so the store never
+outgrows the pool. So a committed prefix reaches Redis within flush_interval_s plus one write (the `lag_s` in stats says
 how far behind Redis is right now); a `kill -9` of blockd loses at most that much. When a pool's log outgrows
 twice its live entries, the writer compacts it into a snapshot. Neither this process nor Redis does per-entry
 work on the write path beyond one C-speed encode: persistence stays cheap next to the request loop.
@@ -16,10 +17,11 @@ Key schema (all keys under the prefix `pagedkv:blockd:v1`):
   pagedkv:blockd:v1:meta                hash  schema -> "1"
   pagedkv:blockd:v1:pools               hash  pool id -> msgpack map of the pool spec (id, blocks, block size,
                                               model, epoch)
-  pagedkv:blockd:v1:snapshot:<pool id>  list  msgpack maps, block hash (16 bytes) -> [block, generation, stamp]
-  pagedkv:blockd:v1:log:<pool id>       list  msgpack maps of later changes, same shape, nil = entry dropped
-A pool's index is its snapshot chunks merged in order, then its log blobs applied in order. An entry is valid
-only while its pool's executor still reports that generation for that block (see pool.py).
+  pagedkv:blockd:v1:snapshot:<pool id>  list  msgpack maps, block id -> [block hash (16 bytes), generation, stamp]
+  pagedkv:blockd:v1:log:<pool id>       list  msgpack maps of later changes, same shape, nil = no prefix any more
+A pool's records are its snapshot chunks merged in order, then its log blobs applied in order. A record is valid
+only while its pool's executor still reports that generation for that block (see pool.py): an evicted block's
+record is left to fail that test rather than deleted, which halves what the request path journals.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import structlog
 
 from blockd import protocol as p
 from blockd.manager import PoolEvents
-from blockd.pool import BlockPool, IndexEntry, Journal, PoolSpec
+from blockd.pool import BlockPool, BlockRecord, Journal, PoolSpec
 
 if TYPE_CHECKING:
     from blockd.manager import BlockManager
@@ -64,7 +66,7 @@ def log_key(pool_id: str) -> str:
 
 _encode = msgspec.msgpack.encode
 _decode_spec = msgspec.msgpack.Decoder(PoolSpec)
-_decode_changes = msgspec.msgpack.Decoder(dict[bytes, tuple[int, int, int] | None])
+_decode_changes = msgspec.msgpack.Decoder(dict[int, tuple[bytes, int, int] | None])
 
 
 def _encode_spec(spec: PoolSpec) -> bytes:
@@ -78,8 +80,8 @@ class Batch(msgspec.Struct):
     full: bool = False  # replace everything Redis holds with this batch
     specs: dict[str, PoolSpec] = {}
     dropped: list[str] = []
-    replaced: dict[str, dict[bytes, IndexEntry]] = {}  # pool -> its whole index
-    changes: dict[str, Journal] = {}  # pool -> entries changed (None = deleted)
+    replaced: dict[str, dict[int, BlockRecord]] = {}  # pool -> what each of its indexed blocks holds
+    changes: dict[str, Journal] = {}  # pool -> blocks changed (None = holds no prefix any more)
 
     def entry_count(self) -> int:
         return sum(len(v) for v in self.replaced.values()) + sum(len(v) for v in self.changes.values())
@@ -93,27 +95,27 @@ def redact(url: str) -> str:
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
-def load_pool_index(client: redis.Redis, pool_id: str) -> tuple[dict[bytes, IndexEntry], int]:
-    """One pool's persisted index, and how many log entries it took to rebuild it."""
-    index: dict[bytes, IndexEntry | None] = {}
+def load_pool_records(client: redis.Redis, pool_id: str) -> tuple[dict[int, BlockRecord], int]:
+    """What one pool's blocks held as last persisted, and how many log entries it took to rebuild it."""
+    records: dict[int, BlockRecord | None] = {}
     for blob in client.lrange(snapshot_key(pool_id), 0, -1):
-        index.update(_decode_changes.decode(blob))
+        records.update(_decode_changes.decode(blob))
     logged = 0
     for blob in client.lrange(log_key(pool_id), 0, -1):
         changes = _decode_changes.decode(blob)
-        index.update(changes)
+        records.update(changes)
         logged += len(changes)
-    return {h: e for h, e in index.items() if e is not None}, logged
+    return {b: r for b, r in records.items() if r is not None}, logged
 
 
-def load(client: redis.Redis) -> tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]], dict[str, int]]:
-    """Every persisted pool, its index, and the length of its log (entries since its snapshot)."""
+def load(client: redis.Redis) -> tuple[list[PoolSpec], dict[str, dict[int, BlockRecord]], dict[str, int]]:
+    """Every persisted pool, its block records, and the length of its log (entries since its snapshot)."""
     specs = [_decode_spec.decode(raw) for raw in client.hgetall(POOLS_KEY).values()]
-    entries: dict[str, dict[bytes, IndexEntry]] = {}
+    records: dict[str, dict[int, BlockRecord]] = {}
     logged: dict[str, int] = {}
     for spec in specs:
-        entries[spec.pool_id], logged[spec.pool_id] = load_pool_index(client, spec.pool_id)
-    return specs, entries, logged
+        records[spec.pool_id], logged[spec.pool_id] = load_pool_records(client, spec.pool_id)
+    return specs, records, logged
 
 
 class RedisPersistence(PoolEvents):
@@ -131,7 +133,7 @@ class RedisPersistence(PoolEvents):
         self._full_rewrite_wanted = False  # set by the writer after an outage; read by the daemon's thread
         self._run_id: str | None = None
         self._unloaded = False  # Redis never answered the start-up load
-        self._late_load: tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]]] | None = None
+        self._late_load: tuple[list[PoolSpec], dict[str, dict[int, BlockRecord]]] | None = None
         self.probe_interval_s = 1.0
         self.degraded = False
         self.degraded_since: float | None = None
@@ -141,20 +143,20 @@ class RedisPersistence(PoolEvents):
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="blockd-redis-writer", daemon=True)
         # What Redis holds, per pool (writer thread only): to compact a log without reading it back.
-        self._persisted: dict[str, dict[bytes, IndexEntry | None]] = {}
+        self._persisted: dict[str, dict[int, BlockRecord | None]] = {}
         self._logged: dict[str, int] = {}
 
     # ------------------------------------------------------------------ called on the daemon's thread
 
-    def load(self, attempts_s: float = 5.0) -> tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]]]:
+    def load(self, attempts_s: float = 5.0) -> tuple[list[PoolSpec], dict[str, dict[int, BlockRecord]]]:
         """Read the persisted state; if Redis does not answer within attempts_s, start degraded and empty."""
         deadline = time.monotonic() + attempts_s
         while True:
             try:
                 self.client.hsetnx(META_KEY, "schema", SCHEMA_VERSION)
-                specs, entries, self._logged = load(self.client)
-                self._persisted = {pool_id: dict(index) for pool_id, index in entries.items()}
-                return specs, entries
+                specs, records, self._logged = load(self.client)
+                self._persisted = {pool_id: dict(pool_records) for pool_id, pool_records in records.items()}
+                return specs, records
             except redis.RedisError as exc:
                 if time.monotonic() > deadline:
                     self._mark_degraded(exc)
@@ -194,10 +196,10 @@ class RedisPersistence(PoolEvents):
         if self._full_rewrite_wanted:
             self._full_rewrite_wanted = False
             if self._late_load is not None:  # blockd started without Redis: take what it kept
-                specs, entries = self._late_load
+                specs, records = self._late_load
                 self._late_load = None
                 known = manager.pools.keys() | manager.dormant.keys()
-                manager.restore([s for s in specs if s.pool_id not in known], entries)
+                manager.restore([s for s in specs if s.pool_id not in known], records)
             return self._snapshot(manager, now)
         if self.degraded:  # a full re-write follows the outage: nothing to keep until then
             for pool in manager.pools.values():
@@ -210,7 +212,7 @@ class RedisPersistence(PoolEvents):
         for pool_id, pool in manager.pools.items():
             if pool_id in self._replace:
                 batch.specs[pool_id] = pool.spec
-                batch.replaced[pool_id] = pool.index_snapshot()
+                batch.replaced[pool_id] = pool.block_records()
                 pool.journal = {}
             elif pool.journal:
                 batch.changes[pool_id] = pool.journal
@@ -225,10 +227,10 @@ class RedisPersistence(PoolEvents):
         batch = Batch(collected_at=now, full=True)
         for pool_id, dormant in manager.dormant.items():
             batch.specs[pool_id] = dormant.spec
-            batch.replaced[pool_id] = dormant.entries
+            batch.replaced[pool_id] = dormant.records
         for pool_id, pool in manager.pools.items():
             batch.specs[pool_id] = pool.spec
-            batch.replaced[pool_id] = pool.index_snapshot()
+            batch.replaced[pool_id] = pool.block_records()
             pool.journal = {}
         self._replace.clear()
         self._dropped.clear()
@@ -346,11 +348,11 @@ class RedisPersistence(PoolEvents):
         """
         if self._unloaded:
             try:
-                specs, entries, self._logged = load(self.client)
+                specs, records, self._logged = load(self.client)
             except (redis.RedisError, OSError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 return  # the next probe tries again
-            self._late_load = (specs, entries)
+            self._late_load = (specs, records)
             self._unloaded = False
         self._full_rewrite_wanted = True
 
@@ -369,23 +371,23 @@ class RedisPersistence(PoolEvents):
             self._logged.pop(pool_id, None)
         for pool_id, spec in batch.specs.items():
             pipe.hset(POOLS_KEY, pool_id, _encode_spec(spec))
-        for pool_id, entries in batch.replaced.items():
-            self._write_snapshot(pipe, pool_id, dict(entries))
+        for pool_id, records in batch.replaced.items():
+            self._write_snapshot(pipe, pool_id, dict(records))
         for pool_id, changes in batch.changes.items():
             persisted = self._persisted.setdefault(pool_id, {})
             persisted.update(changes)
             pipe.rpush(log_key(pool_id), _encode(changes))
             self._logged[pool_id] = self._logged.get(pool_id, 0) + len(changes)
             if self._logged[pool_id] > max(_COMPACT_MIN, 2 * len(persisted)):
-                self._write_snapshot(pipe, pool_id, {h: e for h, e in persisted.items() if e is not None})
+                self._write_snapshot(pipe, pool_id, {b: r for b, r in persisted.items() if r is not None})
         pipe.execute()
 
-    def _write_snapshot(self, pipe: redis.client.Pipeline, pool_id: str, entries: dict[bytes, IndexEntry | None]) -> None:
-        """Replace a pool's snapshot and log by `entries`, in chunks so no single encode stalls the request loop."""
-        self._persisted[pool_id] = entries
+    def _write_snapshot(self, pipe: redis.client.Pipeline, pool_id: str, records: dict[int, BlockRecord | None]) -> None:
+        """Replace a pool's snapshot and log by `records`, in chunks so no single encode stalls the request loop."""
+        self._persisted[pool_id] = records
         self._logged[pool_id] = 0
         pipe.delete(snapshot_key(pool_id), log_key(pool_id))
-        items = iter(entries.items())
+        items = iter(records.items())
         while chunk := dict(itertools.islice(items, _SNAPSHOT_CHUNK)):
             pipe.rpush(snapshot_key(pool_id), _encode(chunk))
 
@@ -393,7 +395,7 @@ class RedisPersistence(PoolEvents):
 class NoPersistence(PoolEvents):
     """Persistence switched off: nothing is journaled, nothing survives a restart."""
 
-    def load(self, attempts_s: float = 0.0) -> tuple[list[PoolSpec], dict[str, dict[bytes, IndexEntry]]]:
+    def load(self, attempts_s: float = 0.0) -> tuple[list[PoolSpec], dict[str, dict[int, BlockRecord]]]:
         return [], {}
 
     def start(self) -> None:

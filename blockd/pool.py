@@ -37,12 +37,14 @@ from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import TOKEN_BYTES as _TOKEN_BYTES
 from blockd.hashing import as_packed, chain_hashes, extra_key, root_hash, unpack_tokens
 
-#: What the persistence layer learns about an index entry: (block, generation, lru stamp), or None when dropped.
-#: The stamp it hears is the LRU clock when the prefix was committed or last reused from the free queue; plain
-#: frees are not journaled (they are the commonest event), so a restored LRU order is by last commit or reuse.
-IndexEntry = tuple[int, int, int]
-#: Index changes since persistence last collected them, newest per hash (a dict write is all the hot path pays).
-Journal = dict[bytes, "IndexEntry | None"]
+#: What a block holds, as persistence records it: (hash, generation, lru stamp).
+BlockRecord = tuple[bytes, int, int]
+#: Changes since persistence last collected them, newest per block; None = the block holds no prefix any more.
+#: Keyed by block, so an eviction needs no entry: the evicted block's record names a generation its executor no
+#: longer has, and re-sync drops it (see `restore_index`); its next commit overwrites it. Plain frees are not
+#: journaled either (the commonest event): the stamp persistence hears is the LRU clock at the block's commit or
+#: last reuse from the free queue. A dict write is all the hot path pays.
+Journal = dict[int, "BlockRecord | None"]
 
 _RECENTLY_FREED_MEMORY: Final = 4096
 
@@ -185,7 +187,7 @@ class BlockPool:
         """
         popitem = self.free_queue.popitem
         block_hash, generation, refcount = self.block_hash, self.generation, self.refcount
-        index, journal = self.index, self.journal
+        index = self.index
         granted: list[int] = []
         evicted = 0
         for _ in range(count):
@@ -195,8 +197,6 @@ class BlockPool:
                 del index[old]
                 block_hash[block] = None
                 evicted += 1
-                if journal is not None:
-                    journal[old] = None
             generation[block] += 1
             refcount[block] = 1
             granted.append(block)
@@ -276,7 +276,7 @@ class BlockPool:
             if refcount[b] == 0:
                 del free[b]
                 if journal is not None:  # a cached prefix proved useful: persistence records its recency
-                    journal[hashes[i]] = (b, self.generation[b], self._clock)
+                    journal[b] = (hashes[i], self.generation[b], self._clock)
             refcount[b] += 1
         table = hits + self._allocate(needed)
         self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra)
@@ -360,7 +360,7 @@ class BlockPool:
             block_hash[b] = h
             added += 1
             if self.journal is not None:
-                self.journal[h] = (b, self.generation[b], self._clock)
+                self.journal[b] = (h, self.generation[b], self._clock)
         seq.committed = full
         return added
 
@@ -408,7 +408,7 @@ class BlockPool:
         for h, b in self.index.items():
             self.block_hash[b] = None
             if self.journal is not None:
-                self.journal[h] = None
+                self.journal[b] = None
             if self.refcount[b] == 0:
                 self.free_queue.move_to_end(b, last=False)
         self.index.clear()
@@ -444,17 +444,17 @@ class BlockPool:
         self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt))
         self.commit(seq_id, min(max(num_computed, 0), n))
 
-    def restore_index(self, entries: Iterable[tuple[bytes, IndexEntry]], generations: Sequence[int] | None) -> int:
-        """Re-enter index entries persisted earlier, keeping only those the executor's KV still backs.
+    def restore_index(self, records: Iterable[tuple[int, BlockRecord]], generations: Sequence[int] | None) -> int:
+        """Re-enter block records persisted earlier, keeping only those the executor's KV still backs.
 
-        An entry (h -> block, gen) survives only if the executor reports generation `gen` for that block and
-        the block carries no other hash. Free blocks among them go to the LRU queue in their persisted order.
-        Returns the number of entries restored.
+        A record (block -> h, gen) survives only if the executor reports generation `gen` for that block, the
+        block carries no other hash and h is not indexed yet. Free blocks among them go to the LRU queue in their
+        persisted order. Returns the number of entries restored.
         """
         if generations is None:
             return 0
         kept: list[tuple[int, bytes, int]] = []
-        for h, (b, gen, stamp) in entries:
+        for b, (h, gen, stamp) in records:
             if not 0 <= b < self.num_blocks or generations[b] != gen or gen == 0:
                 continue
             if self.block_hash[b] is not None or h in self.index:
@@ -481,9 +481,9 @@ class BlockPool:
                 raise BlockdError(ErrorCode.INVALID_REQUEST, f"block {b}: generation {gen} is negative")
         self.generation = list(generations)
 
-    def index_snapshot(self) -> dict[bytes, IndexEntry]:
-        """Every index entry as persistence writes it (O(index); for full re-writes, never on the hot path)."""
-        return {h: (b, self.generation[b], self.stamp[b]) for h, b in self.index.items()}
+    def block_records(self) -> dict[int, BlockRecord]:
+        """What every indexed block holds, as persistence writes and `restore_index` takes it (O(index))."""
+        return {b: (h, self.generation[b], self.stamp[b]) for h, b in self.index.items()}
 
     # ------------------------------------------------------------------------------------ observability
 

@@ -271,8 +271,8 @@ def main(
             log.info("embedded redis started", url=redis_url, state_dir=str(state_dir))
         store = RedisPersistence(redis_url, flush_interval_s=flush_interval)
     manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store)
-    specs, entries = store.load()
-    manager.restore(specs, entries)
+    specs, records = store.load()
+    manager.restore(specs, records)
     store.start()
     # What exists now lives as long as the daemon: keep the cyclic GC from rescanning it, and let the young
     # generation grow, so collections stay short and rare on the request path.
@@ -294,7 +294,7 @@ def main(
         endpoint=endpoint,
         persistence=store.stats(time.monotonic()).state,
         dormant_pools=len(manager.dormant),
-        index_entries=sum(len(e) for e in entries.values()),
+        persisted_blocks=sum(len(r) for r in records.values()),
         lease_timeout_s=lease_timeout,
         metrics_port=metrics_port or None,
     )

@@ -29,3 +29,8 @@ def pool_state(pool: BlockPool) -> dict[str, Any]:
         journal=None if pool.journal is None else dict(pool.journal),
         recently_freed=list(pool._recently_freed),
     )
+
+
+def index_view(pool: BlockPool) -> dict[bytes, tuple[int, int, int]]:
+    """The prefix index as hash -> (block, generation, lru stamp)."""
+    return {h: (b, pool.generation[b], pool.stamp[b]) for h, b in pool.index.items()}

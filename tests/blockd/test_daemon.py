@@ -10,7 +10,7 @@ from blockd import protocol as p
 from blockd.client import BlockdClient, PoolClient, StepFailed
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import pack_tokens
-from blockd.persistence import POOLS_KEY, load_pool_index
+from blockd.persistence import POOLS_KEY, load_pool_records
 from tests.blockd.conftest import wait_for
 
 BS = 4
@@ -29,12 +29,13 @@ def prompt(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def persisted_index(redis_process, pool_id: str) -> dict:
-    return load_pool_index(redis_process.client(), pool_id)[0]
+def persisted_records(redis_process, pool_id: str) -> dict:
+    """What Redis holds for the pool's blocks: block -> (hash, generation, stamp)."""
+    return load_pool_records(redis_process.client(), pool_id)[0]
 
 
 def persisted_entries(redis_process, pool_id: str) -> int:
-    return len(persisted_index(redis_process, pool_id))
+    return len(persisted_records(redis_process, pool_id))
 
 
 def test_operations_over_the_wire(redis_process, start_blockd):
@@ -138,7 +139,7 @@ def test_prefix_rewritten_after_persisting_is_never_a_hit_after_restart(redis_pr
     ex.commit("new", 8 * BS - 1)
     daemon.kill9()
     assert persisted_entries(redis_process, "ex0") == 2, "precondition: redis still holds the stale entries"
-    stale_blocks = {block for block, _, _ in persisted_index(redis_process, "ex0").values()}
+    stale_blocks = set(persisted_records(redis_process, "ex0"))
     assert stale_blocks <= set(ex.seqs["new"].blocks), "precondition: those blocks now hold other tokens"
 
     daemon.start()

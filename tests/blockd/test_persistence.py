@@ -1,4 +1,9 @@
-"""The write-behind store against a real redis-server: what Redis holds always rebuilds blockd's index."""
+"""The write-behind store against a real redis-server: what Redis holds always rebuilds blockd's index.
+
+Redis holds what each block holds (block -> hash, generation); an evicted block's record stays until the block
+is committed again, and re-sync drops it because its executor reports a newer generation. So the property
+tested is: what Redis holds, validated by the executor's generations, is exactly the live index.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import pytest
 from blockd import persistence
 from blockd import protocol as p
 from blockd.manager import BlockManager
+from blockd.pool import BlockPool
+from tests.blockd.pool_state import index_view
 from blockd.persistence import RedisPersistence, load, log_key, snapshot_key
 from tests.blockd.conftest import wait_for
 
@@ -16,6 +23,14 @@ from tests.blockd.conftest import wait_for
 def blocks_and_generations(index: dict) -> dict:
     """An index without LRU stamps: Redis hears a stamp only at commit or reuse, memory at every free."""
     return {h: entry[:2] for h, entry in index.items()}
+
+
+def validated(persisted: dict, pool: BlockPool) -> dict:
+    """What re-sync keeps of `persisted`, given the pool's current generations (as its executor reports them)."""
+    fresh = BlockPool(pool.spec)
+    fresh.adopt_generations(pool.generation)
+    fresh.restore_index(persisted.items(), pool.generation)
+    return blocks_and_generations(index_view(fresh))
 
 
 def churn(manager: BlockManager, rng: random.Random, rounds: int) -> None:
@@ -58,7 +73,8 @@ def test_log_and_compaction_rebuild_the_exact_index(store, redis_process, monkey
         churn(manager, rng, 20)
         assert store.flush_now(manager)
         _, persisted, _ = load(redis)
-        assert blocks_and_generations(persisted["p"]) == blocks_and_generations(manager.pools["p"].index_snapshot())
+        pool = manager.pools["p"]
+        assert validated(persisted["p"], pool) == blocks_and_generations(index_view(pool))
         compacted |= redis.llen(log_key("p")) == 0 and redis.llen(snapshot_key("p")) > 0
     assert compacted, "the log was never compacted into a snapshot"
     assert store.stats(0).state == "ok" and store.stats(0).entries_written > 0
@@ -72,25 +88,24 @@ def test_a_restarted_store_continues_the_log_it_found(store, redis_process):
     rng = random.Random(11)
     churn(manager, rng, 60)
     assert store.flush_now(manager)
-    expected = manager.pools["p"].index_snapshot()
+    expected = index_view(manager.pools["p"])
 
     second = RedisPersistence(redis_process.url, flush_interval_s=0.01)
     try:
         specs, entries = second.load()
         assert [s.pool_id for s in specs] == ["p"]
-        assert blocks_and_generations(entries["p"]) == blocks_and_generations(expected)
+        assert validated(entries["p"], manager.pools["p"]) == blocks_and_generations(expected)
         restarted = BlockManager(events=second)
         restarted.restore(specs, entries)
         second.start()
         generations = manager.pools["p"].generation
         restarted.register(p.Register(v=1, id=2, pool_id="p", num_blocks=48, block_size=2, model_id="m", epoch=3,
                                       generations=generations))  # fmt: skip
-        assert restarted.pools["p"].index_snapshot().keys() == expected.keys()
+        assert index_view(restarted.pools["p"]).keys() == expected.keys()
         churn(restarted, rng, 60)
         assert second.flush_now(restarted)
-        assert blocks_and_generations(load(redis_process.client())[1]["p"]) == blocks_and_generations(
-            restarted.pools["p"].index_snapshot()
-        )
+        pool = restarted.pools["p"]
+        assert validated(load(redis_process.client())[1]["p"], pool) == blocks_and_generations(index_view(pool))
     finally:
         second.close()
 

@@ -8,7 +8,7 @@ import pytest
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes
 from blockd.pool import AppendResult, BlockPool, PoolSpec
-from tests.blockd.pool_state import pool_state
+from tests.blockd.pool_state import index_view, pool_state
 
 
 def make_pool(num_blocks: int, block_size: int, *, journal: dict | None = None, model: str = "m") -> BlockPool:
@@ -348,8 +348,8 @@ def test_write_behind_race_a_rewritten_block_is_never_a_stale_hit() -> None:
     pool.commit("s2", 2)  # block 2 holds [3, 4]
     pool.free("s1")
     pool.free("s2")
-    persisted = pool.index_snapshot()  # what the write-behind writer flushed to Redis
-    assert {b for b, _, _ in persisted.values()} == {0, 2}
+    persisted = pool.block_records()  # what the write-behind writer flushed to Redis
+    assert set(persisted) == {0, 2}
 
     # Block 0 is evicted and rewritten before the next flush, then blockd dies.
     r = pool.admit("s3", [5, 6, 7, 8, 9])
@@ -376,7 +376,7 @@ def test_write_behind_race_a_rewritten_block_is_never_a_stale_hit() -> None:
     # The generation check is what drops the stale entry: with the old generation it would be restored.
     unaware = BlockPool(spec)
     stale_generations = list(executor_generations)
-    stale_generations[0] = persisted[block_hash_of(unaware, [1, 2])][1]
+    stale_generations[0] = persisted[0][1]
     unaware.adopt_generations(stale_generations)
     assert unaware.restore_index(persisted.items(), stale_generations) == 2
     assert unaware.lookup([1, 2, 0]) == 2
@@ -391,7 +391,7 @@ def test_restore_index_keeps_the_persisted_lru_order() -> None:
     for sid in ("b", "c", "a"):
         pool.free(sid)
     order = [b for b in pool.free_queue if pool.block_hash[b] is not None]
-    snapshot = pool.index_snapshot()
+    snapshot = pool.block_records()
     fresh = BlockPool(spec)
     fresh.adopt_generations(pool.generation)
     assert fresh.restore_index(reversed(list(snapshot.items())), pool.generation) == 3
@@ -410,7 +410,7 @@ def test_restore_index_without_generations_restores_nothing() -> None:
     pool.admit("a", [1, 2, 3])
     pool.commit("a", 2)
     fresh = make_pool(4, 2)
-    assert fresh.restore_index(pool.index_snapshot().items(), None) == 0
+    assert fresh.restore_index(pool.block_records().items(), None) == 0
     assert fresh.index == {}
 
 
@@ -486,11 +486,11 @@ def test_reset_prefix_cache() -> None:
     pool.admit("b", [7, 8, 9])  # blocks 2, 3
     pool.commit("b", 2)  # block 2
     assert list(pool.free_queue) == [4, 5, 1, 0]
-    hashes = set(pool.index)
+    indexed_blocks = set(pool.index.values())
     assert pool.reset_prefix_cache() == 3
     assert pool.index == {}
     assert pool.block_hash == [None] * 6
-    assert {h: journal[h] for h in hashes} == dict.fromkeys(hashes)
+    assert {b: journal[b] for b in indexed_blocks} == dict.fromkeys(indexed_blocks)  # none holds a prefix
     # The formerly cached free blocks are plain free blocks now, reused first; live blocks stay live.
     assert set(list(pool.free_queue)[:2]) == {0, 1}
     assert pool.seqs["b"].table == [2, 3] and pool.refcount[2] == 1
@@ -500,45 +500,43 @@ def test_reset_prefix_cache() -> None:
     assert pool.check() == []
 
 
-def test_journal_records_inserts_reuse_and_evictions() -> None:
+def test_journal_records_commits_and_reuse_per_block() -> None:
     journal: dict = {}
     pool = make_pool(4, 2, journal=journal)
     h = block_hash_of(pool, [1, 2])
     pool.admit("a", [1, 2, 3])
     assert journal == {}
     pool.commit("a", 2)
-    assert journal == {h: (0, 1, 0)}  # inserted: block 0, generation 1, at the current LRU clock
+    assert journal == {0: (h, 1, 0)}  # block 0 holds h, generation 1, at the current LRU clock
     journal.clear()
     pool.free("a")
     assert journal == {}  # a plain free is not journaled
     pool.admit("b", [1, 2, 3])  # reuses the cached-free block: its recency is journaled
-    assert journal == {h: (0, 1, 1)}
+    assert journal == {0: (h, 1, 1)}
     journal.clear()
     pool.free("b")
-    assert journal == {}
-    pool.admit("c", [5] * 8)  # every block: evicts block 0
-    assert journal == {h: None}
-    assert pool.index_snapshot() == {}
+    pool.admit("c", [5] * 8)  # every block: evicts block 0 and grants it again (generation 2)
+    assert journal == {}  # the stale record (generation 1) is left for re-sync to drop
+    assert pool.block_records() == {} and pool.generation[0] == 2
 
 
-def test_journal_applied_to_a_snapshot_gives_the_current_index() -> None:
+def test_journal_applied_to_persisted_records_restores_exactly_the_current_index() -> None:
     journal: dict = {}
     pool = make_pool(4, 2, journal=journal)
     pool.admit("a", [1, 2, 3, 4, 5])
     pool.commit("a", 4)
-    snapshot = pool.index_snapshot()
+    records = pool.block_records()  # what a flush wrote
     journal.clear()
     pool.free("a")
     pool.admit("b", [6, 6, 6, 6, 6, 6])  # evicts block 1 (the chain's tail) and rewrites it
     pool.commit("b", 6)
-    persisted = dict(snapshot)
-    for h, entry in journal.items():
-        if entry is None:
-            persisted.pop(h, None)
-        else:
-            persisted[h] = entry
-    # Blocks and generations exactly; LRU stamps as of the last commit or reuse (see pool.IndexEntry).
-    assert {h: e[:2] for h, e in persisted.items()} == {h: e[:2] for h, e in pool.index_snapshot().items()}
+    records.update(journal)  # what the next flush appends
+    persisted = {b: r for b, r in records.items() if r is not None}
+    fresh = make_pool(4, 2)
+    fresh.adopt_generations(pool.generation)  # the executor's generations
+    fresh.restore_index(persisted.items(), pool.generation)
+    # Blocks and generations exactly; LRU stamps as of the last commit or reuse (see pool.Journal).
+    assert {h: e[:2] for h, e in index_view(fresh).items()} == {h: e[:2] for h, e in index_view(pool).items()}
 
 
 # ------------------------------------------------------------------------------------------ bad input

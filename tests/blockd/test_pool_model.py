@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes
 from blockd.pool import BlockPool, PoolSpec
-from tests.blockd.pool_state import pool_state
+from tests.blockd.pool_state import index_view, pool_state
 
 SEQ_IDS = ["a", "b", "c", "d", "e"]
 SALTS = [None, "t1", "t2"]
@@ -390,7 +390,7 @@ class PoolMachine(RuleBasedStateMachine):
                 f"commit({sid!r}, {n})", lambda: self.pool.commit(sid, n), lambda: self.model.commit(sid, n)
             )
             assert got == want
-        self.persisted.append(self.pool.index_snapshot())  # a write-behind flush that may go stale later
+        self.persisted.append(self.pool.block_records())  # a write-behind flush that may go stale later
 
     def op_commit(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(self.live()))
@@ -463,15 +463,15 @@ class PoolMachine(RuleBasedStateMachine):
 
     def op_persist(self, data: st.DataObject) -> None:
         """What a persistence writer would have put in Redis at this moment."""
-        note("persist: index_snapshot()")
-        self.persisted.append(self.pool.index_snapshot())
+        note("persist: block_records()")
+        self.persisted.append(self.pool.block_records())
 
     def op_restart(self, data: st.DataObject) -> None:
         """Re-sync a fresh pool from the executor's view; the live pool itself is left as it is."""
         use_stale = not data.draw(st.booleans())  # mostly the stale snapshot: the write-behind race
         note(f"restart(use_stale={use_stale})")
         pool, bs = self.pool, self.pool.block_size
-        fresh = pool.index_snapshot()
+        fresh = pool.block_records()
         snap = fresh
         if use_stale and self.persisted:  # the oldest snapshot is the most likely one to be stale
             snap = self.persisted[data.draw(st.integers(0, len(self.persisted) - 1))]
@@ -557,13 +557,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def journal_replays_to_the_index(self) -> None:
-        """Applying the journal of changes yields the current index: blocks and generations exactly; the LRU
-        stamp it carries (last commit or reuse) is never later than the block's in-memory one."""
-        replayed = {h: e for h, e in self.journal.items() if e is not None}
-        current = self.pool.index_snapshot()
-        assert {h: e[:2] for h, e in replayed.items()} == {h: e[:2] for h, e in current.items()}
-        for h, (b, _, stamp) in replayed.items():
-            if self.pool.refcount[b] == 0:
+        """The journal's block records, validated by the current generations as a re-sync would, restore the
+        current index exactly (blocks and generations); the LRU stamp a record carries (last commit or reuse)
+        is never later than the block's in-memory one."""
+        records = {b: r for b, r in self.journal.items() if r is not None}
+        fresh = BlockPool(self.spec)
+        fresh.adopt_generations(self.pool.generation)
+        fresh.restore_index(records.items(), self.pool.generation)
+        current = index_view(self.pool)
+        assert {h: e[:2] for h, e in index_view(fresh).items()} == {h: e[:2] for h, e in current.items()}
+        for b, (h, _, stamp) in records.items():
+            if h in current and current[h][0] == b and self.pool.refcount[b] == 0:
                 assert stamp <= current[h][2]
 
 
