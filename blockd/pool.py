@@ -221,11 +221,11 @@ class BlockPool:
                 stamp[block] = clock
         self._clock = clock
 
-    def _shortfall(self, needed: int, what: str) -> BlockdError:
-        missing = needed - len(self.free_queue)
+    def _shortfall(self, needed: int, available: int, what: str) -> BlockdError:
+        missing = needed - available
         return BlockdError(
             ErrorCode.OUT_OF_BLOCKS,
-            f"{what} needs {needed} free blocks, {len(self.free_queue)} are free ({missing} missing)",
+            f"{what} needs {needed} free blocks, {available} are free ({missing} missing)",
             missing_blocks=missing,
         )
 
@@ -261,15 +261,10 @@ class BlockPool:
         needed = _ceil_div(n, bs) - len(hits)
         reclaimed = sum(1 for b in hits if refcount[b] == 0)  # cached-free hits leave the free queue
         counters = self.counters
-        if needed > len(self.free_queue) - reclaimed:
+        available = len(self.free_queue) - reclaimed
+        if needed > available:
             counters.admit_failures += 1
-            missing = needed - (len(self.free_queue) - reclaimed)
-            raise BlockdError(
-                ErrorCode.OUT_OF_BLOCKS,
-                f"admitting {seq_id!r} needs {needed} new blocks, {len(self.free_queue) - reclaimed} are free "
-                f"({missing} missing)",
-                missing_blocks=missing,
-            )
+            raise self._shortfall(needed, available, f"admitting {seq_id!r}")
         free = self.free_queue
         journal = self.journal
         for i, b in enumerate(hits):
@@ -310,7 +305,7 @@ class BlockPool:
         cow = n_old % bs != 0 and self.refcount[table[-1]] > 1
         needed = new_blocks + cow
         if needed > len(self.free_queue):
-            raise self._shortfall(needed, f"appending {k} tokens to {seq_id!r}")
+            raise self._shortfall(needed, len(self.free_queue), f"appending {k} tokens to {seq_id!r}")
         held += packed
         self.counters.granted_blocks += needed
         generation = self.generation
