@@ -1,0 +1,452 @@
+"""`pagedkv bench capacity`: how many sequences a fixed KV budget holds with paging versus contiguous reservation.
+
+The claim measured is the PagedAttention paper's (Kwon et al., SOSP 2023, §2.3 and Fig. 2): systems that reserve
+a contiguous max-length region per request keep only 20-38 % of their KV memory holding actual token states,
+paging about 96 %, so paging fits several times as many sequences in the same memory.
+
+One synthetic chat-like workload (fixed seed) runs through three schedulers that share one step model:
+
+- **paged**: the real block manager (`BlockPool`, in process) under continuous batching as vLLM's scheduler does
+  it. Each step first gives every running sequence a slot for the token it sampled last step (`append`); when
+  that fails with `out_of_blocks`, the most recently admitted sequence is preempted (freed, back to the front of
+  the queue, to be recomputed from its prompt plus the tokens it had generated). Then, unless it preempted, it
+  admits waiting requests first come first served while their prompt fits and `--watermark` of the blocks stays
+  free. Then the batch runs: every sequence samples one token; those that reach their output length are freed.
+- **contiguous**: the same, but each admitted request reserves `--max-len` token slots up front (static/contiguous
+  systems, Orca (Max) in the paper); nothing grows, nothing is preempted.
+- **oracle**: each request reserves exactly prompt + output length (Orca (Oracle): it knows the output length in
+  advance, which no real system does), with a perfect allocator (no external fragmentation): an upper bound for
+  any reservation scheme.
+
+Every request arrives at step 0 (an offline batch), so for most of the run requests are waiting and memory alone
+limits the batch. Utilization is averaged over those *saturated* steps (requests still waiting after admission);
+the final drain, where the batch shrinks because nothing is left to admit, is left out. Prefix caching plays no
+part: every request has its own random token ids and no block is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import click
+
+from blockd.errors import BlockdError, ErrorCode
+from blockd.pool import BlockPool, PoolSpec
+
+#: The length distribution: lognormal prompt and output lengths (median, sigma of the underlying normal), in the
+#: range of chat traces such as ShareGPT (mean prompt ~ 160-400 tokens, mean output ~ 200-340 tokens).
+PROMPT_MEDIAN, PROMPT_SIGMA = 256, 1.0
+OUTPUT_MEDIAN, OUTPUT_SIGMA = 192, 0.9
+QUICK_REQUESTS, QUICK_KV_TOKENS = 400, 32768
+CHECK_EVERY = 1000  # steps between full invariant checks of the pool
+TOKEN_BYTES = 4
+
+
+class InvariantViolation(RuntimeError):
+    """The block pool or the simulation's own bookkeeping broke an invariant."""
+
+
+# ------------------------------------------------------------------------------------------------- workload
+
+
+def sample_lengths(
+    count: int,
+    *,
+    max_len: int,
+    seed: int,
+    prompt_median: float = PROMPT_MEDIAN,
+    prompt_sigma: float = PROMPT_SIGMA,
+    output_median: float = OUTPUT_MEDIAN,
+    output_sigma: float = OUTPUT_SIGMA,
+) -> list[tuple[int, int]]:
+    """`count` (prompt length, output length) pairs, each >= 1, prompt + output <= max_len; the same for a seed.
+
+    Lognormal draws rounded to integers; the prompt is clipped to [1, max_len - 1], then the output to
+    [1, max_len - prompt].
+    """
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2 (one prompt and one output token), got {max_len}")
+    rng = random.Random(seed)
+    mu_p, mu_o = math.log(prompt_median), math.log(output_median)
+    pairs = []
+    for _ in range(count):
+        prompt = min(max(round(rng.lognormvariate(mu_p, prompt_sigma)), 1), max_len - 1)
+        output = min(max(round(rng.lognormvariate(mu_o, output_sigma)), 1), max_len - prompt)
+        pairs.append((prompt, output))
+    return pairs
+
+
+@dataclass(eq=False)
+class Request:
+    index: int
+    prompt_len: int
+    output_len: int
+    tokens: bytes  # every token id it will ever hold, packed little-endian uint32: prompt, then outputs
+    generated: int = 0  # output tokens sampled so far (the last one's KV is written at the next step)
+    stored: int = 0  # tokens whose KV the cache holds now
+    admissions: int = 0
+
+
+def make_requests(lengths: list[tuple[int, int]], seed: int) -> list[Request]:
+    """Fresh requests with random token ids (seeded), distinct per request: no prefix is shared by chance."""
+    rng = random.Random(seed ^ 0x5EED)
+    return [Request(i, p, o, rng.randbytes((p + o) * TOKEN_BYTES)) for i, (p, o) in enumerate(lengths)]
+
+
+# ----------------------------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class SimResult:
+    name: str
+    max_active: int = 0
+    mean_active: float = 0.0  # over saturated steps
+    kv_utilization: float = 0.0  # live tokens / allocated (paged) or reserved (contiguous) slots, saturated steps
+    budget_fill: float = 0.0  # live tokens / the whole KV budget, saturated steps
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # KV computed again after preemptions
+    steps: int = 0
+    saturated_steps: int = 0
+    completed: int = 0
+    seconds: float = 0.0
+    _active: list[int] = field(default_factory=list, repr=False)
+    _util: list[float] = field(default_factory=list, repr=False)
+    _fill: list[float] = field(default_factory=list, repr=False)
+
+    def record(self, active: int, live: int, slots: int, budget: int, saturated: bool) -> None:
+        self.steps += 1
+        self.max_active = max(self.max_active, active)
+        if saturated:
+            self._active.append(active)
+            self._util.append(live / slots if slots else 1.0)
+            self._fill.append(live / budget)
+
+    def finish(self, seconds: float) -> SimResult:
+        self.saturated_steps = len(self._active)
+        if self._active:
+            self.mean_active = statistics.fmean(self._active)
+            self.kv_utilization = statistics.fmean(self._util)
+            self.budget_fill = statistics.fmean(self._fill)
+        self.seconds = seconds
+        return self
+
+    def figures(self) -> dict[str, float | int]:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_") and k != "name"}
+
+
+Progress = Callable[[str, int, int, int], None]  # (scheduler, completed, total, step)
+
+
+def _sample_and_retire(running: list[Request], release: Callable[[Request], None]) -> tuple[list[Request], int]:
+    """The forward pass: every running sequence samples a token; those done are released. Returns (running, done)."""
+    still = []
+    for r in running:
+        r.generated += 1
+        if r.generated == r.output_len:
+            release(r)
+        else:
+            still.append(r)
+    return still, len(running) - len(still)
+
+
+def simulate_paged(
+    requests: list[Request],
+    *,
+    num_blocks: int,
+    block_size: int,
+    watermark_blocks: int,
+    check_every: int = CHECK_EVERY,
+    progress: Progress | None = None,
+) -> SimResult:
+    """Continuous batching over a real `BlockPool`, preempting (recompute) the newest sequence when blocks run out."""
+    started = time.perf_counter()
+    pool = BlockPool(PoolSpec("capacity", num_blocks, block_size, "capacity-model", 1))
+    free_queue = pool.free_queue  # its length is the pool's count of free blocks
+    result = SimResult("paged")
+    waiting = deque(requests)
+    running: list[Request] = []
+    live = 0  # tokens whose KV the pool holds
+    done = 0
+    budget = num_blocks * block_size
+
+    def seq_id(r: Request) -> str:
+        return f"r{r.index}.{r.admissions}"
+
+    def release(r: Request) -> None:
+        nonlocal live
+        pool.free(seq_id(r))
+        live -= r.stored
+        r.stored = 0
+
+    def verify(step: int) -> None:
+        problems = pool.check()
+        stats = pool.stats()
+        if stats.tokens_held != live or stats.live_sequences != len(running):
+            problems.append(f"bookkeeping: the pool holds {stats.tokens_held} tokens in {stats.live_sequences} "
+                            f"sequences, the simulation counts {live} in {len(running)}")  # fmt: skip
+        if problems:
+            raise InvariantViolation(f"paged, step {step}: " + "; ".join(problems))
+
+    for r in requests:
+        r.generated = r.stored = r.admissions = 0
+    step_limit = 10 * sum(r.output_len for r in requests) + 1000  # one sequence at a time needs sum(outputs)
+    while waiting or running:
+        # 1. A slot for each running sequence's last sampled token; preempt the newest when blocks run out.
+        preempted = False
+        i = 0
+        while i < len(running):
+            r = running[i]
+            at = r.stored * TOKEN_BYTES
+            try:
+                pool.append(seq_id(r), r.tokens[at : at + TOKEN_BYTES])
+            except BlockdError as exc:
+                if exc.code is not ErrorCode.OUT_OF_BLOCKS:
+                    raise
+                victim = running.pop()  # r itself when it is the newest
+                result.preemptions += 1
+                result.recomputed_tokens += victim.stored
+                release(victim)
+                waiting.appendleft(victim)  # the oldest victim ends up first: FCFS order is kept
+                preempted = True
+                continue
+            r.stored += 1
+            live += 1
+            i += 1
+        # 2. Admit (prompt + tokens generated before any preemption), first come first served, unless preempted.
+        if not preempted:
+            while waiting:
+                r = waiting[0]
+                n = r.prompt_len + r.generated
+                if len(free_queue) - -(-n // block_size) < watermark_blocks:
+                    break
+                r.admissions += 1
+                try:
+                    pool.admit(seq_id(r), r.tokens[: n * TOKEN_BYTES])
+                except BlockdError as exc:
+                    if exc.code is not ErrorCode.OUT_OF_BLOCKS:
+                        raise
+                    break
+                waiting.popleft()
+                running.append(r)
+                r.stored = n
+                live += n
+        # 3. The batch this step's forward pass runs on.
+        in_use = num_blocks - len(free_queue)
+        result.record(len(running), live, in_use * block_size, budget, saturated=bool(waiting))
+        # 4. Sample; finished sequences leave.
+        running, finished = _sample_and_retire(running, release)
+        done += finished
+        if progress and finished:
+            progress("paged", done, len(requests), result.steps)
+        if result.steps % check_every == 0:
+            verify(result.steps)
+        if result.steps > step_limit:
+            raise InvariantViolation(f"paged: {result.steps} steps without finishing (livelock?)")
+    verify(result.steps)
+    if pool.num_blocks - len(free_queue) or pool.seqs or live:
+        raise InvariantViolation(f"paged: after every request finished {pool.num_blocks - len(free_queue)} blocks "
+                                 f"are in use, {len(pool.seqs)} sequences live, {live} tokens held")  # fmt: skip
+    result.completed = done
+    return result.finish(time.perf_counter() - started)
+
+
+def simulate_reserved(
+    requests: list[Request],
+    *,
+    name: str,
+    kv_tokens: int,
+    reserve: Callable[[Request], int],
+    progress: Progress | None = None,
+) -> SimResult:
+    """Continuous batching where each admitted request holds `reserve(request)` contiguous slots until it ends."""
+    started = time.perf_counter()
+    result = SimResult(name)
+    waiting = deque(requests)
+    running: list[Request] = []
+    live = reserved = done = 0
+
+    def release(r: Request) -> None:
+        nonlocal live, reserved
+        live -= r.stored
+        reserved -= reserve(r)
+        r.stored = 0
+
+    for r in requests:
+        r.generated = r.stored = r.admissions = 0
+        if r.prompt_len + r.output_len > reserve(r):
+            raise InvariantViolation(f"{name}: request {r.index} needs {r.prompt_len + r.output_len} slots, "
+                                     f"reserves {reserve(r)}")  # fmt: skip
+        if reserve(r) > kv_tokens:
+            raise InvariantViolation(f"{name}: request {r.index} reserves more than the budget {kv_tokens}")
+    while waiting or running:
+        for r in running:  # its reservation already holds the slot
+            r.stored += 1
+        live += len(running)
+        while waiting and reserved + reserve(waiting[0]) <= kv_tokens:
+            r = waiting.popleft()
+            r.admissions += 1
+            reserved += reserve(r)
+            running.append(r)
+            r.stored = r.prompt_len
+            live += r.prompt_len
+        result.record(len(running), live, reserved, kv_tokens, saturated=bool(waiting))
+        running, finished = _sample_and_retire(running, release)
+        done += finished
+        if progress and finished:
+            progress(name, done, len(requests), result.steps)
+    if live or reserved:
+        raise InvariantViolation(f"{name}: after every request finished {live} tokens, {reserved} slots remain")
+    result.completed = done
+    return result.finish(time.perf_counter() - started)
+
+
+# ---------------------------------------------------------------------------------------------------- command
+
+
+def _stderr_progress() -> Progress:
+    """One line on stderr per quarter of the requests completed (rewritten in place on a terminal)."""
+    tty = sys.stderr.isatty()
+    shown: dict[str, int] = {}
+
+    def report(name: str, completed: int, total: int, step: int) -> None:
+        quarter = 4 * completed // total
+        if tty:
+            end = "\n" if completed == total else ""
+            click.echo(f"\r  {name}: {completed}/{total} requests done, step {step}", err=True, nl=False)
+            click.echo(end, err=True, nl=False)
+        elif quarter > shown.get(name, 0):
+            shown[name] = quarter
+            click.echo(f"  {name}: {completed}/{total} requests done, step {step}", err=True)
+
+    return report
+
+
+def _fmt(value: float | str) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return f"{value:,}" if isinstance(value, int) else value
+
+
+@click.command(
+    "capacity",
+    help=f"""Sequences a fixed KV budget holds with paging (the real BlockPool) versus contiguous reservation.
+
+    A seeded chat-like workload: prompt lengths lognormal with median {PROMPT_MEDIAN} tokens (sigma
+    {PROMPT_SIGMA}), output lengths lognormal with median {OUTPUT_MEDIAN} (sigma {OUTPUT_SIGMA}), prompt clipped
+    to [1, max-len - 1] and output to [1, max-len - prompt]; every request arrives at step 0. The same workload
+    runs under continuous batching three ways: paged (blocks on demand, preemption by recompute), contiguous
+    (max-len slots reserved per request) and oracle (exactly prompt + output reserved). Reports the max and mean
+    active sequences, KV utilization (tokens stored / slots allocated or reserved) averaged over the steps where
+    requests wait, preemptions and steps; the last line of stdout is one JSON object. Progress goes to stderr.""",
+)
+@click.option("--kv-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+              help="KV budget in token slots (paged: kv-tokens // block-size blocks).")  # fmt: skip
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per block.")
+@click.option("--max-len", type=click.IntRange(min=2), default=4096, show_default=True,
+              help="Maximum prompt + output length; what contiguous reservation reserves.")  # fmt: skip
+@click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True, help="Requests.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of lengths and token ids.")
+@click.option("--watermark", type=click.FloatRange(0, 0.5, max_open=True), default=0.01, show_default=True,
+              help="Fraction of the blocks admission keeps free for decoding (vLLM's default).")  # fmt: skip
+@click.option("--quick", is_flag=True,
+              help=f"A small run for tests: {QUICK_REQUESTS} requests, {QUICK_KV_TOKENS} KV tokens "
+                   "(options given explicitly win).")  # fmt: skip
+@click.pass_context
+def bench_capacity(
+    ctx: click.Context, kv_tokens: int, block_size: int, max_len: int, requests: int, seed: int, watermark: float,
+    quick: bool,
+) -> None:  # fmt: skip
+    if quick:
+        default = click.core.ParameterSource.DEFAULT
+        if ctx.get_parameter_source("requests") is default:
+            requests = QUICK_REQUESTS
+        if ctx.get_parameter_source("kv_tokens") is default:
+            kv_tokens = QUICK_KV_TOKENS
+    if kv_tokens < max_len:
+        raise click.BadParameter(f"{kv_tokens} token slots hold no sequence of --max-len {max_len}; "
+                                 "give at least --max-len", param_hint="'--kv-tokens'")  # fmt: skip
+    num_blocks = kv_tokens // block_size
+    watermark_blocks = math.floor(watermark * num_blocks)
+    if num_blocks - watermark_blocks < -(-max_len // block_size):
+        raise click.BadParameter(f"{num_blocks} blocks of {block_size} ({watermark_blocks} kept free by the "
+                                 f"watermark) cannot hold one sequence of --max-len {max_len}",
+                                 param_hint="'--kv-tokens'")  # fmt: skip
+    echo = click.echo
+    lengths = sample_lengths(requests, max_len=max_len, seed=seed)
+    prompts, outputs = [p for p, _ in lengths], [o for _, o in lengths]
+    echo(f"workload: {requests} requests, seed {seed}; prompt ~ lognormal(median {PROMPT_MEDIAN}, sigma "
+         f"{PROMPT_SIGMA}), output ~ lognormal(median {OUTPUT_MEDIAN}, sigma {OUTPUT_SIGMA}), "
+         f"prompt + output <= {max_len}")  # fmt: skip
+    echo(f"          prompt mean {statistics.fmean(prompts):.0f} / median {statistics.median(prompts):.0f} / max "
+         f"{max(prompts)}; output mean {statistics.fmean(outputs):.0f} / median {statistics.median(outputs):.0f} / "
+         f"max {max(outputs)}; all arrive at step 0")  # fmt: skip
+    echo(f"budget:   {kv_tokens:,} KV token slots; paged: {num_blocks:,} blocks of {block_size}, watermark "
+         f"{watermark_blocks} blocks")  # fmt: skip
+    progress = _stderr_progress()
+    requests_ = make_requests(lengths, seed)
+    click.echo("[1/3] paged (BlockPool, continuous batching, preemption by recompute)", err=True)
+    paged = simulate_paged(requests_, num_blocks=num_blocks, block_size=block_size,
+                           watermark_blocks=watermark_blocks, progress=progress)  # fmt: skip
+    click.echo(f"[2/3] contiguous ({max_len} slots reserved per request)", err=True)
+    contiguous = simulate_reserved(requests_, name="contiguous", kv_tokens=kv_tokens, reserve=lambda r: max_len,
+                                   progress=progress)  # fmt: skip
+    click.echo("[3/3] oracle (prompt + output slots reserved per request)", err=True)
+    oracle = simulate_reserved(requests_, name="oracle", kv_tokens=kv_tokens,
+                               reserve=lambda r: r.prompt_len + r.output_len, progress=progress)  # fmt: skip
+    results = (paged, contiguous, oracle)
+    for res in results:
+        if res.completed != requests:
+            raise click.ClickException(f"{res.name}: {res.completed} of {requests} requests completed")
+
+    columns = ["scheduler", "max active", "mean active", "KV utilization", "budget holding tokens",
+               "preemptions", "steps", "saturated steps", "seconds"]  # fmt: skip
+    cells = [[r.name, _fmt(r.max_active), f"{r.mean_active:.1f}", f"{r.kv_utilization:.1%}", f"{r.budget_fill:.1%}",
+              _fmt(r.preemptions), _fmt(r.steps), _fmt(r.saturated_steps), f"{r.seconds:.1f}"]
+             for r in results]  # fmt: skip
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    echo("")
+    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
+    for row in cells:
+        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    echo(f"max active: over all steps; mean active, KV utilization (tokens stored / slots allocated, paged: blocks "
+         f"in use x {block_size}, or reserved) and budget holding tokens (tokens stored / {kv_tokens:,}): averaged "
+         f"over the saturated steps (requests waiting)")  # fmt: skip
+    echo(f"paged holds {paged.mean_active / contiguous.mean_active:.1f}x the sequences of contiguous reservation "
+         f"({paged.mean_active / oracle.mean_active:.2f}x oracle); recomputed {paged.recomputed_tokens:,} tokens "
+         f"after {paged.preemptions:,} preemptions ({os.cpu_count()} cores)")  # fmt: skip
+    figures: dict[str, object] = {}
+    for res in results:
+        figures.update({f"{res.name}_{k}": (round(v, 4) if isinstance(v, float) else v)
+                        for k, v in res.figures().items()})  # fmt: skip
+    figures = {
+        "paged_max_active": paged.max_active,
+        "contiguous_max_active": contiguous.max_active,
+        "oracle_max_active": oracle.max_active,
+        "paged_kv_utilization": round(paged.kv_utilization, 4),
+        "contiguous_kv_utilization": round(contiguous.kv_utilization, 4),
+        "oracle_kv_utilization": round(oracle.kv_utilization, 4),
+        "paged_vs_contiguous_mean_active": round(paged.mean_active / contiguous.mean_active, 3),
+        **figures,
+        "requests": requests,
+        "kv_tokens": kv_tokens,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "max_len": max_len,
+        "watermark_blocks": watermark_blocks,
+        "seed": seed,
+        "prompt_lognormal": {"median": PROMPT_MEDIAN, "sigma": PROMPT_SIGMA},
+        "output_lognormal": {"median": OUTPUT_MEDIAN, "sigma": OUTPUT_SIGMA},
+        "prompt_mean": round(statistics.fmean(prompts), 1),
+        "output_mean": round(statistics.fmean(outputs), 1),
+        "quick": quick,
+    }
+    echo(json.dumps(figures))
