@@ -214,6 +214,11 @@ class PoolClient:
                     raise
             self._resync_until(deadline)
 
+    def resync(self) -> None:
+        """Re-register now, retrying for up to retry_for_s: after a step that failed for good, before sending it
+        again, so that whatever part of it blockd may have applied is undone first."""
+        self._resync_until(time.monotonic() + self.retry_for_s)
+
     def _resync_until(self, deadline: float) -> None:
         while True:
             try:

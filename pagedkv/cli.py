@@ -1,4 +1,4 @@
-"""The umbrella command `pagedkv`: benchmarks today, `serve` and `make-model` as their issues land."""
+"""The umbrella command `pagedkv`: make-model, benchmarks, and (with the gateway) serve."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group()
+@click.group(cls=LazyGroup, lazy={"make-model": "executor.make_model:make_model"})
 @click.version_option(package_name="pagedkv")
 def main() -> None:
     """pagedkv: LLM serving around PagedAttention."""
@@ -35,6 +35,8 @@ def main() -> None:
     lazy={
         "blockd": "blockd.bench:bench_blockd",
         "kernels": "kernels.bench:bench_kernels",
+        "capacity": "blockd.capacity:bench_capacity",
+        "throughput": "executor.bench:bench_throughput",
     },
 )
 def bench() -> None:

@@ -1,0 +1,229 @@
+"""The engine: requests in, token deltas out, one scheduler step at a time.
+
+A step is: plan (scheduler) -> one blockd round trip carrying every op of the step -> copy-on-write block
+copies -> one forward pass over every scheduled chunk -> sampling -> deltas. The engine is single-threaded and
+owns everything it touches; the server drives it and carries its deltas to gateways.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from blockd.client import BlockdUnavailable, PoolClient
+from executor import protocol as ep
+from executor.runner import ModelRunner
+from executor.sampling import Sampler, SampleRow, SamplingParams, choice_generator
+from executor.scheduler import Chunk, Scheduler
+from executor.sequence import Request, Sequence, Status
+
+log = structlog.get_logger("executor")
+
+
+class RequestRejected(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, pool: PoolClient, limits: EngineLimits = EngineLimits(),
+                 *, seed: int | None = None) -> None:
+        if limits.max_num_batched_tokens < limits.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs a token)")
+        self.runner = runner
+        self.pool = pool
+        self.config = runner.config
+        self.limits = limits
+        self.scheduler = Scheduler(
+            num_blocks=runner.num_blocks,
+            block_size=runner.block_size,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            tables=pool.seqs,
+        )
+        self.sampler = Sampler(runner.device, seed)
+        self.requests: dict[str, Request] = {}
+        self.eos = frozenset(self.config.eos_token_ids)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: Seq[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request, or raise RequestRejected (nothing else is affected)."""
+        if request_id in self.requests:
+            raise RequestRejected("duplicate_request", f"request {request_id!r} is already in progress")
+        problem = params.validate(self.config.vocab_size)
+        if problem:
+            raise RequestRejected("invalid_request", problem)
+        prompt = list(prompt)
+        if not prompt:
+            raise RequestRejected("invalid_request", "the prompt is empty")
+        vocab = self.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestRejected("invalid_request", f"prompt token ids must be in [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(prompt) >= limit:
+            raise RequestRejected(
+                "context_length_exceeded",
+                f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens, "
+                "including at least one to generate",
+            )
+        capacity = (self.scheduler.num_blocks - self.scheduler.watermark) * self.runner.block_size
+        if len(prompt) + 1 > capacity:
+            raise RequestRejected(
+                "capacity_exceeded",
+                f"the prompt has {len(prompt)} tokens; this executor's KV cache holds at most {capacity} "
+                "tokens for one sequence",
+            )
+        request = Request(request_id, params, prompt, cache_salt, time.monotonic())
+        first = Sequence(f"{request_id}#0", request, 0, list(prompt),
+                         choice_generator(params, 0, self.runner.device))
+        request.sequences.append(first)
+        self.requests[request_id] = request
+        self.scheduler.add(first)
+
+    def abort(self, request_id: str) -> list[ep.Delta]:
+        """Stop a request; its blocks are freed at the next step. Unknown (or already finished) ids: no-op."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return []
+        deltas = []
+        for seq in request.sequences:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                deltas.append(self._delta(seq, [], None))
+        for index in range(len(request.sequences), request.params.n):  # choices never forked
+            deltas.append(ep.Delta(request_id=request_id, index=index, token_ids=[], finish_reason="abort",
+                                   prompt_tokens=len(request.prompt), cached_tokens=request.num_cached_tokens))
+        return deltas
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def load(self) -> ep.LoadReport:
+        s = self.scheduler
+        return ep.LoadReport(
+            pool_id=self.pool.pool_id,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            free_blocks=s.ledger.free,
+            num_blocks=s.num_blocks,
+            kv_utilization=s.ledger.in_use / s.num_blocks,
+            preemptions=s.num_preemptions,
+            steps=self.steps,
+        )
+
+    # ------------------------------------------------------------------------------------------ the step
+
+    def step(self) -> list[ep.Delta]:
+        scheduler = self.scheduler
+        plan = scheduler.plan()
+        results = self._round_trip(plan.ops) if plan.ops else []
+        outcome = scheduler.apply(plan, results)
+        deltas = [self._delta(seq, [], None) for seq, _ in outcome.failed]
+        for seq, _ in outcome.failed:
+            self._forget_if_done(seq.request)
+        chunks = scheduler.schedule(plan, outcome)
+        self.runner.copy_blocks(outcome.copies)
+        if chunks:
+            self.steps += 1
+            logits = self.runner.execute(chunks, self.pool.seqs)
+            deltas += self._sample(chunks, logits)
+        return deltas
+
+    def _round_trip(self, ops: list) -> list:
+        """The step's one blockd call. If blockd stays away past the pool client's retries, keep trying: the
+        plan stands (nothing was applied locally), and a re-sync undoes whatever blockd had applied of it."""
+        while True:
+            try:
+                return self.pool.step(ops)
+            except BlockdUnavailable:
+                log.warning("blockd_unreachable", pool_id=self.pool.pool_id, retrying=True)
+                try:
+                    self.pool.resync()
+                except BlockdUnavailable:
+                    continue
+
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[ep.Delta]:
+        for chunk in chunks:
+            chunk.seq.num_computed = chunk.start + len(chunk.token_ids)
+        sampling = [c.seq for c in chunks if c.samples]
+        rows: list[SampleRow] = []
+        row_of: list[int] = []  # logits row of each sample row
+        choices: list[tuple[Sequence, int | None]] = []  # (sequence, index of a new choice or None)
+        for i, seq in enumerate(sampling):
+            rows.append(SampleRow(seq.params, seq.generator))
+            row_of.append(i)
+            choices.append((seq, None))
+            request = seq.request
+            if seq.index == 0 and len(request.sequences) == 1 and request.params.n > 1 and seq.num_generated == 0:
+                for index in range(1, request.params.n):  # the other choices start from the same prompt logits
+                    rows.append(SampleRow(seq.params, choice_generator(seq.params, index, self.runner.device)))
+                    row_of.append(i)
+                    choices.append((seq, index))
+        if not rows:
+            return []
+        picked = logits if len(rows) == len(sampling) else logits[torch.tensor(row_of, device=logits.device)]
+        sampled = self.sampler(picked, rows)
+        deltas = []
+        for (seq, new_index), row, token, logprob in zip(choices, rows, sampled.token_ids, sampled.logprobs):
+            if new_index is not None:
+                parent = seq
+                seq = Sequence(f"{parent.request.request_id}#{new_index}", parent.request, new_index,
+                               parent.request.prompt + [], row.generator)
+                seq.num_computed = seq.num_registered = seq.committed_tokens = parent.prompt_len
+                parent.request.sequences.append(seq)
+            seq.tokens.append(token)
+            self.generated_tokens += 1
+            reason = self._finish_reason(seq, token)
+            if new_index is not None and reason is None:
+                self.scheduler.fork(parent, seq)
+            elif new_index is not None:
+                seq.status, seq.finish_reason = Status.FINISHED, reason  # never needs blocks of its own
+            elif reason is not None:
+                self.scheduler.finish(seq, reason)
+            deltas.append(self._delta(seq, [token], logprob))
+            self._forget_if_done(seq.request)
+        return deltas
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
+            return "length"
+        capacity = (self.scheduler.num_blocks - self.scheduler.watermark) * self.runner.block_size
+        if len(seq.tokens) >= capacity:
+            return "length"  # it could not grow any further even alone in the cache
+        return None
+
+    def _forget_if_done(self, request: Request) -> None:
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+
+    def _delta(self, seq: Sequence, tokens: list[int], logprob) -> ep.Delta:
+        request = seq.request
+        return ep.Delta(
+            request_id=request.request_id,
+            index=seq.index,
+            token_ids=tokens,
+            logprobs=None if logprob is None else [ep.TokenLogprob(tokens[0], logprob[0], logprob[1])],
+            finish_reason=seq.finish_reason,
+            prompt_tokens=len(request.prompt),
+            completion_tokens=seq.num_generated,
+            cached_tokens=request.num_cached_tokens,
+        )

@@ -1,0 +1,114 @@
+"""The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER). msgpack via msgspec.
+
+Gateway -> executor: `Submit`, `Abort`, `GetLoad`, `GetInfo`; each carries the protocol version `v`.
+Executor -> gateway: for a submitted request, a stream of `Delta`s (new tokens of one choice, incremental; the
+last one of each choice has `finish_reason`), or one `Rejected` if the request is invalid; `LoadReport` and
+`Info` answer their queries. Anything undecodable is answered with `Rejected` (request_id "" when unknown).
+
+Prompt tokens travel packed (little-endian uint32, `blockd.hashing.pack_tokens`), like blockd's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from executor.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+DEFAULT_BIND = "tcp://127.0.0.1:5560"
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    v: int = PROTOCOL_VERSION
+
+
+class Submit(Message, tag="submit"):
+    request_id: RequestId
+    prompt: bytes  # packed token ids
+    params: SamplingParams = SamplingParams()
+    cache_salt: str | None = None
+
+
+class Abort(Message, tag="abort"):
+    request_id: RequestId
+
+
+class GetLoad(Message, tag="get_load"):
+    pass
+
+
+class GetInfo(Message, tag="get_info"):
+    pass
+
+
+Inbound = Submit | Abort | GetLoad | GetInfo
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+
+
+class Delta(Message, tag="delta"):
+    request_id: str
+    index: int  # which choice (0 .. n - 1)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # of this choice so far
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+
+
+class Rejected(Message, tag="rejected"):
+    request_id: str
+    code: str  # "invalid_request" | "context_length_exceeded" | "capacity_exceeded" | "duplicate_request" | ...
+    message: str
+
+
+class LoadReport(Message, tag="load"):
+    pool_id: str
+    running: int
+    waiting: int
+    free_blocks: int
+    num_blocks: int
+    kv_utilization: float  # blocks held by live sequences / all blocks
+    preemptions: int
+    steps: int
+
+
+class Info(Message, tag="info"):
+    pool_id: str
+    model_id: str
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    device: str
+    eos_token_ids: list[int]
+
+
+Outbound = Delta | Rejected | LoadReport | Info
+
+_encoder = msgspec.msgpack.Encoder()
+_inbound = msgspec.msgpack.Decoder(Inbound)
+_outbound = msgspec.msgpack.Decoder(Outbound)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_inbound(frame: bytes) -> Inbound:
+    """Raises msgspec.DecodeError / ValidationError on garbage or a bad field."""
+    return _inbound.decode(frame)
+
+
+def decode_outbound(frame: bytes) -> Outbound:
+    return _outbound.decode(frame)

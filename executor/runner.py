@@ -1,0 +1,125 @@
+"""The model runner: owns the model and the physical KV cache of one device, and runs one step's chunks.
+
+The KV cache is one (K, V) pair of `[num_blocks, block_size, num_kv_heads, head_dim]` tensors per layer;
+block b of every layer is what blockd calls block b of this executor's pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from blockd.client import MirroredSequence
+from executor.checkpoint import ModelConfig, iter_weights, load_config
+from executor.model import ForwardBatch, PagedCausalLM, build_model
+from executor.scheduler import Chunk
+from kernels import dispatch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: PagedCausalLM
+    dtype: torch.dtype
+    device: torch.device
+    load_s: float
+
+
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
+    started = time.perf_counter()
+    config = load_config(model_dir)
+    if dtype is None:
+        dtype = DTYPES.get(config.torch_dtype, torch.float32)
+        if device.type == "cpu" and dtype is torch.bfloat16:
+            dtype = torch.float32  # bfloat16 matmuls are slow on most CPUs
+    model = build_model(config, iter_weights(model_dir), dtype=dtype, device=device)
+    return LoadedModel(config, model, dtype, device, time.perf_counter() - started)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        backend: dispatch.Backend = "auto",
+    ) -> None:
+        self.config = loaded.config
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend = backend
+        c = self.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(c.num_layers)
+        ]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src, dst = zip(*pairs)
+            dispatch.copy_blocks(
+                [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], (list(src), list(dst)),
+                backend=self.backend,
+            )
+
+    def build_batch(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        rows: list[list[int]] = []
+        for chunk in chunks:
+            table = tables[chunk.seq.seq_id].blocks
+            n = len(chunk.token_ids)
+            input_ids.extend(chunk.token_ids)
+            span = range(chunk.start, chunk.start + n)
+            positions.extend(span)
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in span)
+            starts.append(starts[-1] + n)
+            seq_lens.append(chunk.start + n)
+            if chunk.samples:
+                logits_indices.append(starts[-1] - 1)
+            rows.append(table[: -(-(chunk.start + n) // bs)])
+        width = max(len(r) for r in rows)
+        table_tensor = torch.zeros((len(rows), width), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table_tensor[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        device = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=table_tensor.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )
+
+    def execute(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> torch.Tensor:
+        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order."""
+        batch = self.build_batch(chunks, tables)
+        return self.model(batch, self.kv_caches, self.backend)

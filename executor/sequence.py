@@ -1,0 +1,69 @@
+"""Requests and their sequences, as the engine tracks them.
+
+A request with n choices starts as one sequence (choice 0). When its prompt has been computed, the other
+n - 1 choices are forked from it in blockd, so they share the prompt's blocks; each then samples on its own.
+
+Per sequence, three counters only ever move forward, and always satisfy
+    num_computed <= num_registered <= len(tokens)
+`num_computed` tokens have K/V in the cache, `num_registered` tokens are known to blockd (it holds blocks for
+them), and `tokens` ends with the last sampled token, whose K/V the next step computes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not in blockd: new, or preempted
+    RUNNING = "running"  # in blockd, holds blocks
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    params: SamplingParams
+    prompt: list[int]
+    cache_salt: str | None
+    arrival_s: float
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.sequences) and len(self.sequences) == self.params.n
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request: Request
+    index: int  # which of the request's n choices
+    tokens: list[int]
+    generator: torch.Generator | None
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_registered: int = 0
+    committed_tokens: int = 0  # num_computed as of the last commit sent to blockd
+    admitted_order: int = -1  # when it (last) became RUNNING: preemption takes the newest
+    fork_parent: str | None = None  # set until the fork that creates it in blockd has been sent
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params

@@ -1,0 +1,121 @@
+"""Driving a real engine (in this process) against a real blockd (another process), and the transformers oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import transformers
+
+from blockd.client import BlockdClient, PoolClient
+from executor import protocol as ep
+from executor.engine import Engine, EngineLimits
+from executor.runner import ModelRunner, load_model
+from executor.sampling import SamplingParams
+from executor.sequence import Status
+
+
+def make_engine(
+    model_dir: Path,
+    blockd_endpoint: str,
+    *,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    backend: str = "auto",
+    pool_id: str = "test-pool",
+    seed: int | None = 0,
+) -> Engine:
+    loaded = load_model(model_dir, torch.device("cpu"))
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)  # type: ignore[arg-type]
+    pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=2.0), pool_id=pool_id, num_blocks=num_blocks,
+                      block_size=block_size, model_id=loaded.config.model_id, retry_for_s=20.0)
+    pool.register()
+    return Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=seed)
+
+
+@dataclass
+class Choice:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[ep.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+Arrival = tuple[str, list[int], SamplingParams]
+
+
+def check_sequence_invariants(engine: Engine) -> None:
+    """What must hold between steps (see executor.sequence and executor.scheduler)."""
+    scheduler = engine.scheduler
+    for seq in scheduler.running:
+        assert seq.status is Status.RUNNING
+        assert seq.num_computed <= seq.num_registered <= len(seq.tokens), seq
+        if seq.fork_parent is None:
+            assert seq.seq_id in engine.pool.seqs
+    for seq in scheduler.waiting:
+        assert seq.status is Status.WAITING and seq.seq_id not in engine.pool.seqs
+    held = {b for s in engine.pool.seqs.values() for b in s.blocks}
+    assert scheduler.ledger.in_use == len(held)
+
+
+def drive(
+    engine: Engine,
+    arrivals: dict[int, list[Arrival]],
+    *,
+    max_steps: int = 5000,
+    on_step: Callable[[int, Engine], None] | None = None,
+) -> dict[str, list[Choice]]:
+    """Run until every request is done, submitting `arrivals[k]` before step k; choices per request id."""
+    results: dict[str, list[Choice]] = {}
+    pending = dict(arrivals)
+    step = 0
+    while pending or engine.has_work():
+        for request_id, prompt, params in pending.pop(step, []):
+            engine.add_request(request_id, prompt, params)
+            results[request_id] = [Choice() for _ in range(params.n)]
+        for delta in engine.step():
+            choice = results[delta.request_id][delta.index]
+            choice.tokens += delta.token_ids
+            choice.logprobs += delta.logprobs or []
+            choice.finish_reason = delta.finish_reason
+            choice.cached_tokens = delta.cached_tokens
+            choice.completion_tokens = delta.completion_tokens
+        check_sequence_invariants(engine)
+        if on_step is not None:
+            on_step(step, engine)
+        step += 1
+        assert step < max_steps, "the engine did not finish"
+    return results
+
+
+@lru_cache(maxsize=8)
+def hf_model(model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate: the oracle. It stops after an end-of-sequence token, like the engine."""
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model_dir: Path, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' logits at each generated position: [len(generated), vocab]."""
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
