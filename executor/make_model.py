@@ -114,6 +114,11 @@ class ModelSpec:
             raise ModelSpecError("--kv-heads", f"{self.kv_heads} kv heads do not divide {self.heads} heads")
         if self.resolved_head_dim < 2 or self.resolved_head_dim % 2:
             raise ModelSpecError("--head-dim", f"head dim {self.resolved_head_dim} must be even (rotary pairs)")
+        from kernels.validate import SUPPORTED_HEAD_DIMS  # imports torch: not at module level (fast --help)
+
+        if self.resolved_head_dim not in SUPPORTED_HEAD_DIMS:  # what the paged-attention kernels are built for
+            raise ModelSpecError("--head-dim", f"head dim {self.resolved_head_dim} is not one the kernels support "
+                                               f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))})")  # fmt: skip
         if self.vocab_size < MIN_VOCAB:
             raise ModelSpecError("--vocab-size", f"--vocab-size {self.vocab_size} is too small: the tokenizer "
                                                  f"needs 256 byte tokens + {len(SPECIAL_TOKENS)} special tokens = "

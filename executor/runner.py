@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from blockd.client import MirroredSequence
-from executor.checkpoint import ModelConfig, iter_weights, load_config
+from executor.checkpoint import ModelConfig, UnsupportedModel, iter_weights, load_config
 from executor.model import ForwardBatch, PagedCausalLM, build_model
 from executor.scheduler import Chunk
-from kernels import dispatch
+from kernels import SUPPORTED_HEAD_DIMS, dispatch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,6 +39,9 @@ class LoadedModel:
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
     started = time.perf_counter()
     config = load_config(model_dir)
+    if config.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedModel(f"{model_dir}: head dim {config.head_dim} is not one the paged-attention kernels "
+                               f"support ({', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
     if dtype is None:
         dtype = DTYPES.get(config.torch_dtype, torch.float32)
         if device.type == "cpu" and dtype is torch.bfloat16:

@@ -236,7 +236,7 @@ def test_cli_help_and_a_run(tmp_path: Path) -> None:
     assert result.exit_code == 0
     assert all(flag in result.output for flag in ("--arch", "--max-shard-size", "--seed", "--force"))
     out = tmp_path / "m"
-    args = ["--arch", "qwen2", "--out", str(out), "--hidden-size", "32", "--layers", "1", "--heads", "2",
+    args = ["--arch", "qwen2", "--out", str(out), "--hidden-size", "64", "--layers", "1", "--heads", "2",
             "--kv-heads", "1", "--vocab-size", "300", "--max-position", "64", "--dtype", "bfloat16"]  # fmt: skip
     result = runner.invoke(make_model, args)
     assert result.exit_code == 0, result.output
@@ -251,7 +251,7 @@ def test_cli_refuses_a_non_empty_dir_and_bad_values(tiny_models: dict[str, Path]
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
-    small = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab-size", "300"]
+    small = ["--hidden-size", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab-size", "300"]
     result = runner.invoke(make_model, ["--out", str(taken), *small])
     assert result.exit_code == 2 and "not empty" in result.output and "--force" in result.output
     result = runner.invoke(make_model, ["--out", str(taken), "--force", *small])
@@ -267,6 +267,7 @@ def test_cli_refuses_a_non_empty_dir_and_bad_values(tiny_models: dict[str, Path]
         ("--heads", "5"): "do not divide --hidden-size",
         ("--vocab-size", "100"): "256 byte tokens",
         ("--max-shard-size", "lots"): "size",
+        ("--head-dim", "48"): "not one the kernels support",
     }
     for (flag, value), message in bad.items():
         result = runner.invoke(make_model, ["--out", str(tmp_path / "never"), "--heads", "4", flag, value])
