@@ -78,6 +78,7 @@ class StepPlan:
     purposes: list[tuple[str, Sequence]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     released_tables: dict[str, list[int]] = field(default_factory=dict)  # block tables of the freed, as planned
+    forked_tables: dict[str, list[int]] = field(default_factory=dict)  # a fork's parent's table, as planned
     budget_left: int = 0
 
     def add(self, purpose: str, seq: Sequence, op: p.StepOp) -> None:
@@ -177,6 +178,7 @@ class Scheduler:
             self._commit(plan, seq)
         for child in self.to_fork:
             plan.add("fork", child, p.Fork(child.fork_parent, child.seq_id))
+            plan.forked_tables[child.seq_id] = list(self.tables[child.fork_parent].blocks)
         for seq in self.to_free:
             self._free(plan, seq)
         free = self.ledger.free + sum(self._releases(s) for s in self.to_free)
@@ -269,7 +271,7 @@ class Scheduler:
             elif failed:
                 outcome.failed.append((seq, result))
             elif purpose == "fork":
-                self.ledger.hold(self.tables[seq.seq_id].blocks)
+                self.ledger.hold(plan.forked_tables[seq.seq_id])  # the mirror already shows later appends
                 seq.fork_parent = None
                 self.to_fork.remove(seq)
             elif purpose == "free":

@@ -185,9 +185,11 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 @click.option("--kernels", type=click.Choice(["auto", "triton", "reference"]), default="auto",
               help="Attention kernels: auto = Triton on CUDA, the torch reference on CPU.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler for requests without their own.")
+@click.option("--blockd-wait", type=click.FloatRange(min=0), default=60.0,
+              help="Seconds to wait for blockd at startup before giving up (exit 69).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num_blocks, kv_cache_memory,
-         max_num_seqs, max_num_batched_tokens, dtype, kernels, seed, log_level) -> None:
+         max_num_seqs, max_num_batched_tokens, dtype, kernels, seed, blockd_wait, log_level) -> None:
     """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step."""
     configure_logging("executor", log_level)
     device = _device(device_spec)
@@ -200,6 +202,7 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
         model_dir = ensure_default_model()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    log.info("loading_model", model=str(model_dir), device=str(device))
     loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
     block_size_int = int(block_size)
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
@@ -207,7 +210,7 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
     pool_id = pool_id or _default_pool_id(bind, device)
     pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=5.0), pool_id=pool_id, num_blocks=blocks,
                       block_size=block_size_int, model_id=loaded.config.model_id)
-    _register(pool, blockd_endpoint)
+    _register(pool, blockd_endpoint, blockd_wait)
     engine = Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=seed)
     info = ep.Info(pool_id=pool_id, model_id=loaded.config.model_id, model_dir=str(Path(model_dir).resolve()),
                    max_model_len=loaded.config.max_model_len, vocab_size=loaded.config.vocab_size,
@@ -216,7 +219,8 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
     server = ExecutorServer(engine, bind, info)
     log.info(
         "executor_ready", model=str(model_dir), architecture=loaded.config.architecture,
-        model_id=loaded.config.model_id, dtype=str(loaded.dtype).removeprefix("torch."), device=str(device),
+        model_id=loaded.config.model_id, parameters=sum(p.numel() for p in loaded.model.parameters()),
+        max_model_len=loaded.config.max_model_len, dtype=str(loaded.dtype).removeprefix("torch."), device=str(device),
         load_s=round(loaded.load_s, 2), kv_blocks=blocks, kv_tokens=blocks * block_size_int,
         kv_bytes=runner.kv_cache_bytes, kernels=kernels, bind=bind, pool_id=pool_id, blockd=blockd_endpoint,
         pid=os.getpid(),
@@ -231,7 +235,7 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
     log.info("executor_stopped", pool_id=pool_id)
 
 
-def _register(pool: PoolClient, endpoint: str, wait_s: float = 60.0) -> None:
+def _register(pool: PoolClient, endpoint: str, wait_s: float) -> None:
     """blockd may still be starting (compose, `pagedkv serve`): wait for it, saying so."""
     deadline = time.monotonic() + wait_s
     while True:

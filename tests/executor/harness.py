@@ -13,7 +13,7 @@ import transformers
 from blockd.client import BlockdClient, PoolClient
 from executor import protocol as ep
 from executor.engine import Engine, EngineLimits
-from executor.runner import ModelRunner, load_model
+from executor.runner import LoadedModel, ModelRunner, load_model
 from executor.sampling import SamplingParams
 from executor.sequence import Status
 
@@ -30,12 +30,18 @@ def make_engine(
     pool_id: str = "test-pool",
     seed: int | None = 0,
 ) -> Engine:
-    loaded = load_model(model_dir, torch.device("cpu"))
+    loaded = _loaded(model_dir)
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)  # type: ignore[arg-type]
     pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=2.0), pool_id=pool_id, num_blocks=num_blocks,
                       block_size=block_size, model_id=loaded.config.model_id, retry_for_s=20.0)
     pool.register()
     return Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=seed)
+
+
+@lru_cache(maxsize=8)
+def _loaded(model_dir: Path) -> LoadedModel:
+    """Weights are read-only during inference: engines of one test session share them (each has its own cache)."""
+    return load_model(model_dir, torch.device("cpu"))
 
 
 @dataclass
@@ -106,6 +112,17 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
+
+
+def hf_greedy_ignoring_eos(model, prompt, n):
+    """Greedy continuation of exactly n tokens, end-of-sequence tokens included (the argmax of transformers'
+    logits at each position, fed back)."""
+    tokens = list(prompt)
+    hf = hf_model(model)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
 
 
 def hf_logprobs(model_dir: Path, prompt: list[int], generated: list[int]) -> torch.Tensor:

@@ -12,7 +12,14 @@ import torch
 
 from executor.engine import RequestRejected
 from executor.sampling import SamplingParams
-from tests.executor.harness import drive, hf_greedy, hf_logprobs, make_engine, random_prompts
+from tests.executor.harness import (
+    drive,
+    hf_greedy,
+    hf_greedy_ignoring_eos,
+    hf_logprobs,
+    make_engine,
+    random_prompts,
+)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -69,19 +76,6 @@ def test_memory_pressure_preempts_and_every_output_is_unchanged(tiny_models, blo
         assert choice.finish_reason == "length" and len(choice.tokens) == 40
         reference = hf_greedy_ignoring_eos(model, prompt, 40)
         assert choice.tokens == reference, f"request {i}"
-
-
-def hf_greedy_ignoring_eos(model, prompt, n):
-    """Greedy continuation of exactly n tokens, end-of-sequence tokens included (the argmax of transformers'
-    logits at each position, fed back)."""
-    tokens = list(prompt)
-    from tests.executor.harness import hf_model
-
-    hf = hf_model(model)
-    with torch.no_grad():
-        for _ in range(n):
-            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
 
 
 def test_n2_with_seed_is_reproducible_and_forks_share_the_prompt_blocks(tiny_models, blockd):

@@ -1,0 +1,489 @@
+"""`pagedkv bench throughput`: this engine against `transformers` static batching, same model, requests and KV memory.
+
+One seeded offline workload: `--requests` prompts of random token ids (special tokens left out) with prompt and
+output lengths drawn uniformly from `--prompt-range` and `--output-range`, every request greedy with
+`ignore_eos` and exactly its own output length as `max_tokens`, so both systems generate the same tokens.
+
+- **pagedkv**: a real `blockd` daemon (subprocess on a free loopback port, no persistence) and the engine in this
+  process, built as the executor builds it; every request is submitted at once, then `engine.step()` runs until
+  nothing is left. Its KV cache is `budget // bytes per block` blocks: sequences take blocks as they grow
+  (continuous batching, chunked prefill, preemption by recompute).
+- **hf**: `AutoModelForCausalLM.generate` in first-come-first-served batches of `budget // (bytes per token x
+  max_len)` requests, `max_len` being the workload's longest prompt + longest output: every sequence reserves
+  room for the longest one, as a contiguous cache must. Prompts are left-padded; a batch generates until its
+  longest output is done and only each request's own output length counts (the rest is the waste of static
+  batching). End-of-sequence is switched off so no sequence stops early.
+
+Reported per system: output tokens per second of wall time (prefill included), the most sequences running at
+once, and the ratio pagedkv / hf; the last stdout line is one JSON object. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pagedkv.units import parse_size
+
+DEFAULT_REQUESTS = 160
+DEFAULT_PROMPT_RANGE = (16, 256)
+DEFAULT_OUTPUT_RANGE = (16, 256)
+#: The default KV budget: what a static batch of this many max-length sequences needs.
+DEFAULT_BUDGET_SEQS = 6
+QUICK_REQUESTS = 24
+QUICK_PROMPT_RANGE = (8, 64)
+QUICK_OUTPUT_RANGE = (8, 64)
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    request_id: str
+    prompt: list[int]
+    output_len: int
+
+
+def make_workload(count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int,
+                  special_ids: set[int], seed: int) -> list[BenchRequest]:  # fmt: skip
+    """Seeded requests: uniform prompt and output lengths, uniform random token ids outside `special_ids`."""
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in special_ids]
+    requests = []
+    for i in range(count):
+        prompt_len = rng.randint(*prompt_range)
+        output_len = rng.randint(*output_range)
+        requests.append(BenchRequest(f"r{i}", rng.choices(allowed, k=prompt_len), output_len))
+    return requests
+
+
+@dataclass
+class RunResult:
+    name: str
+    output_tokens: int = 0  # what users get: each request's own output length
+    seconds: float = 0.0
+    max_active: int = 0
+    steps: int = 0  # forward passes (pagedkv: engine steps; hf: decode steps over all batches)
+    computed_tokens: int = 0  # hf: tokens generated including those past a request's own length
+    preemptions: int = 0
+    first_tokens: list[int] = field(default_factory=list)  # the first request's output
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Progress:
+    """A line on stderr about every tenth of the tokens (and at the end)."""
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total = name, total
+        self.started = time.perf_counter()
+        self.shown = 0
+
+    def update(self, done: int, extra: str = "") -> None:
+        tenth = 10 * done // max(1, self.total)
+        if tenth > self.shown or (done == self.total and self.shown <= 10):
+            self.shown = tenth if done < self.total else 11
+            elapsed = time.perf_counter() - self.started
+            click.echo(f"  {self.name}: {done:,}/{self.total:,} tokens, {elapsed:.1f} s{extra}", err=True)
+
+
+def _synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------- pagedkv side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def blockd_daemon(log: Path) -> Iterator[str]:
+    """A blockd process on a free loopback port, without persistence; yields its endpoint, stops it after."""
+    from blockd.bench import start_blockd
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    # A long lease: the pool is idle while the transformers side runs.
+    process = start_blockd(endpoint, ["--no-persistence", "--lease-timeout", "3600"], log)
+    try:
+        yield endpoint
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except Exception:
+            process.kill()
+            process.wait(timeout=20)
+
+
+def build_engine(model_dir: Path, endpoint: str, *, device: Any, dtype: Any, num_blocks: int, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int) -> Any:  # fmt: skip
+    """The engine as the executor builds it: model and KV cache here, its pool registered with blockd."""
+    from blockd.client import BlockdClient, PoolClient
+    from executor.engine import Engine, EngineLimits
+    from executor.runner import ModelRunner, load_model
+
+    loaded = load_model(model_dir, device, dtype)
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
+    pool = PoolClient(BlockdClient(endpoint, timeout_s=10.0), pool_id="bench-throughput", num_blocks=num_blocks,
+                      block_size=block_size, model_id=loaded.config.model_id, retry_for_s=30.0)  # fmt: skip
+    pool.register()
+    return Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=0)
+
+
+def run_pagedkv(engine: Any, requests: list[BenchRequest], salt: str, progress: bool = True) -> RunResult:
+    """Submit every request at once, step until done. `salt` keeps runs from hitting each other's prefixes."""
+    from executor.sampling import SamplingParams
+
+    result = RunResult("pagedkv")
+    total = sum(r.output_len for r in requests)
+    report = Progress("pagedkv", total) if progress else None
+    first = requests[0].request_id
+    scheduler = engine.scheduler
+    preempted_before = scheduler.num_preemptions
+    device = engine.runner.device
+    _synchronize(device)
+    started = time.perf_counter()
+    for r in requests:
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"{salt}-{r.request_id}", r.prompt, params, cache_salt=salt)
+    first_id = f"{salt}-{first}"
+    while engine.has_work():
+        deltas = engine.step()
+        result.steps += 1
+        result.max_active = max(result.max_active, len(scheduler.running))
+        for delta in deltas:
+            result.output_tokens += len(delta.token_ids)
+            if delta.request_id == first_id:
+                result.first_tokens += delta.token_ids
+        if report is not None:
+            report.update(result.output_tokens, f", {len(scheduler.running)} running, {len(scheduler.waiting)} waiting")
+    _synchronize(device)
+    result.seconds = time.perf_counter() - started
+    result.computed_tokens = result.output_tokens
+    result.preemptions = scheduler.num_preemptions - preempted_before
+    return result
+
+
+# ------------------------------------------------------------------------------------------- transformers side
+
+
+def load_hf(model_dir: Path, device: Any, dtype: Any) -> tuple[Any, int]:
+    """The transformers model with end-of-sequence switched off (no sequence stops early); its pad token id."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    gen = model.generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    gen.eos_token_id = None  # generate then runs every row to max_new_tokens, like ignore_eos
+    gen.pad_token_id = pad
+    gen.do_sample = False
+    for name in ("temperature", "top_p", "top_k"):  # unset sampling knobs: no warnings for greedy
+        if hasattr(gen, name):
+            setattr(gen, name, None)
+    return model, pad
+
+
+def run_hf(model: Any, pad_id: int, requests: list[BenchRequest], batch_size: int, progress: bool = True) -> RunResult:
+    """FCFS static batches: left-padded prompts, each batch generating its longest output for every row."""
+    import torch
+
+    result = RunResult("hf")
+    device = model.device
+    total = sum(r.output_len for r in requests)
+    report = Progress("hf", total) if progress else None
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+    _synchronize(device)
+    started = time.perf_counter()
+    for number, batch in enumerate(batches, 1):
+        width = max(len(r.prompt) for r in batch)
+        new = max(r.output_len for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt) :] = 1
+        with torch.inference_mode():
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new)
+        generated = out[:, width:].tolist()  # (synchronizes)
+        if any(len(g) != new for g in generated):
+            raise click.ClickException(f"transformers generated {len(generated[0])} tokens, not {new}: "
+                                       "end-of-sequence was not switched off")  # fmt: skip
+        if number == 1:
+            result.first_tokens = generated[0][: batch[0].output_len]
+        result.output_tokens += sum(r.output_len for r in batch)
+        result.computed_tokens += len(batch) * new
+        result.steps += new
+        result.max_active = max(result.max_active, len(batch))
+        if report is not None:
+            report.update(result.output_tokens, f", batch {number}/{len(batches)} of {len(batch)}")
+    _synchronize(device)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- command
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _special_ids(model_dir: Path, config: Any) -> set[int]:
+    ids = set(config.eos_token_ids)
+    if config.bos_token_id is not None:
+        ids.add(config.bos_token_id)
+    try:
+        import transformers
+
+        ids.update(transformers.AutoTokenizer.from_pretrained(model_dir).all_special_ids)
+    except Exception:  # no tokenizer: the config's ids are all we know of
+        pass
+    return ids
+
+
+@click.command(
+    "throughput",
+    help=f"""Output tokens/s of this engine (real blockd, continuous batching, paged KV cache) against transformers
+    static batching on the same model, the same requests and the same KV memory budget.
+
+    Workload (seeded): --requests prompts of random token ids, prompt and output lengths uniform in
+    --prompt-range and --output-range; greedy, ignore_eos, max_tokens = each request's output length, all
+    submitted at once. The KV budget gives pagedkv budget // bytes-per-block blocks, and transformers batches of
+    budget // (bytes-per-token x max_len) requests, max_len = longest prompt + longest output (a contiguous cache
+    reserves the maximum for every sequence). transformers runs FCFS batches, left-padded, each until its longest
+    output is done; only each request's own output tokens count. Both run once untimed first (warm-up), then
+    --repeat times interleaved; the best of each is reported. The first request's tokens are compared (float32:
+    they should match). Progress goes to stderr; the last line of stdout is one JSON object.
+
+    --quick: {QUICK_REQUESTS} requests, prompts and outputs in {QUICK_PROMPT_RANGE[0]}-{QUICK_PROMPT_RANGE[1]}
+    tokens (options given explicitly win), for tests; the figures mean nothing.""",
+)
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Checkpoint directory (default: the generated default llama, `ensure_default_model`).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Where both systems run (default: cuda if available, else cpu).")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
+              help="Weights and KV cache dtype of both (default: float32 on cpu, bfloat16 on cuda).")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=DEFAULT_REQUESTS,
+              show_default=True, help="Requests in the workload.")
+@click.option("--prompt-range", type=(click.IntRange(min=1), click.IntRange(min=1)), default=DEFAULT_PROMPT_RANGE,
+              show_default=True, help="MIN MAX prompt length in tokens (uniform).")
+@click.option("--output-range", type=(click.IntRange(min=1), click.IntRange(min=1)), default=DEFAULT_OUTPUT_RANGE,
+              show_default=True, help="MIN MAX output length in tokens (uniform); exactly this many are generated.")
+@click.option("--kv-cache-memory", default=None,
+              help=f"KV budget of each system in bytes (65536, 512k, 24MiB; binary units). Default: what a static "
+                   f"batch of {DEFAULT_BUDGET_SEQS} max-length sequences of the workload needs in this model and "
+                   "dtype.")  # fmt: skip
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="pagedkv tokens per KV block.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
+              help="pagedkv: most sequences in one step.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="pagedkv: most tokens in one step (prefill chunks and decodes); at least --max-num-seqs.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Timed runs of each system, interleaved; the best of each is reported.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of lengths and token ids.")
+@click.option("--quick", is_flag=True, help="A tiny run for tests (see above).")
+@click.pass_context
+def bench_throughput(
+    ctx: click.Context, model_dir: Path | None, device: str | None, dtype: str | None, num_requests: int,
+    prompt_range: tuple[int, int], output_range: tuple[int, int], kv_cache_memory: str | None, block_size: int,
+    max_num_seqs: int, max_num_batched_tokens: int, repeat: int, seed: int, quick: bool,
+) -> None:  # fmt: skip
+    import torch
+
+    from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
+    from executor.make_model import ensure_default_model
+    from executor.runner import DTYPES, kv_bytes_per_block
+
+    if quick:
+        default = click.core.ParameterSource.DEFAULT
+        if ctx.get_parameter_source("num_requests") is default:
+            num_requests = QUICK_REQUESTS
+        if ctx.get_parameter_source("prompt_range") is default:
+            prompt_range = QUICK_PROMPT_RANGE
+        if ctx.get_parameter_source("output_range") is default:
+            output_range = QUICK_OUTPUT_RANGE
+    for name, (low, high) in (("--prompt-range", prompt_range), ("--output-range", output_range)):
+        if low > high:
+            raise click.BadParameter(f"MIN {low} is above MAX {high}", param_hint=f"'{name}'")
+    if max_num_batched_tokens < max_num_seqs:
+        raise click.BadParameter(f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs} (every decoding "
+                                 "sequence needs a token)", param_hint="'--max-num-batched-tokens'")  # fmt: skip
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("no CUDA device is available", param_hint="'--device'")
+    if dtype is None:
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    torch_device, torch_dtype = torch.device(device), DTYPES[dtype]
+
+    if model_dir is None:
+        click.echo("using the default model (generated on first use)", err=True)
+        model_dir = ensure_default_model()
+    try:
+        config = load_config(model_dir)
+    except (CheckpointError, UnsupportedModel) as exc:
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+
+    requests = make_workload(num_requests, prompt_range, output_range, config.vocab_size,
+                             _special_ids(model_dir, config), seed)  # fmt: skip
+    max_len = max(len(r.prompt) for r in requests) + max(r.output_len for r in requests)
+    if max_len > config.max_model_len:
+        raise click.BadParameter(f"the workload's longest prompt + longest output is {max_len} tokens; the model "
+                                 f"holds {config.max_model_len}", param_hint="'--prompt-range'/'--output-range'")
+    per_token = kv_bytes_per_block(config, 1, torch_dtype)
+    per_block = kv_bytes_per_block(config, block_size, torch_dtype)
+    if kv_cache_memory is None:
+        budget = DEFAULT_BUDGET_SEQS * max_len * per_token
+    else:
+        try:
+            budget = parse_size(kv_cache_memory)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--kv-cache-memory'") from None
+    hf_batch = budget // (per_token * max_len)
+    num_blocks = budget // per_block
+    watermark = max(1, num_blocks // 100)  # the scheduler's default
+    if hf_batch < 1 or num_blocks - watermark < -(-max_len // block_size):
+        need = max(per_token * max_len, (-(-max_len // block_size) + 1) * per_block)
+        raise click.BadParameter(f"{budget:,} bytes hold no sequence of the workload's max length {max_len} "
+                                 f"({per_token:,} bytes per token); give at least {need:,}",
+                                 param_hint="'--kv-cache-memory'")  # fmt: skip
+    hf_batch = min(hf_batch, num_requests)
+
+    echo = click.echo
+    prompts = [len(r.prompt) for r in requests]
+    outputs = [r.output_len for r in requests]
+    echo(f"model:    {model_dir} ({config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
+         f"{config.num_heads}/{config.num_kv_heads} heads of {config.head_dim}, vocab {config.vocab_size}); "
+         f"{device}, {dtype}, {torch.get_num_threads()} threads")  # fmt: skip
+    echo(f"workload: {num_requests} requests, seed {seed}; prompt uniform {prompt_range[0]}-{prompt_range[1]} "
+         f"(mean {statistics.fmean(prompts):.0f}), output uniform {output_range[0]}-{output_range[1]} (mean "
+         f"{statistics.fmean(outputs):.0f}, {sum(outputs):,} in all); greedy, ignore_eos; max_len {max_len}")
+    echo(f"KV:       {budget:,} bytes ({_mib(budget)}) each; pagedkv {num_blocks:,} blocks of {block_size} "
+         f"({num_blocks * block_size:,} token slots), transformers batches of {hf_batch} x {max_len} slots")
+
+    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp, blockd_daemon(Path(tmp) / "blockd.log") as ep:
+        click.echo("loading both models; warm-up", err=True)
+        engine = build_engine(model_dir, ep, device=torch_device, dtype=torch_dtype, num_blocks=num_blocks,
+                              block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+        hf_model, pad_id = load_hf(model_dir, torch_device, torch_dtype)
+        warm = [BenchRequest(f"w{i}", r.prompt[:16], 4) for i, r in enumerate(requests[:2])]
+        run_pagedkv(engine, warm, "warmup", progress=False)
+        run_hf(hf_model, pad_id, warm, min(2, hf_batch), progress=False)
+        paged_runs, hf_runs = [], []
+        try:
+            for run in range(repeat):
+                click.echo(f"[run {run + 1}/{repeat}] pagedkv: {num_blocks} blocks, all requests at once", err=True)
+                paged_runs.append(run_pagedkv(engine, requests, f"run{run}"))
+                click.echo(f"[run {run + 1}/{repeat}] transformers: static batches of {hf_batch}", err=True)
+                hf_runs.append(run_hf(hf_model, pad_id, requests, hf_batch))
+        finally:
+            with contextlib.suppress(Exception):
+                engine.pool.unregister()
+                engine.pool.client.close()
+
+    paged = max(paged_runs, key=lambda r: r.tok_s)
+    hf = max(hf_runs, key=lambda r: r.tok_s)
+    if paged.output_tokens != hf.output_tokens:
+        raise click.ClickException(f"pagedkv generated {paged.output_tokens} tokens, transformers {hf.output_tokens}")
+    ratio = paged.tok_s / hf.tok_s
+    first_len = requests[0].output_len
+    match = paged.first_tokens == hf.first_tokens
+    diverge = next((i for i, (a, b) in enumerate(zip(paged.first_tokens, hf.first_tokens)) if a != b), None)
+
+    columns = ["system", "requests", "output tokens", "seconds", "output tok/s", "max concurrent", "KV budget",
+               "forward passes", "computed tokens"]  # fmt: skip
+    cells = [
+        [f"pagedkv ({num_blocks} blocks of {block_size})", f"{num_requests:,}", f"{paged.output_tokens:,}",
+         f"{paged.seconds:.1f}", f"{paged.tok_s:,.1f}", f"{paged.max_active:,}", _mib(budget), f"{paged.steps:,}",
+         f"{paged.computed_tokens:,}"],
+        [f"transformers (batches of {hf_batch})", f"{num_requests:,}", f"{hf.output_tokens:,}", f"{hf.seconds:.1f}",
+         f"{hf.tok_s:,.1f}", f"{hf.max_active:,}", _mib(budget), f"{hf.steps:,}", f"{hf.computed_tokens:,}"],
+    ]  # fmt: skip
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    echo("")
+    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
+    for row in cells:
+        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    wasted = hf.computed_tokens - hf.output_tokens
+    echo(f"ratio pagedkv / transformers: {ratio:.2f}x output tok/s; {paged.max_active / hf.max_active:.1f}x the "
+         f"sequences at once; pagedkv preempted {paged.preemptions} times; transformers computed {wasted:,} tokens "
+         f"past their requests' ends ({wasted / hf.computed_tokens:.0%}) [best of {repeat}, {os.cpu_count()} cores]")
+    if match:
+        echo(f"first request ({first_len} tokens): identical greedy output from both")
+    else:
+        echo(f"first request ({first_len} tokens): outputs differ from token {diverge} on "
+             f"({'unexpected in float32' if dtype == 'float32' else f'{dtype} rounding differs between the two'})")
+    echo(json.dumps({
+        "pagedkv_tok_s": round(paged.tok_s, 3),
+        "hf_tok_s": round(hf.tok_s, 3),
+        "ratio": round(ratio, 4),
+        "pagedkv_max_active": paged.max_active,
+        "hf_max_active": hf.max_active,
+        "pagedkv_output_tokens": paged.output_tokens,
+        "hf_output_tokens": hf.output_tokens,
+        "pagedkv_seconds": round(paged.seconds, 3),
+        "hf_seconds": round(hf.seconds, 3),
+        "pagedkv_steps": paged.steps,
+        "pagedkv_preemptions": paged.preemptions,
+        "hf_decode_steps": hf.steps,
+        "hf_computed_tokens": hf.computed_tokens,
+        "first_request_match": match,
+        "first_request_diverges_at": diverge,
+        "model": str(model_dir),
+        "model_id": config.model_id,
+        "device": device,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "requests": num_requests,
+        "prompt_range": list(prompt_range),
+        "output_range": list(output_range),
+        "seed": seed,
+        "kv_cache_bytes": budget,
+        "kv_bytes_per_token": per_token,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "hf_batch_size": hf_batch,
+        "max_len": max_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "repeat": repeat,
+        "quick": quick,
+    }))  # fmt: skip
+
+
+__all__ = ["bench_throughput", "make_workload", "run_hf", "run_pagedkv"]

@@ -1,0 +1,234 @@
+"""The executor as a process: a real `pagedkv-executor`, a real blockd, ZeroMQ on loopback between all three."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from executor import protocol as ep
+from executor.client import ExecutorClient, ExecutorRejected, ExecutorUnavailable, tokens_of
+from executor.sampling import SamplingParams
+from tests.blockd.conftest import BlockdProcess, free_port, wait_for
+from tests.executor.harness import hf_greedy, hf_greedy_ignoring_eos, random_prompts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+class ExecutorProcess:
+    def __init__(self, model: Path, blockd_endpoint: str, log_path: Path, *args: str) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "executor.server", "--model", str(model), "--blockd", blockd_endpoint,
+                   "--bind", self.endpoint, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", *args]
+        self.process = subprocess.Popen(command, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout_s: float = 60.0) -> ep.Info:
+        deadline = time.monotonic() + timeout_s
+        with ExecutorClient(self.endpoint, timeout_s=0.5) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"executor exited with {self.process.returncode}:\n{self.log()}")
+                try:
+                    return client.info()
+                except ExecutorUnavailable:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"executor did not come up:\n{self.log()}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout_s: float = 30.0) -> ExecutorClient:
+        return ExecutorClient(self.endpoint, timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def start_executor(tmp_path):
+    started: list[ExecutorProcess] = []
+
+    def start(model: Path, blockd_endpoint: str, *args: str) -> ExecutorProcess:
+        executor = ExecutorProcess(model, blockd_endpoint, tmp_path / f"executor-{len(started)}.log", *args)
+        started.append(executor)
+        executor.wait_ready()
+        return executor
+
+    yield start
+    for executor in started:
+        executor.stop()
+
+
+def test_serves_concurrent_requests_streaming_identical_to_transformers(tiny_models, blockd, start_executor):
+    model = tiny_models["llama"]
+    executor = start_executor(model, blockd.endpoint, "--pool-id", "px")
+    log = executor.log()
+    for fact in ("executor_ready", "kv_blocks", "kv_tokens", "kv_bytes", "load_s", "tiny-llama"):
+        assert fact in log
+    prompts = random_prompts([9, 40, 23], vocab=512, seed=20)
+    with executor.client() as client:
+        info = client.info()
+        assert info.pool_id == "px" and info.max_model_len == 512 and info.block_size == 16
+        for i, prompt in enumerate(prompts):
+            client.submit(f"q{i}", prompt, GREEDY)
+        streams: dict[str, list[ep.Delta]] = {f"q{i}": [] for i in range(3)}
+        while not all(s and s[-1].finish_reason for s in streams.values()):
+            message = client.receive()
+            assert type(message) is ep.Delta
+            streams[message.request_id].append(message)
+        # Finished sequences hand their blocks back with the next step's blockd message.
+        load = wait_for(lambda: (r := client.load()).free_blocks == r.num_blocks and r, what="blocks returned")
+    for i, prompt in enumerate(prompts):
+        deltas = streams[f"q{i}"]
+        assert len(deltas) == len(tokens_of(deltas))  # incremental: one token per delta
+        assert [d.completion_tokens for d in deltas] == list(range(1, len(deltas) + 1))
+        assert tokens_of(deltas) == hf_greedy(model, prompt, GREEDY.max_tokens)
+        assert deltas[-1].prompt_tokens == len(prompt)
+    assert load.running == 0 and load.waiting == 0 and load.num_blocks == info.num_blocks
+
+
+def test_abort_over_the_wire_frees_blocks(tiny_models, blockd, start_executor):
+    executor = start_executor(tiny_models["qwen2"], blockd.endpoint, "--pool-id", "pa")
+    prompt = random_prompts([60], vocab=512, seed=21)[0]
+    with executor.client() as client:
+        client.submit("long", prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        first = client.receive()
+        assert type(first) is ep.Delta and first.finish_reason is None
+        assert blockd.client().stats("pa").pools[0].blocks_in_use > 0
+        client.abort("long")
+        while True:
+            message = client.receive()
+            if message.finish_reason is not None:
+                break
+        assert message.finish_reason == "abort" and message.completion_tokens < 400
+        wait_for(lambda: blockd.client().stats("pa").pools[0].blocks_in_use == 0, what="blocks freed")
+        assert client.load().running == 0
+
+
+def test_bad_messages_get_clear_errors_and_serving_continues(tiny_models, blockd, start_executor):
+    executor = start_executor(tiny_models["llama"], blockd.endpoint)
+    good = random_prompts([12], vocab=512, seed=22)[0]
+    with executor.client(timeout_s=10) as client:
+        client.submit("busy", good, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        bad_frames = {
+            "garbage": b"\x00\xffnot msgpack",
+            "unknown type": msgspec.msgpack.encode({"type": "explode", "v": 1}),
+            "wrong version": msgspec.msgpack.encode({"type": "get_load", "v": 99}),
+            "bad field": msgspec.msgpack.encode({"type": "submit", "v": 1, "request_id": "x", "prompt": 5}),
+            "odd prompt bytes": ep.encode(ep.Submit(request_id="odd", prompt=b"\x01\x02\x03")),
+            "unknown param": msgspec.msgpack.encode({"type": "submit", "v": 1, "request_id": "u",
+                                                     "prompt": b"\x01\x00\x00\x00", "params": {"tempo": 1}}),
+        }
+        for what, frame in bad_frames.items():
+            client.send_raw(frame)
+            reply = _next_rejection(client)
+            assert reply.code in ("invalid_request", "unsupported_version") and reply.message, what
+        cases = {
+            "empty": ([], GREEDY, "invalid_request"),
+            "context": ([1] * 600, GREEDY, "context_length_exceeded"),
+            "temperature": ([1], SamplingParams(temperature=-2.0), "invalid_request"),
+            "busy": (good, GREEDY, "duplicate_request"),
+        }
+        for request_id, (prompt, params, code) in cases.items():
+            with pytest.raises(ExecutorRejected) as info:
+                client.generate(prompt, params, request_id=request_id)
+            assert info.value.code == code
+        # The request that was running all along finished normally, and new ones still work.
+        assert tokens_of(client.generate(good, GREEDY)[0]) == hf_greedy(tiny_models["llama"], good, 16)
+
+
+def _next_rejection(client: ExecutorClient) -> ep.Rejected:
+    while True:
+        message = client.receive()
+        if type(message) is ep.Rejected:
+            return message
+
+
+def test_blockd_killed_and_restarted_mid_generation_requests_finish_identically(tiny_models, blockd,
+                                                                                start_executor):
+    model = tiny_models["mistral"]
+    executor = start_executor(model, blockd.endpoint, "--pool-id", "pr")
+    prompts = random_prompts([30, 18, 45], vocab=512, seed=23)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    with executor.client(timeout_s=60) as client:
+        for i, prompt in enumerate(prompts):
+            client.submit(f"k{i}", prompt, params)
+        streams: dict[str, list[ep.Delta]] = {f"k{i}": [] for i in range(3)}
+        killed = restarted = False
+        while not all(s and s[-1].finish_reason for s in streams.values()):
+            message = client.receive()
+            streams[message.request_id].append(message)
+            if not killed and sum(map(len, streams.values())) >= 12:
+                blockd.kill9()
+                killed = True
+            if killed and not restarted:
+                time.sleep(1.0)  # generation stalls while blockd is down
+                blockd.start()
+                restarted = True
+    assert killed and restarted
+    for i, prompt in enumerate(prompts):
+        deltas = streams[f"k{i}"]
+        assert deltas[-1].finish_reason == "length"
+        assert tokens_of(deltas) == hf_greedy_ignoring_eos(model, prompt, 60), f"request {i}"
+    with blockd.client() as admin:
+        (pool,) = admin.stats().pools
+        assert pool.pool_id == "pr" and pool.blocks_in_use == 0
+
+
+def test_sigterm_aborts_in_flight_requests_returns_blocks_and_unregisters(tiny_models, blockd, start_executor):
+    executor = start_executor(tiny_models["llama"], blockd.endpoint, "--pool-id", "pt")
+    with executor.client() as client:
+        client.submit("endless", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        assert type(client.receive()) is ep.Delta
+        executor.process.send_signal(signal.SIGTERM)
+        while True:
+            message = client.receive()
+            if message.finish_reason is not None:
+                break
+        assert message.finish_reason == "abort"
+    assert executor.process.wait(timeout=30) == 0
+    assert "executor_stopped" in executor.log()
+    assert [p.pool_id for p in blockd.client().pools().pools] == []
+
+
+def test_cli_help_and_startup_errors(tiny_models, tmp_path):
+    help_text = subprocess.run([sys.executable, "-m", "executor.server", "--help"], capture_output=True,
+                               text=True, timeout=60).stdout
+    for flag in ("--model", "--device", "--blockd", "--bind", "--block-size", "--num-blocks", "--kv-cache-memory",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--dtype"):
+        assert flag in help_text
+    base = [sys.executable, "-m", "executor.server", "--model", str(tiny_models["llama"])]
+    cases = [
+        (["--device", "tpu"], 2, "--device"),
+        (["--kv-cache-memory", "0.5"], 2, "CUDA"),
+        (["--kv-cache-memory", "lots"], 2, "size"),
+        (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], 2, "--max-num-seqs"),
+        (["--model", str(tmp_path)], 1, "config.json"),
+        (["--blockd", f"tcp://127.0.0.1:{free_port()}", "--blockd-wait", "0"], 69, "blockd_unreachable"),
+    ]
+    for args, code, message in cases:
+        done = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == code, (args, done.stdout, done.stderr)
+        assert message in done.stdout + done.stderr, args
+
+
+def test_two_executors_share_one_blockd_with_separate_pools(tiny_models, blockd, start_executor):
+    a = start_executor(tiny_models["llama"], blockd.endpoint, "--pool-id", "one", "--num-blocks", "40")
+    b = start_executor(tiny_models["llama"], blockd.endpoint, "--pool-id", "two", "--num-blocks", "30")
+    prompt = random_prompts([40], vocab=512, seed=24)[0]
+    with a.client() as ca, b.client() as cb:
+        assert tokens_of(ca.generate(prompt, GREEDY)[0]) == tokens_of(cb.generate(prompt, GREEDY)[0])
+    pools = {p.pool_id: p.num_blocks for p in blockd.client().pools().pools}
+    assert pools == {"one": 40, "two": 30}
+    assert blockd.client().lookup(prompt) == {"one": 32, "two": 32}  # both cached the prompt's full blocks
+
