@@ -92,15 +92,13 @@ class Progress:
 
     def __init__(self, name: str, total: int) -> None:
         self.name, self.total = name, total
-        self.started = time.perf_counter()
         self.shown = 0
 
-    def update(self, done: int, extra: str = "") -> None:
+    def update(self, done: int, seconds: float, extra: str = "") -> None:
         tenth = 10 * done // max(1, self.total)
         if tenth > self.shown or (done == self.total and self.shown <= 10):
             self.shown = tenth if done < self.total else 11
-            elapsed = time.perf_counter() - self.started
-            click.echo(f"  {self.name}: {done:,}/{self.total:,} tokens, {elapsed:.1f} s{extra}", err=True)
+            click.echo(f"  {self.name:>7}: {done:,}/{self.total:,} tokens in {seconds:.1f} s{extra}", err=True)
 
 
 def _synchronize(device: Any) -> None:
@@ -153,38 +151,51 @@ def build_engine(model_dir: Path, endpoint: str, *, device: Any, dtype: Any, num
     return Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=0)
 
 
-def run_pagedkv(engine: Any, requests: list[BenchRequest], salt: str, progress: bool = True) -> RunResult:
-    """Submit every request at once, step until done. `salt` keeps runs from hitting each other's prefixes."""
-    from executor.sampling import SamplingParams
+class PagedRun:
+    """The engine working through one workload, resumable: every request is submitted at once (timed), then
+    `advance` runs steps until a number of output tokens is reached; only the time inside counts."""
 
-    result = RunResult("pagedkv")
-    total = sum(r.output_len for r in requests)
-    report = Progress("pagedkv", total) if progress else None
-    first = requests[0].request_id
-    scheduler = engine.scheduler
-    preempted_before = scheduler.num_preemptions
-    device = engine.runner.device
-    _synchronize(device)
-    started = time.perf_counter()
-    for r in requests:
-        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"{salt}-{r.request_id}", r.prompt, params, cache_salt=salt)
-    first_id = f"{salt}-{first}"
-    while engine.has_work():
-        deltas = engine.step()
-        result.steps += 1
-        result.max_active = max(result.max_active, len(scheduler.running))
-        for delta in deltas:
-            result.output_tokens += len(delta.token_ids)
-            if delta.request_id == first_id:
-                result.first_tokens += delta.token_ids
-        if report is not None:
-            report.update(result.output_tokens, f", {len(scheduler.running)} running, {len(scheduler.waiting)} waiting")
-    _synchronize(device)
-    result.seconds = time.perf_counter() - started
-    result.computed_tokens = result.output_tokens
-    result.preemptions = scheduler.num_preemptions - preempted_before
-    return result
+    def __init__(self, engine: Any, requests: list[BenchRequest], salt: str) -> None:
+        self.engine, self.requests, self.salt = engine, requests, salt
+        self.result = RunResult("pagedkv")
+        self.total = sum(r.output_len for r in requests)
+        self.first_id = f"{salt}-{requests[0].request_id}"
+        self.submitted = False
+        self.preempted_before = engine.scheduler.num_preemptions
+
+    @property
+    def done(self) -> bool:
+        return self.submitted and not self.engine.has_work()
+
+    def advance(self, target_tokens: int) -> None:
+        from executor.sampling import SamplingParams
+
+        engine, result, scheduler = self.engine, self.result, self.engine.scheduler
+        device = engine.runner.device
+        _synchronize(device)
+        started = time.perf_counter()
+        if not self.submitted:
+            for r in self.requests:
+                params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                # The salt keeps runs (warm-up, repeats) from reusing each other's prompt blocks.
+                engine.add_request(f"{self.salt}-{r.request_id}", r.prompt, params, cache_salt=self.salt)
+            self.submitted = True
+        while engine.has_work() and (result.output_tokens < target_tokens or result.output_tokens == self.total):
+            deltas = engine.step()
+            result.steps += 1
+            result.max_active = max(result.max_active, len(scheduler.running))
+            for delta in deltas:
+                result.output_tokens += len(delta.token_ids)
+                if delta.request_id == self.first_id:
+                    result.first_tokens += delta.token_ids
+        _synchronize(device)
+        result.seconds += time.perf_counter() - started
+        result.computed_tokens = result.output_tokens
+        result.preemptions = scheduler.num_preemptions - self.preempted_before
+
+    def status(self) -> str:
+        s = self.engine.scheduler
+        return f"{len(s.running)} running, {len(s.waiting)} waiting"
 
 
 # ------------------------------------------------------------------------------------------- transformers side
@@ -215,42 +226,70 @@ def load_hf(model_dir: Path, device: Any, dtype: Any) -> tuple[Any, int]:
     return model, pad
 
 
-def run_hf(model: Any, pad_id: int, requests: list[BenchRequest], batch_size: int, progress: bool = True) -> RunResult:
-    """FCFS static batches: left-padded prompts, each batch generating its longest output for every row."""
-    import torch
+class HfRun:
+    """FCFS static batches through `generate`, one batch per `advance`: left-padded prompts, every row generating
+    the batch's longest output; only each request's own output length counts as output tokens."""
 
-    result = RunResult("hf")
-    device = model.device
-    total = sum(r.output_len for r in requests)
-    report = Progress("hf", total) if progress else None
-    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
-    _synchronize(device)
-    started = time.perf_counter()
-    for number, batch in enumerate(batches, 1):
+    def __init__(self, model: Any, pad_id: int, requests: list[BenchRequest], batch_size: int) -> None:
+        self.model, self.pad_id = model, pad_id
+        self.batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+        self.next = 0
+        self.result = RunResult("hf")
+        self.total = sum(r.output_len for r in requests)
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.batches)
+
+    def advance(self) -> None:
+        import torch
+
+        batch, result, device = self.batches[self.next], self.result, self.model.device
+        _synchronize(device)
+        started = time.perf_counter()
         width = max(len(r.prompt) for r in batch)
         new = max(r.output_len for r in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, r in enumerate(batch):
             ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt) :] = 1
         with torch.inference_mode():
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new)
+            out = self.model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                      max_new_tokens=new)  # fmt: skip
         generated = out[:, width:].tolist()  # (synchronizes)
+        result.seconds += time.perf_counter() - started
         if any(len(g) != new for g in generated):
             raise click.ClickException(f"transformers generated {len(generated[0])} tokens, not {new}: "
                                        "end-of-sequence was not switched off")  # fmt: skip
-        if number == 1:
+        if self.next == 0:
             result.first_tokens = generated[0][: batch[0].output_len]
         result.output_tokens += sum(r.output_len for r in batch)
         result.computed_tokens += len(batch) * new
         result.steps += new
         result.max_active = max(result.max_active, len(batch))
+        self.next += 1
+
+    def status(self) -> str:
+        return f"batch {self.next}/{len(self.batches)}"
+
+
+def run_interleaved(paged: PagedRun, hf: HfRun, progress: bool = True) -> tuple[RunResult, RunResult]:
+    """Both runs to the end, taking turns so that neither gets ahead of the other in the fraction of its tokens
+    done: one transformers batch, then engine steps up to the same fraction, and so on. Each system's time is the
+    sum of its own turns, so a burst of load from elsewhere on a shared machine falls on both alike."""
+    report = {"pagedkv": Progress("pagedkv", paged.total), "hf": Progress("hf", hf.total)} if progress else None
+    while not (paged.done and hf.done):
+        if not hf.done and (paged.done or hf.result.output_tokens * paged.total <= paged.result.output_tokens * hf.total):
+            hf.advance()
+            run: PagedRun | HfRun = hf
+        else:
+            target = -(-hf.result.output_tokens * paged.total // hf.total) if not hf.done else paged.total
+            paged.advance(max(target, paged.result.output_tokens + 1))
+            run = paged
         if report is not None:
-            report.update(result.output_tokens, f", batch {number}/{len(batches)} of {len(batch)}")
-    _synchronize(device)
-    result.seconds = time.perf_counter() - started
-    return result
+            report[run.result.name].update(run.result.output_tokens, run.result.seconds, f", {run.status()}")
+    return paged.result, hf.result
 
 
 # ---------------------------------------------------------------------------------------------------- command
@@ -401,16 +440,18 @@ def bench_throughput(
                               block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
         hf_model, pad_id = load_hf(model_dir, torch_device, torch_dtype)
-        warm = [BenchRequest(f"w{i}", r.prompt[:16], 4) for i, r in enumerate(requests[:2])]
-        run_pagedkv(engine, warm, "warmup", progress=False)
-        run_hf(hf_model, pad_id, warm, min(2, hf_batch), progress=False)
         paged_runs, hf_runs = [], []
         try:
+            warm = [BenchRequest(f"w{i}", r.prompt[:16], 4) for i, r in enumerate(requests[:2])]
+            run_interleaved(PagedRun(engine, warm, "warmup"), HfRun(hf_model, pad_id, warm, min(2, hf_batch)),
+                            progress=False)  # fmt: skip
             for run in range(repeat):
-                click.echo(f"[run {run + 1}/{repeat}] pagedkv: {num_blocks} blocks, all requests at once", err=True)
-                paged_runs.append(run_pagedkv(engine, requests, f"run{run}"))
-                click.echo(f"[run {run + 1}/{repeat}] transformers: static batches of {hf_batch}", err=True)
-                hf_runs.append(run_hf(hf_model, pad_id, requests, hf_batch))
+                click.echo(f"[run {run + 1}/{repeat}] pagedkv ({num_blocks} blocks, every request at once) and "
+                           f"transformers (static batches of {hf_batch}), taking turns", err=True)  # fmt: skip
+                paged_run, hf_run = run_interleaved(PagedRun(engine, requests, f"run{run}"),
+                                                    HfRun(hf_model, pad_id, requests, hf_batch))  # fmt: skip
+                paged_runs.append(paged_run)
+                hf_runs.append(hf_run)
         finally:
             with contextlib.suppress(Exception):
                 engine.pool.unregister()
@@ -486,4 +527,4 @@ def bench_throughput(
     }))  # fmt: skip
 
 
-__all__ = ["bench_throughput", "make_workload", "run_hf", "run_pagedkv"]
+__all__ = ["HfRun", "PagedRun", "bench_throughput", "make_workload", "run_interleaved"]

@@ -24,6 +24,7 @@ from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
 from blockd.hashing import unpack_tokens
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from executor import protocol as ep
+from executor.checkpoint import CheckpointError, UnsupportedModel
 from executor.engine import Engine, EngineLimits, RequestRejected
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.runner import DTYPES, ModelRunner, load_model
@@ -203,7 +204,10 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("loading_model", model=str(model_dir), device=str(device))
-    loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
+    try:
+        loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
+    except (CheckpointError, UnsupportedModel) as exc:
+        raise click.ClickException(str(exc)) from None
     block_size_int = int(block_size)
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
     runner = ModelRunner(loaded, num_blocks=blocks, block_size=block_size_int, backend=kernels)

@@ -197,3 +197,29 @@ def test_triton_kernels_forced_end_to_end(tiny_models, blockd):
     results = drive(engine, {0: [("t0", prompts[0], params)], 1: [("t1", prompts[1], params)]})
     for i, prompt in enumerate(prompts):
         assert results[f"t{i}"][0].tokens == hf_greedy_ignoring_eos(model, prompt, 4)
+
+
+def test_greedy_n2_choices_both_match_transformers_after_copy_on_write(tiny_models, blockd):
+    """Both choices write their own tokens after the shared prompt's partial last block: unless that block
+    was copied (K/V included) before the first write, the second choice would attend to garbage."""
+    model = tiny_models["qwen2"]
+    prompt = random_prompts([21], vocab=512, seed=13)[0]  # 21 tokens: the second block is shared and partial
+    params = SamplingParams(max_tokens=20, temperature=0.0, n=2, ignore_eos=True)
+    engine = make_engine(model, blockd.endpoint)
+    results = drive(engine, {0: [("g", prompt, params)]})
+    reference = hf_greedy_ignoring_eos(model, prompt, 20)
+    assert [c.tokens for c in results["g"]] == [reference, reference]
+    assert blockd.client().stats(engine.pool.pool_id).pools[0].counters.copies_on_write == 1
+
+
+def test_sharded_checkpoint_gives_the_same_output(tiny_models, tiny_options, blockd, tmp_path):
+    from executor.make_model import write_model
+
+    sharded = write_model(tmp_path / "sharded", arch="llama", max_shard_size="200KiB", quiet=True, **tiny_options)
+    assert (sharded / "model.safetensors.index.json").exists()
+    prompt = random_prompts([30], vocab=512, seed=14)[0]
+    outputs = []
+    for i, model in enumerate((tiny_models["llama"], sharded)):
+        engine = make_engine(model, blockd.endpoint, pool_id=f"shard-{i}")
+        outputs.append(drive(engine, {0: [("s", prompt, GREEDY)]})["s"][0].tokens)
+    assert outputs[0] == outputs[1] == hf_greedy(tiny_models["llama"], prompt, GREEDY.max_tokens)
