@@ -26,6 +26,7 @@ import os
 import random
 import socket
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -131,7 +132,7 @@ def blockd_daemon(log: Path) -> Iterator[str]:
         process.terminate()
         try:
             process.wait(timeout=20)
-        except Exception:
+        except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=20)
 
@@ -279,13 +280,13 @@ def run_interleaved(paged: PagedRun, hf: HfRun, progress: bool = True) -> tuple[
     done: one transformers batch, then engine steps up to the same fraction, and so on. Each system's time is the
     sum of its own turns, so a burst of load from elsewhere on a shared machine falls on both alike."""
     report = {"pagedkv": Progress("pagedkv", paged.total), "hf": Progress("hf", hf.total)} if progress else None
+    assert paged.total == hf.total  # the same workload
     while not (paged.done and hf.done):
-        if not hf.done and (paged.done or hf.result.output_tokens * paged.total <= paged.result.output_tokens * hf.total):
+        if not hf.done and (paged.done or hf.result.output_tokens <= paged.result.output_tokens):
             hf.advance()
             run: PagedRun | HfRun = hf
         else:
-            target = -(-hf.result.output_tokens * paged.total // hf.total) if not hf.done else paged.total
-            paged.advance(max(target, paged.result.output_tokens + 1))
+            paged.advance(hf.result.output_tokens if not hf.done else paged.total)
             run = paged
         if report is not None:
             report[run.result.name].update(run.result.output_tokens, run.result.seconds, f", {run.status()}")
@@ -307,8 +308,8 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
         import transformers
 
         ids.update(transformers.AutoTokenizer.from_pretrained(model_dir).all_special_ids)
-    except Exception:  # no tokenizer: the config's ids are all we know of
-        pass
+    except (OSError, ValueError, KeyError):  # no usable tokenizer: the config's ids are all we know of
+        return ids
     return ids
 
 

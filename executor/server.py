@@ -183,8 +183,8 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
               help="Token budget of one step (decode tokens plus prefill chunks).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               help="Weights and KV dtype. auto: the checkpoint's (float32 for bfloat16 checkpoints on CPU).")
-@click.option("--kernels", type=click.Choice(["auto", "triton", "reference"]), default="auto",
-              help="Attention kernels: auto = Triton on CUDA, the torch reference on CPU.")
+@click.option("--kernels", type=click.Choice(["auto", "triton", "torch", "reference"]), default="auto",
+              help="Attention kernels: auto = Triton on CUDA, batched torch on CPU; reference = the tests' oracle.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler for requests without their own.")
 @click.option("--blockd-wait", type=click.FloatRange(min=0), default=60.0,
               help="Seconds to wait for blockd at startup before giving up (exit 69).")

@@ -3,7 +3,10 @@
 Backend choice, first match wins:
 1. the call's `backend=` argument when it is not "auto";
 2. the environment variable PAGEDKV_KERNELS = triton | reference | auto;
-3. auto: Triton for CUDA tensors, the torch reference for CPU tensors.
+3. auto: Triton for CUDA tensors, batched torch (`kernels.torch_batched`) for CPU tensors.
+
+"reference" is the plain per-sequence loop the tests use as their oracle; "torch" differs from it only in
+paged attention, where decode rows are batched (KV write and block copy are the same functions).
 
 Forcing Triton on CPU tensors runs the kernels under the Triton interpreter. Triton decides between
 compiling and interpreting when `@triton.jit` *decorates* a function, i.e. when the kernel module is
@@ -25,15 +28,15 @@ from typing import Literal
 
 import torch
 
-from kernels import reference, validate
+from kernels import reference, torch_batched, validate
 from kernels.heuristics import MAX_SPLITS
 
-Backend = Literal["auto", "triton", "reference"]
+Backend = Literal["auto", "triton", "torch", "reference"]
 BACKEND_ENV = "PAGEDKV_KERNELS"
-_BACKENDS = ("auto", "triton", "reference")
+_BACKENDS = ("auto", "triton", "torch", "reference")
 
 
-def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "reference"]:
+def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch", "reference"]:
     """Which implementation runs for tensors on `device`, given the call's `backend` argument and the env."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -43,7 +46,7 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "re
         if choice not in _BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={choice!r} is not one of {_BACKENDS}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        return "triton" if device.type == "cuda" else "torch"
     if choice == "triton" and device.type not in ("cuda", "cpu"):
         raise ValueError(f"the Triton backend runs on CUDA (or CPU via the interpreter), not {device.type}")
     return choice  # type: ignore[return-value]
@@ -99,10 +102,10 @@ def write_kv(
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
         slot_mapping: `[num_tokens]` int32/int64; slot = block_id * block_size + offset, -1 = padding
             (that token is skipped and the cache left untouched).
-        backend: "auto" | "triton" | "reference" (see module docstring).
+        backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
     """
     validate.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
-    if resolve_backend(backend, key_cache.device) == "reference":
+    if resolve_backend(backend, key_cache.device) != "triton":
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
         triton_module("triton_cache", key_cache.device).write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -138,7 +141,7 @@ def paged_attention(
         out: optional preallocated `[num_tokens, num_heads, head_dim]` output of q's dtype.
         num_splits: Triton only: force the number of KV splits for decode tokens (1 = no
             flash-decoding split); None lets `choose_num_splits` decide. Ignored by the reference.
-        backend: "auto" | "triton" | "reference" (see module docstring).
+        backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
 
     Returns:
         The attention output (`out` if given).
@@ -154,8 +157,13 @@ def paged_attention(
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if resolve_backend(backend, q.device) == "reference":
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "reference":
         return reference.paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    if chosen == "torch":
+        return torch_batched.paged_attention(
+            q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out
+        )
     module = triton_module("triton_attention", q.device)
     return module.paged_attention(
         q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out, num_splits
@@ -175,10 +183,10 @@ def copy_blocks(
         key_caches, value_caches: one cache per layer, all of one shape, dtype and device.
         block_mapping: `[n, 2]` int64 tensor of (src, dst) rows, or a tuple of two equal-length lists
             (src_ids, dst_ids). Destinations must be distinct and disjoint from the sources.
-        backend: "auto" | "triton" | "reference" (see module docstring).
+        backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
     """
     cache, mapping = validate.check_copy_blocks(key_caches, value_caches, block_mapping)
-    if resolve_backend(backend, cache.device) == "reference":
+    if resolve_backend(backend, cache.device) != "triton":
         reference.copy_blocks(key_caches, value_caches, mapping)
     else:
         triton_module("triton_cache", cache.device).copy_blocks(key_caches, value_caches, mapping)

@@ -22,7 +22,7 @@ def _clean_env(monkeypatch):
 
 
 def test_auto_follows_the_device():
-    assert dispatch.resolve_backend("auto", CPU) == "reference"
+    assert dispatch.resolve_backend("auto", CPU) == "torch"
     assert dispatch.resolve_backend("auto", CUDA) == "triton"
 
 
@@ -34,8 +34,8 @@ def test_argument_forces_a_backend_and_beats_the_env(monkeypatch):
 
 
 @pytest.mark.parametrize("env, want_cpu, want_cuda", [
-    ("triton", "triton", "triton"), ("reference", "reference", "reference"), ("auto", "reference", "triton"),
-    (" Triton ", "triton", "triton"), ("", "reference", "triton"),
+    ("triton", "triton", "triton"), ("reference", "reference", "reference"), ("auto", "torch", "triton"),
+    (" Triton ", "triton", "triton"), ("", "torch", "triton"), ("torch", "torch", "torch"),
 ])  # fmt: skip
 def test_env_var_switch(monkeypatch, env, want_cpu, want_cuda):
     monkeypatch.setenv(dispatch.BACKEND_ENV, env)
