@@ -14,8 +14,13 @@ output lengths drawn uniformly from `--prompt-range` and `--output-range`, every
   longest output is done and only each request's own output length counts (the rest is the waste of static
   batching). End-of-sequence is switched off so no sequence stops early.
 
-Reported per system: output tokens per second of wall time (prefill included), the most sequences running at
-once, and the ratio pagedkv / hf; the last stdout line is one JSON object. Progress goes to stderr.
+The two take turns of about 0.2 s in one thread (the engine steps inside a `generate` stopping criterion), each
+running while it has fewer output tokens out than the other, and each is timed over its own turns only: on a
+shared machine a burst of load from elsewhere then falls on both alike. (Two threads would each get their own
+OpenMP team, whose idle workers spin and slow down the other's.)
+
+Reported per system: output tokens per second of its own wall time (prefill included), the most sequences
+running at once, and the ratio pagedkv / hf; the last stdout line is one JSON object. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -29,16 +34,16 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import click
 
 from pagedkv.units import parse_size
 
-DEFAULT_REQUESTS = 160
+DEFAULT_REQUESTS = 256
 DEFAULT_PROMPT_RANGE = (16, 256)
 DEFAULT_OUTPUT_RANGE = (16, 256)
 #: The default KV budget: what a static batch of this many max-length sequences needs.
@@ -78,7 +83,7 @@ class RunResult:
     output_tokens: int = 0  # what users get: each request's own output length
     seconds: float = 0.0
     max_active: int = 0
-    steps: int = 0  # forward passes (pagedkv: engine steps; hf: decode steps over all batches)
+    steps: int = 0  # forward passes (hf: one per token position of each batch, the prefill's included)
     computed_tokens: int = 0  # hf: tokens generated including those past a request's own length
     preemptions: int = 0
     first_tokens: list[int] = field(default_factory=list)  # the first request's output
@@ -163,17 +168,18 @@ class PagedRun:
         self.first_id = f"{salt}-{requests[0].request_id}"
         self.submitted = False
         self.preempted_before = engine.scheduler.num_preemptions
+        self.steps_before = engine.steps  # forward passes (a step that only frees blocks runs none)
 
     @property
     def done(self) -> bool:
         return self.submitted and not self.engine.has_work()
 
-    def advance(self, target_tokens: int) -> None:
+    def advance(self, target_tokens: int, min_s: float = 0.0) -> None:
+        """Steps until more than `target_tokens` output tokens are out and `min_s` has passed, or all are done."""
         from executor.sampling import SamplingParams
 
         engine, result, scheduler = self.engine, self.result, self.engine.scheduler
         device = engine.runner.device
-        _synchronize(device)
         started = time.perf_counter()
         if not self.submitted:
             for r in self.requests:
@@ -181,9 +187,12 @@ class PagedRun:
                 # The salt keeps runs (warm-up, repeats) from reusing each other's prompt blocks.
                 engine.add_request(f"{self.salt}-{r.request_id}", r.prompt, params, cache_salt=self.salt)
             self.submitted = True
-        while engine.has_work() and (result.output_tokens < target_tokens or result.output_tokens == self.total):
+        while engine.has_work():
+            # (once every token is out, the last steps only free blocks: run them now)
+            ahead = target_tokens < result.output_tokens < self.total
+            if ahead and time.perf_counter() - started >= min_s:
+                break
             deltas = engine.step()
-            result.steps += 1
             result.max_active = max(result.max_active, len(scheduler.running))
             for delta in deltas:
                 result.output_tokens += len(delta.token_ids)
@@ -192,6 +201,7 @@ class PagedRun:
         _synchronize(device)
         result.seconds += time.perf_counter() - started
         result.computed_tokens = result.output_tokens
+        result.steps = engine.steps - self.steps_before
         result.preemptions = scheduler.num_preemptions - self.preempted_before
 
     def status(self) -> str:
@@ -228,26 +238,52 @@ def load_hf(model_dir: Path, device: Any, dtype: Any) -> tuple[Any, int]:
 
 
 class HfRun:
-    """FCFS static batches through `generate`, one batch per `advance`: left-padded prompts, every row generating
-    the batch's longest output; only each request's own output length counts as output tokens."""
+    """FCFS static batches through `generate`: left-padded prompts, every row generating the batch's longest
+    output; only each request's own output length counts as output tokens.
+
+    `run(pause)` calls `pause()` after every generated token but a batch's last (from a stopping criterion that
+    never stops a row), so that another system can take a turn right there, in this thread; the time spent in
+    `pause` is left out of this run's."""
 
     def __init__(self, model: Any, pad_id: int, requests: list[BenchRequest], batch_size: int) -> None:
         self.model, self.pad_id = model, pad_id
         self.batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
-        self.next = 0
+        self.batch_number = 0
         self.result = RunResult("hf")
         self.total = sum(r.output_len for r in requests)
+        self.done = False
+        self._counted = 0  # output tokens of the batches before the current one
+        self._started = 0.0
+        self._paused_s = 0.0
 
-    @property
-    def done(self) -> bool:
-        return self.next == len(self.batches)
+    def status(self) -> str:
+        return f"batch {self.batch_number}/{len(self.batches)}"
 
-    def advance(self) -> None:
+    def run(self, pause: Callable[[], None] = lambda: None) -> None:
         import torch
 
-        batch, result, device = self.batches[self.next], self.result, self.model.device
+        device = self.model.device
         _synchronize(device)
+        self._started = time.perf_counter()
+        with torch.inference_mode():
+            for batch in self.batches:
+                self._generate(batch, pause)
+        _synchronize(device)
+        self.result.seconds = time.perf_counter() - self._started - self._paused_s
+        self.done = True
+
+    def _pause(self, pause: Callable[[], None]) -> None:
+        _synchronize(self.model.device)
         started = time.perf_counter()
+        self.result.seconds = started - self._started - self._paused_s  # so far
+        pause()
+        self._paused_s += time.perf_counter() - started
+
+    def _generate(self, batch: list[BenchRequest], pause: Callable[[], None]) -> None:
+        import torch
+        import transformers
+
+        run, result, device = self, self.result, self.model.device
         width = max(len(r.prompt) for r in batch)
         new = max(r.output_len for r in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -255,45 +291,99 @@ class HfRun:
         for row, r in enumerate(batch):
             ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt) :] = 1
-        with torch.inference_mode():
-            out = self.model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                      max_new_tokens=new)  # fmt: skip
-        generated = out[:, width:].tolist()  # (synchronizes)
-        result.seconds += time.perf_counter() - started
+        outputs = [r.output_len for r in batch]
+        self.batch_number += 1
+
+        class TakeTurns(transformers.StoppingCriteria):
+            """Called after every generated token: never stops a row; lets the other system take a turn."""
+
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+                made = input_ids.shape[1] - width
+                result.output_tokens = run._counted + sum(min(made, n) for n in outputs)
+                if made < new:
+                    run._pause(pause)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        out = self.model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new,
+                                  stopping_criteria=transformers.StoppingCriteriaList([TakeTurns()]))  # fmt: skip
+        generated = out[:, width:].tolist()
         if any(len(g) != new for g in generated):
             raise click.ClickException(f"transformers generated {len(generated[0])} tokens, not {new}: "
                                        "end-of-sequence was not switched off")  # fmt: skip
-        if self.next == 0:
+        if self.batch_number == 1:
             result.first_tokens = generated[0][: batch[0].output_len]
-        result.output_tokens += sum(r.output_len for r in batch)
+        self._counted += sum(outputs)
+        result.output_tokens = self._counted
         result.computed_tokens += len(batch) * new
         result.steps += new
         result.max_active = max(result.max_active, len(batch))
-        self.next += 1
 
-    def status(self) -> str:
-        return f"batch {self.next}/{len(self.batches)}"
+
+#: Each system's turns last at least this long (seconds), so that the two models do not evict each other from
+#: the CPU caches at every step; short enough that load from elsewhere falls on both alike.
+TURN_S = 0.2
 
 
 def run_interleaved(paged: PagedRun, hf: HfRun, progress: bool = True) -> tuple[RunResult, RunResult]:
-    """Both runs to the end, taking turns so that neither gets ahead of the other in the fraction of its tokens
-    done: one transformers batch, then engine steps up to the same fraction, and so on. Each system's time is the
-    sum of its own turns, so a burst of load from elsewhere on a shared machine falls on both alike."""
-    report = {"pagedkv": Progress("pagedkv", paged.total), "hf": Progress("hf", hf.total)} if progress else None
+    """Both runs to the end in this thread, taking turns of about TURN_S: transformers generates until it has
+    more output tokens out than the engine (and TURN_S has passed), then the engine steps until it has more than
+    transformers, and so on. Each system's time is the sum of its own turns, so any stretch of the run (and any
+    burst of load from elsewhere on a shared machine) holds about the same work of both."""
     assert paged.total == hf.total  # the same workload
-    while not (paged.done and hf.done):
-        if not hf.done and (paged.done or hf.result.output_tokens <= paged.result.output_tokens):
-            hf.advance()
-            run: PagedRun | HfRun = hf
-        else:
-            paged.advance(hf.result.output_tokens if not hf.done else paged.total)
-            run = paged
-        if report is not None:
-            report[run.result.name].update(run.result.output_tokens, run.result.seconds, f", {run.status()}")
+    reports = {"pagedkv": Progress("pagedkv", paged.total), "hf": Progress("hf", hf.total)}
+
+    def report(run: PagedRun | HfRun) -> None:
+        if progress:
+            reports[run.result.name].update(run.result.output_tokens, run.result.seconds, f", {run.status()}")
+
+    turn_started = time.perf_counter()
+
+    def engine_turn() -> None:  # called by transformers after every token
+        nonlocal turn_started
+        if paged.done or hf.result.output_tokens <= paged.result.output_tokens:
+            return
+        if time.perf_counter() - turn_started < TURN_S:
+            return
+        report(hf)
+        paged.advance(hf.result.output_tokens, TURN_S)
+        report(paged)
+        turn_started = time.perf_counter()
+
+    hf.run(engine_turn)
+    report(hf)
+    paged.advance(paged.total)
+    report(paged)
     return paged.result, hf.result
 
 
 # ---------------------------------------------------------------------------------------------------- command
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much of the machine's CPU went to other processes (blockd included) while the timed runs ran."""
+
+    def __enter__(self) -> Self:
+        self.busy, self.own, self.wall = _machine_busy_s(), time.process_time(), time.perf_counter()
+        self.share: float | None = None
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        busy = _machine_busy_s()
+        if busy is None or self.busy is None:
+            return
+        others = (busy - self.busy) - (time.process_time() - self.own)
+        self.share = max(0.0, others) / ((time.perf_counter() - self.wall) * (os.cpu_count() or 1))
 
 
 def _mib(nbytes: int) -> str:
@@ -323,9 +413,10 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     submitted at once. The KV budget gives pagedkv budget // bytes-per-block blocks, and transformers batches of
     budget // (bytes-per-token x max_len) requests, max_len = longest prompt + longest output (a contiguous cache
     reserves the maximum for every sequence). transformers runs FCFS batches, left-padded, each until its longest
-    output is done; only each request's own output tokens count. Both run once untimed first (warm-up), then
-    --repeat times interleaved; the best of each is reported. The first request's tokens are compared (float32:
-    they should match). Progress goes to stderr; the last line of stdout is one JSON object.
+    output is done; only each request's own output tokens count. Both run a tiny untimed warm-up first; then the
+    two take turns of about {TURN_S} s, each timed over its own turns only (so load from elsewhere falls on both
+    alike), --repeat times; the best of each is reported. The first request's tokens are compared (float32: they
+    should match). Progress goes to stderr; the last line of stdout is one JSON object.
 
     --quick: {QUICK_REQUESTS} requests, prompts and outputs in {QUICK_PROMPT_RANGE[0]}-{QUICK_PROMPT_RANGE[1]}
     tokens (options given explicitly win), for tests; the figures mean nothing.""",
@@ -353,14 +444,16 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="pagedkv: most tokens in one step (prefill chunks and decodes); at least --max-num-seqs.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Timed runs of each system, interleaved; the best of each is reported.")
+              help="Timed runs of the pair (each a fresh pass over the workload); the best of each is reported.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch intra-op threads of both (default: torch's own choice, one per core).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of lengths and token ids.")
 @click.option("--quick", is_flag=True, help="A tiny run for tests (see above).")
 @click.pass_context
 def bench_throughput(
     ctx: click.Context, model_dir: Path | None, device: str | None, dtype: str | None, num_requests: int,
     prompt_range: tuple[int, int], output_range: tuple[int, int], kv_cache_memory: str | None, block_size: int,
-    max_num_seqs: int, max_num_batched_tokens: int, repeat: int, seed: int, quick: bool,
+    max_num_seqs: int, max_num_batched_tokens: int, repeat: int, threads: int | None, seed: int, quick: bool,
 ) -> None:  # fmt: skip
     import torch
 
@@ -389,6 +482,8 @@ def bench_throughput(
     if dtype is None:
         dtype = "bfloat16" if device == "cuda" else "float32"
     torch_device, torch_dtype = torch.device(device), DTYPES[dtype]
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     if model_dir is None:
         click.echo("using the default model (generated on first use)", err=True)
@@ -446,13 +541,14 @@ def bench_throughput(
             warm = [BenchRequest(f"w{i}", r.prompt[:16], 4) for i, r in enumerate(requests[:2])]
             run_interleaved(PagedRun(engine, warm, "warmup"), HfRun(hf_model, pad_id, warm, min(2, hf_batch)),
                             progress=False)  # fmt: skip
-            for run in range(repeat):
-                click.echo(f"[run {run + 1}/{repeat}] pagedkv ({num_blocks} blocks, every request at once) and "
-                           f"transformers (static batches of {hf_batch}), taking turns", err=True)  # fmt: skip
-                paged_run, hf_run = run_interleaved(PagedRun(engine, requests, f"run{run}"),
-                                                    HfRun(hf_model, pad_id, requests, hf_batch))  # fmt: skip
-                paged_runs.append(paged_run)
-                hf_runs.append(hf_run)
+            with OtherLoad() as load:
+                for run in range(repeat):
+                    click.echo(f"[run {run + 1}/{repeat}] pagedkv ({num_blocks} blocks, every request at once) and "
+                               f"transformers (static batches of {hf_batch}), taking turns", err=True)  # fmt: skip
+                    paged_run, hf_run = run_interleaved(PagedRun(engine, requests, f"run{run}"),
+                                                        HfRun(hf_model, pad_id, requests, hf_batch))  # fmt: skip
+                    paged_runs.append(paged_run)
+                    hf_runs.append(hf_run)
         finally:
             with contextlib.suppress(Exception):
                 engine.pool.unregister()
@@ -485,6 +581,9 @@ def bench_throughput(
     echo(f"ratio pagedkv / transformers: {ratio:.2f}x output tok/s; {paged.max_active / hf.max_active:.1f}x the "
          f"sequences at once; pagedkv preempted {paged.preemptions} times; transformers computed {wasted:,} tokens "
          f"past their requests' ends ({wasted / hf.computed_tokens:.0%}) [best of {repeat}, {os.cpu_count()} cores]")
+    if load.share is not None:
+        echo(f"other processes (blockd included) used {load.share:.0%} of the machine's CPU during the timed runs"
+             + (": figures disturbed, rerun on a quieter machine" if load.share > 0.15 else ""))  # fmt: skip
     if match:
         echo(f"first request ({first_len} tokens): identical greedy output from both")
     else:
@@ -504,6 +603,7 @@ def bench_throughput(
         "pagedkv_preemptions": paged.preemptions,
         "hf_decode_steps": hf.steps,
         "hf_computed_tokens": hf.computed_tokens,
+        "other_cpu_share": None if load.share is None else round(load.share, 3),
         "first_request_match": match,
         "first_request_diverges_at": diverge,
         "model": str(model_dir),
@@ -524,6 +624,7 @@ def bench_throughput(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "repeat": repeat,
+        "cpu_count": os.cpu_count(),
         "quick": quick,
     }))  # fmt: skip
 
