@@ -89,10 +89,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token of a step, `[T, 1, head_dim]`: looked up once, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -114,17 +117,18 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: dispatch.Backend,
+        check: bool,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rotary(q.view(tokens, self.num_heads, self.head_dim), batch.positions)
-        k = rotary(k.view(tokens, self.num_kv_heads, self.head_dim), batch.positions)
+        q = Rotary.apply(q.view(tokens, self.num_heads, self.head_dim), *rope)
+        k = Rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        dispatch.write_kv(k, v, key_cache, value_cache, batch.slot_mapping, backend=backend)
+        dispatch.write_kv(k, v, key_cache, value_cache, batch.slot_mapping, backend=backend, check=check)
         out = dispatch.paged_attention(
             q.contiguous(),
             key_cache,
@@ -134,6 +138,7 @@ class Attention(nn.Module):
             batch.seq_lens,
             self.scale,
             backend=backend,
+            check=check,
         )
         return self.o_proj(out.view(tokens, -1))
 
@@ -158,8 +163,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, batch, rotary, kv_cache, backend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, rotary, kv_cache, backend)
+    def forward(self, h, batch, rope, kv_cache, backend, check) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, rope, kv_cache, backend, check)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -192,8 +197,9 @@ class PagedCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_indices), vocab]`; writes this step's K/V into `kv_caches`."""
         h = self.model.embed_tokens(batch.input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, batch, self.rotary, kv_cache, backend)
+        rope = self.rotary.tables(batch.positions, h.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            h = layer(h, batch, rope, kv_cache, backend, check=i == 0)  # one step's metadata: check it once
         h = self.model.norm(h[batch.logits_indices])  # only the rows that sample: the norm is per row
         return self.lm_head(h).float()
 

@@ -94,6 +94,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     backend: Backend = "auto",
+    check: bool = True,
 ) -> None:
     """Scatter new tokens' K and V into one layer's paged caches, in place.
 
@@ -103,9 +104,15 @@ def write_kv(
         slot_mapping: `[num_tokens]` int32/int64; slot = block_id * block_size + offset, -1 = padding
             (that token is skipped and the cache left untouched).
         backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
+        check: validate the inputs; a caller that already checked this step's metadata (the first of a
+            model's layers) may skip it for the rest.
     """
-    validate.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
-    if resolve_backend(backend, key_cache.device) != "triton":
+    if check:
+        validate.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
+    chosen = resolve_backend(backend, key_cache.device)
+    if chosen == "torch":
+        torch_batched.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    elif chosen == "reference":
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
         triton_module("triton_cache", key_cache.device).write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -123,6 +130,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     backend: Backend = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """Attention for a whole scheduler step (prefill chunks and decode tokens mixed) over paged K/V.
 
@@ -142,11 +150,13 @@ def paged_attention(
         num_splits: Triton only: force the number of KV splits for decode tokens (1 = no
             flash-decoding split); None lets `choose_num_splits` decide. Ignored by the reference.
         backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
+        check: validate the inputs (see `write_kv`).
 
     Returns:
         The attention output (`out` if given).
     """
-    validate.check_paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    if check:
+        validate.check_paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):

@@ -1,17 +1,29 @@
-"""Paged attention in batched torch: the CPU serving backend.
+"""Paged attention and KV write in batched torch: the CPU serving backend.
 
-The reference (`kernels.reference`) loops over sequences, which is clear and right but spends a CPU step in
-Python overhead once dozens of sequences decode together. Here every decode row (one query token) of the step
-is handled in one batched gather + matmul over its blocks, padded to the longest context and masked; prefill
-chunks (several query tokens) are few per step and go through the reference one sequence at a time. Math in
-float32, like the reference; tested against the float64 reference.
+The reference (`kernels.reference`) loops over sequences in plain einsum, which is clear and right but spends a
+CPU step in Python and temporaries once dozens of sequences decode together. Here every decode row (one query
+token) of the step goes through one gather + `scaled_dot_product_attention`, padded to the longest context and
+masked; padding positions gather the sequence's own first token (finite data, masked out), so whatever stale
+values or NaN unused slots hold never reach the sum. Prefill chunks (several query tokens) are few per step:
+one SDPA call each, with the causal mask offset by the cached prefix. Tested against the float64 reference.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    slots = slot_mapping.to(torch.int64)
+    if slots.numel() and int(slots.min()) < 0:  # padding slots: the reference skips them
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
 def paged_attention(
@@ -27,51 +39,45 @@ def paged_attention(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if len(decode) > 1:
+    if decode:
         _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, decode, scale, out)
-    else:
-        decode = []
-    done = set(decode)
     for i in range(len(lens)):
-        if i in done or starts[i + 1] == starts[i]:
-            continue
-        begin, end = starts[i], starts[i + 1]
-        reference.paged_attention(
-            q[begin:end], key_cache, value_cache, block_tables[i : i + 1],
-            torch.tensor([0, end - begin], device=q.device), seq_lens[i : i + 1], scale, out[begin:end],
-        )  # fmt: skip
+        q_len = starts[i + 1] - starts[i]
+        if q_len > 1:
+            _prefill_chunk(q, key_cache, value_cache, block_tables[i], starts[i], q_len, lens[i], scale, out)
     return out
 
 
-def _decode_rows(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    rows: list[int],
-    scale: float,
-    out: torch.Tensor,
-) -> None:
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return table.to(torch.int64).gather(-1, positions // block_size) * block_size + positions % block_size
+
+
+def _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out) -> None:
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    device = q.device
+    device, dtype = q.device, torch.promote_types(q.dtype, torch.float32)
     row_lens = torch.tensor([lens[i] for i in rows], device=device)
-    max_blocks = -(-max(lens[i] for i in rows) // block_size)
-    index = torch.tensor(rows, device=device)
-    tables = block_tables[index, :max_blocks].to(torch.int64)  # [R, B]
-    span = max_blocks * block_size
-    # [R, B, bs, hkv, d] -> [R, hkv, L, d]
-    k = key_cache[tables].reshape(len(rows), span, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
-    v = value_cache[tables].reshape(len(rows), span, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
+    span = max(lens[i] for i in rows)
+    positions = torch.arange(span, device=device)
+    visible = positions[None, :] < row_lens[:, None]  # [R, L]
+    positions = torch.where(visible, positions[None, :], 0)  # padding reads the sequence's first token
+    slots = _slots(block_tables[torch.tensor(rows, device=device)], positions, block_size)  # [R, L]
+    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(dtype)  # [R, hkv, L, d]
+    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(dtype)
     token_rows = torch.tensor([starts[i] for i in rows], device=device)
-    group = q.shape[1] // num_kv_heads
-    qs = q[token_rows].to(dtype).view(len(rows), num_kv_heads, group, head_dim)  # [R, hkv, g, d]
-    scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [R, hkv, g, L]
-    hidden = torch.arange(span, device=device).view(1, -1) >= row_lens.view(-1, 1)  # [R, L]: past the context
-    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-    v = v.masked_fill(hidden[:, None, :, None], 0.0)  # padding slots may hold anything, NaN included
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v)  # [R, hkv, g, d]
-    out[token_rows] = o.reshape(len(rows), -1, head_dim).to(out.dtype)
+    qs = q[token_rows].to(dtype).unsqueeze(2)  # [R, h, 1, d]
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[:, None, None, :], scale=scale,
+                                       enable_gqa=True)  # fmt: skip
+    out[token_rows] = o.squeeze(2).to(out.dtype)
+
+
+def _prefill_chunk(q, key_cache, value_cache, table, begin, q_len, kv_len, scale, out) -> None:
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    device, dtype = q.device, torch.promote_types(q.dtype, torch.float32)
+    slots = _slots(table, torch.arange(kv_len, device=device), block_size)
+    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(dtype)  # [hkv, kv, d]
+    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(dtype)
+    qs = q[begin : begin + q_len].to(dtype).transpose(0, 1)  # [h, q, d]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    visible = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]  # [q, kv]
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    out[begin : begin + q_len] = o.transpose(0, 1).to(out.dtype)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import dispatch, reference
+from kernels import dispatch, reference, torch_batched
 from tests.kernels.paged_case import make_batch, needs_interpreter
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -71,25 +71,27 @@ def test_calls_reach_the_chosen_implementation(monkeypatch, how):
     batch = make_batch([(2, 9)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8, dtype=torch.float32,
                        device=CPU)  # fmt: skip
     triton_attention = dispatch.triton_module("triton_attention", CPU)
-    ref_calls = _spy(monkeypatch, reference, "paged_attention")
+    torch_calls = _spy(monkeypatch, torch_batched, "paged_attention")
     tri_calls = _spy(monkeypatch, triton_attention, "paged_attention")
     backend = "triton" if how == "argument" else "auto"
     if how == "env":
         monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
     kernels.paged_attention(*batch.args(), backend=backend)
-    assert (ref_calls, tri_calls) == (([], ["paged_attention"]) if how != "auto" else (["paged_attention"], []))
+    assert (torch_calls, tri_calls) == (([], ["paged_attention"]) if how != "auto" else (["paged_attention"], []))
 
 
 @needs_interpreter
 def test_cache_ops_dispatch_too(monkeypatch):
     triton_cache = dispatch.triton_module("triton_cache", CPU)
     ref_calls = _spy(monkeypatch, reference, "write_kv")
+    torch_calls = _spy(monkeypatch, torch_batched, "write_kv")
     tri_calls = _spy(monkeypatch, triton_cache, "write_kv")
     cache = torch.zeros(2, 8, 1, 64)
     kv = torch.ones(1, 1, 64)
     kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]))
+    kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]), backend="reference")
     kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]), backend="triton")
-    assert ref_calls == ["write_kv"] and tri_calls == ["write_kv"]
+    assert ref_calls == ["write_kv"] and torch_calls == ["write_kv"] and tri_calls == ["write_kv"]
 
 
 @needs_interpreter

@@ -36,3 +36,14 @@ def test_shared_blocks_and_padded_tables():
                        dtype=torch.float32, shared_prefix_blocks=2)
     torch.testing.assert_close(dispatch.paged_attention(*batch.args(), batch.scale, backend="torch").double(),
                                float64_oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_matches_the_reference_with_and_without_padding():
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
+    for slots in (torch.tensor([3, 17, 0, 40, 8]), torch.tensor([3, -1, 0, 40, -1])):
+        caches = [torch.full((6, 8, 2, 32), float("nan")) for _ in range(4)]
+        dispatch.write_kv(key, value, caches[0], caches[1], slots, backend="torch")
+        dispatch.write_kv(key, value, caches[2], caches[3], slots, backend="reference")
+        torch.testing.assert_close(caches[0], caches[2], equal_nan=True)
+        torch.testing.assert_close(caches[1], caches[3], equal_nan=True)
