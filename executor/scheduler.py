@@ -115,6 +115,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.to_free: list[Sequence] = []  # finished or aborted, still holding blocks in blockd
         self.to_fork: list[Sequence] = []  # choices sampled from their parent's prompt, not yet forked
+        self.to_preempt: list[Sequence] = []  # blockd refused their append after all: preempted next step
         self._order = itertools.count()
         self.num_preemptions = 0
 
@@ -124,7 +125,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.to_free or self.to_fork)
+        return bool(self.waiting or self.running or self.to_free or self.to_fork or self.to_preempt)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -137,7 +138,10 @@ class Scheduler:
             if seq in self.waiting:
                 self.waiting.remove(seq)
         else:
-            self.running.remove(seq)
+            if seq in self.to_preempt:
+                self.to_preempt.remove(seq)
+            else:
+                self.running.remove(seq)
             if seq in self.to_fork:  # never reached blockd: nothing to free
                 self.to_fork.remove(seq)
             else:
@@ -171,6 +175,8 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
+        while self.to_preempt:
+            self._preempt(plan, self.to_preempt.pop())
         for seq in self.running:
             if seq.fork_parent is None:
                 self._commit(plan, seq)
@@ -226,7 +232,8 @@ class Scheduler:
 
     def _preempt(self, plan: StepPlan, seq: Sequence) -> None:
         """Recompute later: release the blocks now, keep the tokens, queue it first."""
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         if seq in self.to_fork:  # never reached blockd
             self.to_fork.remove(seq)
             plan.ops = [op for op in plan.ops if not (type(op) is p.Fork and op.child_id == seq.seq_id)]
@@ -268,6 +275,10 @@ class Scheduler:
                 self.ledger.hold(result.blocks)
                 self.running.append(seq)
                 outcome.admitted.append(seq)
+            elif failed and purpose == "append" and result.code == ErrorCode.OUT_OF_BLOCKS:
+                # The free-block estimate was wrong after all: nothing changed in blockd; recompute it later.
+                self.running.remove(seq)
+                self.to_preempt.append(seq)
             elif failed:
                 outcome.failed.append((seq, result))
             elif purpose == "fork":

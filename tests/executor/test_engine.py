@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from blockd.protocol import OpError
 from executor.engine import RequestRejected
 from executor.sampling import SamplingParams
 from tests.executor.harness import (
@@ -223,3 +224,33 @@ def test_sharded_checkpoint_gives_the_same_output(tiny_models, tiny_options, blo
         engine = make_engine(model, blockd.endpoint, pool_id=f"shard-{i}")
         outputs.append(drive(engine, {0: [("s", prompt, GREEDY)]})["s"][0].tokens)
     assert outputs[0] == outputs[1] == hf_greedy(tiny_models["llama"], prompt, GREEDY.max_tokens)
+
+
+def test_a_wrong_free_block_estimate_never_fails_a_request(tiny_models, blockd):
+    """If blockd refuses an append (the executor thought blocks were free), the sequence is preempted and
+    recomputed like any other: every request still finishes with the same output."""
+    from executor.scheduler import BlockLedger
+
+    class Optimistic(BlockLedger):
+        @property
+        def free(self) -> int:  # claims 6 more free blocks than there are
+            return super().free + 6
+
+    model = tiny_models["llama"]
+    prompts = random_prompts([30, 40, 20, 35], vocab=512, seed=15)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model, blockd.endpoint, num_blocks=12, max_num_seqs=4)
+    engine.scheduler.ledger = Optimistic(12)  # swapped in before the first step: nothing is held yet
+    refused = []
+    original_apply = engine.scheduler.apply
+
+    def apply(plan, results):
+        refused.extend(r for (kind, _), r in zip(plan.purposes, results) if kind == "append" and
+                       type(r) is OpError)
+        return original_apply(plan, results)
+
+    engine.scheduler.apply = apply
+    results = drive(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    assert refused, "the optimistic ledger never made blockd refuse an append"
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"][0].tokens == hf_greedy_ignoring_eos(model, prompt, 30), f"request {i}"
