@@ -41,6 +41,7 @@ import click
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import BlockPool, PoolSpec
+from pagedkv.cli import unless_given
 
 #: The length distribution: lognormal prompt and output lengths (median, sigma of the underlying normal), in the
 #: range of chat traces such as ShareGPT (mean prompt ~ 160-400 tokens, mean output ~ 200-340 tokens).
@@ -366,11 +367,8 @@ def bench_capacity(
     quick: bool,
 ) -> None:  # fmt: skip
     if quick:
-        default = click.core.ParameterSource.DEFAULT
-        if ctx.get_parameter_source("requests") is default:
-            requests = QUICK_REQUESTS
-        if ctx.get_parameter_source("kv_tokens") is default:
-            kv_tokens = QUICK_KV_TOKENS
+        requests = unless_given(ctx, requests, "requests", QUICK_REQUESTS)
+        kv_tokens = unless_given(ctx, kv_tokens, "kv_tokens", QUICK_KV_TOKENS)
     if kv_tokens < max_len:
         raise click.BadParameter(f"{kv_tokens} token slots hold no sequence of --max-len {max_len}; "
                                  "give at least --max-len", param_hint="'--kv-tokens'")  # fmt: skip

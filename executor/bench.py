@@ -41,6 +41,7 @@ from typing import Any, Self
 
 import click
 
+from pagedkv.cli import unless_given
 from pagedkv.units import parse_size
 
 DEFAULT_REQUESTS = 256
@@ -462,13 +463,9 @@ def bench_throughput(
     from executor.runner import DTYPES, kv_bytes_per_block
 
     if quick:
-        default = click.core.ParameterSource.DEFAULT
-        if ctx.get_parameter_source("num_requests") is default:
-            num_requests = QUICK_REQUESTS
-        if ctx.get_parameter_source("prompt_range") is default:
-            prompt_range = QUICK_PROMPT_RANGE
-        if ctx.get_parameter_source("output_range") is default:
-            output_range = QUICK_OUTPUT_RANGE
+        num_requests = unless_given(ctx, num_requests, "num_requests", QUICK_REQUESTS)
+        prompt_range = unless_given(ctx, prompt_range, "prompt_range", QUICK_PROMPT_RANGE)
+        output_range = unless_given(ctx, output_range, "output_range", QUICK_OUTPUT_RANGE)
     for name, (low, high) in (("--prompt-range", prompt_range), ("--output-range", output_range)):
         if low > high:
             raise click.BadParameter(f"MIN {low} is above MAX {high}", param_hint=f"'{name}'")

@@ -24,6 +24,11 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
+def unless_given(ctx: click.Context, value: object, name: str, fallback: object) -> object:
+    """`fallback` if the option `name` was left at its default (a bench's --quick), else what was given."""
+    return fallback if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT else value
+
+
 @click.group(cls=LazyGroup, lazy={"make-model": "executor.make_model:make_model"})
 @click.version_option(package_name="pagedkv")
 def main() -> None:
