@@ -348,6 +348,7 @@ def test_a_step_in_flight_survives_a_blockd_restart(redis_process, start_blockd)
     daemon.start()
     results = ex.finish_step()  # re-syncs from the executor's mirror, then sends the step again
     assert type(results[0]) is p.AppendResult and type(results[1]) is p.AdmitResult
+    ex.heartbeat()  # if the answer beat the kill, the restarted blockd lacks the pool: the re-sync happens here
     assert ex.resyncs == 1
     with daemon.client() as operator:
         assert operator.sequence("a").num_tokens == 10  # the append applied exactly once
