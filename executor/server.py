@@ -163,12 +163,15 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     return f"{socket.gethostname()}-{device}-{bind.rsplit(':', 1)[-1]}".replace("/", "-")
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"],
+                                 "auto_envvar_prefix": "PAGEDKV_EXECUTOR"})
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="PAGEDKV_EXECUTOR_MODEL",
               help="Checkpoint directory (config.json + safetensors + tokenizer). Default: the generated "
                    "default model (see `pagedkv make-model`), created on first use.")
-@click.option("--device", "device_spec", default="cpu", help="cpu, cuda or cuda:N.")
-@click.option("--blockd", "blockd_endpoint", default=DEFAULT_BLOCKD, help="blockd's ZeroMQ endpoint.")
+@click.option("--device", "device_spec", default="cpu", envvar="PAGEDKV_EXECUTOR_DEVICE", help="cpu, cuda or cuda:N.")
+@click.option("--blockd", "blockd_endpoint", default=DEFAULT_BLOCKD, envvar="PAGEDKV_EXECUTOR_BLOCKD",
+              help="blockd's ZeroMQ endpoint.")
 @click.option("--bind", default=ep.DEFAULT_BIND, help="Where gateways reach this executor (ZeroMQ ROUTER).")
 @click.option("--pool-id", default=None, help="This executor's pool name at blockd. Default: host-device-port.")
 @click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16",
@@ -191,7 +194,10 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num_blocks, kv_cache_memory,
          max_num_seqs, max_num_batched_tokens, dtype, kernels, seed, blockd_wait, log_level) -> None:
-    """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step."""
+    """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
+
+    Every option can also be set by an environment variable: PAGEDKV_EXECUTOR_ and the option's name in
+    capitals with underscores (PAGEDKV_EXECUTOR_MODEL, PAGEDKV_EXECUTOR_KV_CACHE_MEMORY, ...)."""
     configure_logging("executor", log_level)
     device = _device(device_spec)
     if max_num_batched_tokens < max_num_seqs:

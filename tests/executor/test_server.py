@@ -220,6 +220,10 @@ def test_cli_help_and_startup_errors(tiny_models, tmp_path):
         done = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
         assert done.returncode == code, (args, done.stdout, done.stderr)
         assert message in done.stdout + done.stderr, args
+    # Every option also reads PAGEDKV_EXECUTOR_<OPTION> (compose and other deployments configure it so).
+    done = subprocess.run(base, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PAGEDKV_EXECUTOR_DEVICE": "tpu"})
+    assert done.returncode == 2 and "--device" in done.stderr
 
 
 def test_two_executors_share_one_blockd_with_separate_pools(tiny_models, blockd, start_executor):
