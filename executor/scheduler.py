@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
-
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from blockd import protocol as p
 from blockd.client import MirroredSequence
@@ -76,10 +75,8 @@ class StepPlan:
     ops: list[p.StepOp] = field(default_factory=list)
     #: what each op is for, op by op: ("commit"|"fork"|"free"|"append"|"admit", sequence)
     purposes: list[tuple[str, Sequence]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
     released_tables: dict[str, list[int]] = field(default_factory=dict)  # block tables of the freed, as planned
     forked_tables: dict[str, list[int]] = field(default_factory=dict)  # a fork's parent's table, as planned
-    budget_left: int = 0
 
     def add(self, purpose: str, seq: Sequence, op: p.StepOp) -> None:
         self.ops.append(op)
@@ -217,7 +214,6 @@ class Scheduler:
             free -= worst
             free_slots -= 1
             budget -= 1
-        plan.budget_left = budget
         return plan
 
     def _releases(self, seq: Sequence) -> int:
@@ -247,7 +243,6 @@ class Scheduler:
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
 
     def _free(self, plan: StepPlan, seq: Sequence) -> None:
         plan.add("free", seq, p.Free(seq.seq_id))

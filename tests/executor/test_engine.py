@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from blockd.protocol import OpError
 from executor.engine import RequestRejected

@@ -15,7 +15,7 @@ import pytest
 from executor import protocol as ep
 from executor.client import ExecutorClient, ExecutorRejected, ExecutorUnavailable, tokens_of
 from executor.sampling import SamplingParams
-from tests.blockd.conftest import BlockdProcess, free_port, wait_for
+from tests.blockd.conftest import free_port, wait_for
 from tests.executor.harness import hf_greedy, hf_greedy_ignoring_eos, random_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
