@@ -256,9 +256,10 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
     """Instantiate on `device` without random init, then load `weights` into it."""
     with torch.device("meta"):
         model = PagedCausalLM(config)
-    model = model.to_empty(device=device)
+    # Straight to the serving dtype: a float32 detour would need twice the device memory of the weights.
+    model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty may have given the two names separate storage
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = Rotary(config).to(device)  # buffers are computed, not loaded
-    model.load_weights(weights)
-    return model.to(dtype).eval()
+    model.rotary = Rotary(config).to(device)  # float32 tables, computed not loaded; cast per step like the reference
+    model.load_weights(weights)  # copy_ casts each checkpoint tensor to the parameter's dtype
+    return model.eval()

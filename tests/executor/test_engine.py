@@ -253,3 +253,18 @@ def test_a_wrong_free_block_estimate_never_fails_a_request(tiny_models, blockd):
     assert refused, "the optimistic ledger never made blockd refuse an append"
     for i, prompt in enumerate(prompts):
         assert results[f"r{i}"][0].tokens == hf_greedy_ignoring_eos(model, prompt, 30), f"request {i}"
+
+
+def test_loading_in_half_precision_keeps_ties_and_float32_rotary_tables(tiny_models):
+    import torch
+
+    from executor.runner import load_model
+
+    loaded = load_model(tiny_models["qwen2"], torch.device("cpu"), torch.bfloat16)  # qwen2: tied embeddings
+    model = loaded.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.rotary.cos.dtype is torch.float32
+    reference = load_model(tiny_models["qwen2"], torch.device("cpu"), torch.float32).model
+    torch.testing.assert_close(model.model.layers[0].self_attn.qkv_proj.bias.float(),
+                               reference.model.layers[0].self_attn.qkv_proj.bias, atol=1e-2, rtol=1e-2)
