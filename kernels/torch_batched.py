@@ -1,11 +1,12 @@
 """Paged attention and KV write in batched torch: the CPU serving backend.
 
 The reference (`kernels.reference`) loops over sequences in plain einsum, which is clear and right but spends a
-CPU step in Python and temporaries once dozens of sequences decode together. Here every decode row (one query
-token) of the step goes through one gather + `scaled_dot_product_attention`, padded to the longest context and
-masked; padding positions gather the sequence's own first token (finite data, masked out), so whatever stale
-values or NaN unused slots hold never reach the sum. Prefill chunks (several query tokens) are few per step:
-one SDPA call each, with the causal mask offset by the cached prefix. Tested against the float64 reference.
+CPU step in Python and temporaries once dozens of sequences decode together. Here the decode rows (one query
+token each) go through a gather + `scaled_dot_product_attention` in a few calls, grouped by context length and
+padded to each group's longest, masked. Padding positions gather the sequence's own first token (finite data,
+masked out), so whatever stale values or NaN unused slots hold never reach the sum. Prefill chunks (several query
+tokens) are few per step: one SDPA call each, the causal mask offset by the cached prefix. Tested against the
+float64 reference.
 """
 
 from __future__ import annotations
@@ -39,13 +40,32 @@ def paged_attention(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if decode:
-        _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, decode, scale, out)
+    for rows in _length_groups(decode, lens):
+        _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out)
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
         if q_len > 1:
             _prefill_chunk(q, key_cache, value_cache, block_tables[i], starts[i], q_len, lens[i], scale, out)
     return out
+
+
+#: Padded positions (rows x longest context) per decode call. Measured on a 2-core CPU: one call over 40 rows of
+#: ~450 tokens took 11 ms, the same rows in calls of <= 4096 positions 4 ms in all; small calls cost more calls.
+GROUP_POSITIONS = 4096
+
+
+def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Decode rows sorted by context length and cut into calls of bounded padded size (and little padding)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(rows, key=lens.__getitem__):
+        if current and (len(current) + 1) * lens[i] > GROUP_POSITIONS:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -47,3 +47,16 @@ def test_write_kv_matches_the_reference_with_and_without_padding():
         dispatch.write_kv(key, value, caches[2], caches[3], slots, backend="reference")
         torch.testing.assert_close(caches[0], caches[2], equal_nan=True)
         torch.testing.assert_close(caches[1], caches[3], equal_nan=True)
+
+
+def test_many_decode_rows_are_split_into_length_groups_and_stay_exact(monkeypatch):
+    from kernels import torch_batched
+
+    monkeypatch.setattr(torch_batched, "GROUP_POSITIONS", 200)  # forces several groups of one to a few rows
+    seqs = [(1, n) for n in (3, 150, 40, 41, 199, 7, 64, 120)] + [(4, 30)]
+    groups = torch_batched._length_groups(list(range(8)), [n for _, n in seqs])
+    assert sorted(i for g in groups for i in g) == list(range(8)) and len(groups) > 2
+    assert all(len(g) * max(seqs[i][1] for i in g) <= 200 or len(g) == 1 for g in groups)
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
+    torch.testing.assert_close(dispatch.paged_attention(*batch.args(), batch.scale, backend="torch").double(),
+                               float64_oracle(batch), atol=1e-5, rtol=1e-5)
