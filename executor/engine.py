@@ -18,7 +18,7 @@ from blockd.client import BlockdUnavailable, PoolClient
 from executor import protocol as ep
 from executor.runner import ModelRunner
 from executor.sampling import Sampler, SampleRow, SamplingParams, choice_generator
-from executor.scheduler import Chunk, Scheduler
+from executor.scheduler import Chunk, Scheduler, StepPlan
 from executor.sequence import Request, Sequence, Status
 
 log = structlog.get_logger("executor")
@@ -58,6 +58,12 @@ class Engine:
         self.eos = frozenset(self.config.eos_token_ids)
         self.steps = 0
         self.generated_tokens = 0
+        # A step whose blockd call failed for good stays pending, to be sent again (after a re-sync) by the next
+        # step() call; meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
+        self._pending: StepPlan | None = None
+        self._resync_first = False
+        self._deferred_aborts: list[str] = []
+        self.blockd_reachable = True
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -98,6 +104,9 @@ class Engine:
 
     def abort(self, request_id: str) -> list[ep.Delta]:
         """Stop a request; its blocks are freed at the next step. Unknown (or already finished) ids: no-op."""
+        if self._pending is not None:
+            self._deferred_aborts.append(request_id)
+            return []
         request = self.requests.pop(request_id, None)
         if request is None:
             return []
@@ -125,14 +134,19 @@ class Engine:
             kv_utilization=s.ledger.in_use / s.num_blocks,
             preemptions=s.num_preemptions,
             steps=self.steps,
+            blockd_reachable=self.blockd_reachable,
         )
 
     # ------------------------------------------------------------------------------------------ the step
 
     def step(self) -> list[ep.Delta]:
+        """Run one step; raises BlockdUnavailable (the step stays pending, nothing is lost) if blockd is away."""
         scheduler = self.scheduler
-        plan = scheduler.plan()
+        if self._pending is None:
+            self._pending = scheduler.plan()
+        plan = self._pending
         results = self._round_trip(plan.ops) if plan.ops else []
+        self._pending = None
         outcome = scheduler.apply(plan, results)
         deltas = [self._delta(seq, [], None) for seq, _ in outcome.failed]
         for seq, _ in outcome.failed:
@@ -143,20 +157,32 @@ class Engine:
             self.steps += 1
             logits = self.runner.execute(chunks, self.pool.seqs)
             deltas += self._sample(chunks, logits)
+        for request_id in self._take_deferred_aborts():
+            deltas += self.abort(request_id)
         return deltas
 
+    def _take_deferred_aborts(self) -> list[str]:
+        taken, self._deferred_aborts = self._deferred_aborts, []
+        return taken
+
     def _round_trip(self, ops: list) -> list:
-        """The step's one blockd call. If blockd stays away past the pool client's retries, keep trying: the
-        plan stands (nothing was applied locally), and a re-sync undoes whatever blockd had applied of it."""
-        while True:
-            try:
-                return self.pool.step(ops)
-            except BlockdUnavailable:
-                log.warning("blockd_unreachable", pool_id=self.pool.pool_id, retrying=True)
-                try:
-                    self.pool.resync()
-                except BlockdUnavailable:
-                    continue
+        """The step's one blockd call (the pool client retries for its retry window). After a call that failed
+        for good, re-sync first: that undoes whatever blockd had applied of the step before it is sent again."""
+        try:
+            if self._resync_first:
+                self.pool.resync()
+                self._resync_first = False
+            results = self.pool.step(ops)
+        except BlockdUnavailable:
+            self._resync_first = True
+            if self.blockd_reachable:
+                log.warning("blockd_unreachable", pool_id=self.pool.pool_id, pending_ops=len(ops))
+            self.blockd_reachable = False
+            raise
+        if not self.blockd_reachable:
+            log.info("blockd_reachable_again", pool_id=self.pool.pool_id)
+        self.blockd_reachable = True
+        return results
 
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[ep.Delta]:
         for chunk in chunks:

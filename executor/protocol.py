@@ -80,6 +80,7 @@ class LoadReport(Message, tag="load"):
     kv_utilization: float  # blocks held by live sequences / all blocks
     preemptions: int
     steps: int
+    blockd_reachable: bool = True  # False while blockd is away: generation waits, nothing is lost
 
 
 class Info(Message, tag="info"):

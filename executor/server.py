@@ -57,7 +57,10 @@ class ExecutorServer:
             if events:
                 self._drain()
             if engine.has_work():
-                self._send(engine.step())
+                try:
+                    self._send(engine.step())
+                except BlockdUnavailable:
+                    continue  # the step stays pending; keep answering gateways meanwhile
                 self.last_blockd_contact = time.monotonic()
             elif time.monotonic() - self.last_blockd_contact > heartbeat_s:
                 try:
@@ -127,7 +130,7 @@ class ExecutorServer:
             self._send(engine.abort(request_id))
         try:
             while engine.has_work():
-                engine.step()
+                self._send(engine.step())  # aborts that waited for a pending step report here
             engine.pool.unregister()
         except BlockdUnavailable:
             log.warning("blockd_unreachable", during="shutdown")
@@ -218,8 +221,9 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
     runner = ModelRunner(loaded, num_blocks=blocks, block_size=block_size_int, backend=kernels)
     pool_id = pool_id or _default_pool_id(bind, device)
-    pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=5.0), pool_id=pool_id, num_blocks=blocks,
-                      block_size=block_size_int, model_id=loaded.config.model_id)
+    # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
+    pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=2.0), pool_id=pool_id, num_blocks=blocks,
+                      block_size=block_size_int, model_id=loaded.config.model_id, retry_for_s=2.0)
     _register(pool, blockd_endpoint, blockd_wait)
     engine = Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=seed)
     info = ep.Info(pool_id=pool_id, model_id=loaded.config.model_id, model_dir=str(Path(model_dir).resolve()),

@@ -156,33 +156,43 @@ def _next_rejection(client: ExecutorClient) -> ep.Rejected:
 
 def test_blockd_killed_and_restarted_mid_generation_requests_finish_identically(tiny_models, blockd,
                                                                                 start_executor):
+    """While blockd is away the executor keeps answering: load says so, a new request is queued, an abort waits
+    for the pending step. When blockd is back every request finishes with transformers' output."""
     model = tiny_models["mistral"]
     executor = start_executor(model, blockd.endpoint, "--pool-id", "pr")
-    prompts = random_prompts([30, 18, 45], vocab=512, seed=23)
+    prompts = random_prompts([30, 18, 45, 12, 25], vocab=512, seed=23)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    streams: dict[str, list[ep.Delta]] = {}
+
+    def take(message) -> None:
+        streams.setdefault(message.request_id, []).append(message)
+
     with executor.client(timeout_s=60) as client:
-        for i, prompt in enumerate(prompts):
-            client.submit(f"k{i}", prompt, params)
-        streams: dict[str, list[ep.Delta]] = {f"k{i}": [] for i in range(3)}
-        killed = restarted = False
-        while not all(s and s[-1].finish_reason for s in streams.values()):
-            message = client.receive()
-            streams[message.request_id].append(message)
-            if not killed and sum(map(len, streams.values())) >= 12:
-                blockd.kill9()
-                killed = True
-            if killed and not restarted:
-                time.sleep(1.0)  # generation stalls while blockd is down
-                blockd.start()
-                restarted = True
-    assert killed and restarted
-    for i, prompt in enumerate(prompts):
+        for i in range(3):
+            client.submit(f"k{i}", prompts[i], params)
+        while sum(map(len, streams.values())) < 12:
+            take(client.receive())
+        blockd.kill9()
+        load = wait_for(lambda: (r := client.load()).blockd_reachable is False and r, timeout_s=30,
+                        what="the executor to notice blockd is gone")
+        assert load.running + load.waiting == 3
+        client.submit("k3", prompts[3], params)  # taken in while blockd is away
+        client.submit("k4", prompts[4], params)
+        client.abort("k4")  # waits for the pending step, then ends the request
+        time.sleep(0.5)
+        blockd.start()
+        while len(streams) < 5 or not all(s[-1].finish_reason for s in streams.values()):
+            take(client.receive())
+        assert client.load().blockd_reachable
+    assert streams["k4"][-1].finish_reason == "abort"
+    for i in range(4):
         deltas = streams[f"k{i}"]
         assert deltas[-1].finish_reason == "length"
-        assert tokens_of(deltas) == hf_greedy_ignoring_eos(model, prompt, 60), f"request {i}"
+        assert tokens_of(deltas) == hf_greedy_ignoring_eos(model, prompts[i], 60), f"request {i}"
     with blockd.client() as admin:
+        wait_for(lambda: admin.stats().pools[0].blocks_in_use == 0, what="blocks returned")
         (pool,) = admin.stats().pools
-        assert pool.pool_id == "pr" and pool.blocks_in_use == 0
+        assert pool.pool_id == "pr"
 
 
 def test_sigterm_aborts_in_flight_requests_returns_blocks_and_unregisters(tiny_models, blockd, start_executor):
