@@ -146,16 +146,14 @@ def blockd_daemon(log: Path) -> Iterator[str]:
 def build_engine(model_dir: Path, endpoint: str, *, device: Any, dtype: Any, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int) -> Any:  # fmt: skip
     """The engine as the executor builds it: model and KV cache here, its pool registered with blockd."""
-    from blockd.client import BlockdClient, PoolClient
     from executor.engine import Engine, EngineLimits
-    from executor.runner import ModelRunner, load_model
+    from executor.runner import load_model
 
-    loaded = load_model(model_dir, device, dtype)
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
-    pool = PoolClient(BlockdClient(endpoint, timeout_s=10.0), pool_id="bench-throughput", num_blocks=num_blocks,
-                      block_size=block_size, model_id=loaded.config.model_id, retry_for_s=30.0)  # fmt: skip
-    pool.register()
-    return Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=0)
+    engine = Engine.assemble(load_model(model_dir, device, dtype), endpoint, pool_id="bench-throughput",
+                             num_blocks=num_blocks, block_size=block_size,
+                             limits=EngineLimits(max_num_seqs, max_num_batched_tokens), seed=0, timeout_s=10.0)
+    engine.pool.register()
+    return engine
 
 
 class PagedRun:

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from blockd.client import BlockdUnavailable, PoolClient
+from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
 from executor import protocol as ep
-from executor.runner import ModelRunner
+from executor.runner import LoadedModel, ModelRunner
 from executor.sampling import Sampler, SampleRow, SamplingParams, choice_generator
 from executor.scheduler import Chunk, Scheduler, StepPlan
 from executor.sequence import Request, Sequence, Status
+from kernels.dispatch import Backend
 
 log = structlog.get_logger("executor")
 
@@ -54,6 +55,8 @@ class Engine:
             tables=pool.seqs,
         )
         self.sampler = Sampler(runner.device, seed)
+        # The longest a sequence can grow, alone in the cache above the admission watermark.
+        self.max_seq_tokens = (self.scheduler.num_blocks - self.scheduler.watermark) * runner.block_size
         self.requests: dict[str, Request] = {}
         self.eos = frozenset(self.config.eos_token_ids)
         self.steps = 0
@@ -64,6 +67,28 @@ class Engine:
         self._resync_first = False
         self._deferred_aborts: list[str] = []
         self.blockd_reachable = True
+
+    @classmethod
+    def assemble(
+        cls,
+        loaded: LoadedModel,
+        blockd_endpoint: str,
+        *,
+        pool_id: str,
+        num_blocks: int,
+        block_size: int,
+        limits: EngineLimits = EngineLimits(),
+        backend: Backend = "auto",
+        seed: int | None = None,
+        timeout_s: float = 2.0,
+        retry_for_s: float = 30.0,
+    ) -> Engine:
+        """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
+        runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
+        pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=timeout_s), pool_id=pool_id,
+                          num_blocks=num_blocks, block_size=block_size, model_id=loaded.config.model_id,
+                          retry_for_s=retry_for_s)  # fmt: skip
+        return cls(runner, pool, limits, seed=seed)
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -88,7 +113,7 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens, "
                 "including at least one to generate",
             )
-        capacity = (self.scheduler.num_blocks - self.scheduler.watermark) * self.runner.block_size
+        capacity = self.max_seq_tokens
         if len(prompt) + 1 > capacity:
             raise RequestRejected(
                 "capacity_exceeded",
@@ -210,7 +235,7 @@ class Engine:
             if new_index is not None:
                 parent = seq
                 seq = Sequence(f"{parent.request.request_id}#{new_index}", parent.request, new_index,
-                               parent.request.prompt + [], row.generator)
+                               list(parent.request.prompt), row.generator)
                 seq.num_computed = seq.num_registered = seq.committed_tokens = parent.prompt_len
                 parent.request.sequences.append(seq)
             seq.tokens.append(token)
@@ -232,8 +257,7 @@ class Engine:
             return "stop"
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
             return "length"
-        capacity = (self.scheduler.num_blocks - self.scheduler.watermark) * self.runner.block_size
-        if len(seq.tokens) >= capacity:
+        if len(seq.tokens) >= self.max_seq_tokens:
             return "length"  # it could not grow any further even alone in the cache
         return None
 

@@ -20,14 +20,14 @@ import structlog
 import torch
 import zmq
 
-from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
+from blockd.client import BlockdUnavailable, PoolClient
 from blockd.hashing import unpack_tokens
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from executor import protocol as ep
 from executor.checkpoint import CheckpointError, UnsupportedModel
 from executor.engine import Engine, EngineLimits, RequestRejected
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
-from executor.runner import DTYPES, ModelRunner, load_model
+from executor.runner import DTYPES, load_model
 from pagedkv.logs import configure_logging
 
 log = structlog.get_logger("executor")
@@ -219,13 +219,13 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
         raise click.ClickException(str(exc)) from None
     block_size_int = int(block_size)
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
-    runner = ModelRunner(loaded, num_blocks=blocks, block_size=block_size_int, backend=kernels)
     pool_id = pool_id or _default_pool_id(bind, device)
     # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
-    pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=2.0), pool_id=pool_id, num_blocks=blocks,
-                      block_size=block_size_int, model_id=loaded.config.model_id, retry_for_s=2.0)
-    _register(pool, blockd_endpoint, blockd_wait)
-    engine = Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=seed)
+    engine = Engine.assemble(loaded, blockd_endpoint, pool_id=pool_id, num_blocks=blocks, block_size=block_size_int,
+                             limits=EngineLimits(max_num_seqs, max_num_batched_tokens), backend=kernels, seed=seed,
+                             retry_for_s=2.0)  # fmt: skip
+    runner = engine.runner
+    _register(engine.pool, blockd_endpoint, blockd_wait)
     info = ep.Info(pool_id=pool_id, model_id=loaded.config.model_id, model_dir=str(Path(model_dir).resolve()),
                    max_model_len=loaded.config.max_model_len, vocab_size=loaded.config.vocab_size,
                    block_size=block_size_int, num_blocks=blocks, device=str(device),

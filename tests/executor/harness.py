@@ -10,10 +10,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from blockd.client import BlockdClient, PoolClient
 from executor import protocol as ep
 from executor.engine import Engine, EngineLimits
-from executor.runner import LoadedModel, ModelRunner, load_model
+from executor.runner import LoadedModel, load_model
 from executor.sampling import SamplingParams
 from executor.sequence import Status
 
@@ -30,12 +29,11 @@ def make_engine(
     pool_id: str = "test-pool",
     seed: int | None = 0,
 ) -> Engine:
-    loaded = _loaded(model_dir)
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)  # type: ignore[arg-type]
-    pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=2.0), pool_id=pool_id, num_blocks=num_blocks,
-                      block_size=block_size, model_id=loaded.config.model_id, retry_for_s=20.0)
-    pool.register()
-    return Engine(runner, pool, EngineLimits(max_num_seqs, max_num_batched_tokens), seed=seed)
+    engine = Engine.assemble(_loaded(model_dir), blockd_endpoint, pool_id=pool_id, num_blocks=num_blocks,
+                             block_size=block_size, limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+                             backend=backend, seed=seed, retry_for_s=20.0)  # type: ignore[arg-type]
+    engine.pool.register()
+    return engine
 
 
 @lru_cache(maxsize=8)
