@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test bench-blockd clean
+.PHONY: setup test serve bench-blockd clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# A whole local stack (blockd, executors, gateway) until Ctrl-C; e.g. make serve SERVE_ARGS='--executors 2'
+serve: setup
+	$(VENV)/bin/pagedkv serve $(SERVE_ARGS)
 
 bench-blockd: setup
 	$(VENV)/bin/pagedkv bench blockd

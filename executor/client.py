@@ -56,8 +56,8 @@ class ExecutorClient:
         self.socket.send(ep.encode(ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params,
                                              cache_salt=cache_salt)))
 
-    def abort(self, request_id: str) -> None:
-        self.socket.send(ep.encode(ep.Abort(request_id=request_id)))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self.socket.send(ep.encode(ep.Abort(request_id=request_id, index=index)))
 
     def receive(self, timeout_s: float | None = None) -> ep.Outbound:
         """The next message from the executor, or ExecutorUnavailable after the timeout."""

@@ -65,7 +65,7 @@ class Engine:
         # step() call; meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
         self._pending: StepPlan | None = None
         self._resync_first = False
-        self._deferred_aborts: list[str] = []
+        self._deferred_aborts: list[tuple[str, int | None]] = []
         self.blockd_reachable = True
 
     @classmethod
@@ -127,14 +127,18 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.add(first)
 
-    def abort(self, request_id: str) -> list[ep.Delta]:
-        """Stop a request; its blocks are freed at the next step. Unknown (or already finished) ids: no-op."""
+    def abort(self, request_id: str, index: int | None = None) -> list[ep.Delta]:
+        """Stop a request, or only its choice `index`; blocks are freed at the next step. Unknown (or already
+        finished) ids and choices: no-op."""
         if self._pending is not None:
-            self._deferred_aborts.append(request_id)
+            self._deferred_aborts.append((request_id, index))
             return []
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return []
+        if index is not None and request.params.n > 1:
+            return self._abort_choice(request, index)
+        del self.requests[request_id]
         deltas = []
         for seq in request.sequences:
             if seq.status is not Status.FINISHED:
@@ -144,6 +148,16 @@ class Engine:
             deltas.append(ep.Delta(request_id=request_id, index=index, token_ids=[], finish_reason="abort",
                                    prompt_tokens=len(request.prompt), cached_tokens=request.num_cached_tokens))
         return deltas
+
+    def _abort_choice(self, request: Request, index: int) -> list[ep.Delta]:
+        # A choice that has not been forked yet has produced nothing a gateway could have stopped on.
+        seq = next((s for s in request.sequences if s.index == index), None)
+        if seq is None or seq.status is Status.FINISHED:
+            return []
+        self.scheduler.finish(seq, "abort")
+        delta = self._delta(seq, [], None)
+        self._forget_if_done(request)
+        return [delta]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -182,11 +196,11 @@ class Engine:
             self.steps += 1
             logits = self.runner.execute(chunks, self.pool.seqs)
             deltas += self._sample(chunks, logits)
-        for request_id in self._take_deferred_aborts():
-            deltas += self.abort(request_id)
+        for request_id, index in self._take_deferred_aborts():
+            deltas += self.abort(request_id, index)
         return deltas
 
-    def _take_deferred_aborts(self) -> list[str]:
+    def _take_deferred_aborts(self) -> list[tuple[str, int | None]]:
         taken, self._deferred_aborts = self._deferred_aborts, []
         return taken
 

@@ -35,6 +35,7 @@ class Submit(Message, tag="submit"):
 
 class Abort(Message, tag="abort"):
     request_id: RequestId
+    index: int | None = None  # one choice only (a gateway saw its stop string); None: the whole request
 
 
 class GetLoad(Message, tag="get_load"):

@@ -107,21 +107,21 @@ class ExecutorServer:
                 return
             self.owners[message.request_id] = identity
         elif type(message) is ep.Abort:
-            self._send(self.engine.abort(message.request_id))
+            self._send(self.engine.abort(message.request_id, message.index))
         elif type(message) is ep.GetLoad:
             self._reply(identity, self.engine.load())
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
 
     def _send(self, deltas: list[ep.Delta]) -> None:
-        engine = self.engine
         for delta in deltas:
             identity = self.owners.get(delta.request_id)
-            if identity is None:
-                continue
-            self.socket.send_multipart([identity, ep.encode(delta)])
-            if delta.finish_reason is not None and delta.request_id not in engine.requests:
-                self.owners.pop(delta.request_id, None)
+            if identity is not None:
+                self.socket.send_multipart([identity, ep.encode(delta)])
+        # Only after the whole batch: a request's choices can all finish in one step.
+        for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
+            if request_id not in self.engine.requests:
+                self.owners.pop(request_id, None)
 
     def _shutdown(self) -> None:
         """Abort what is in flight (gateways hear why), return every block to blockd, unregister."""

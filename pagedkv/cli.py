@@ -1,4 +1,4 @@
-"""The umbrella command `pagedkv`: make-model, benchmarks, and (with the gateway) serve."""
+"""The umbrella command `pagedkv`: serve (a whole local stack), make-model, benchmarks."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def unless_given(ctx: click.Context, value: object, name: str, fallback: object)
     return fallback if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT else value
 
 
-@click.group(cls=LazyGroup, lazy={"make-model": "executor.make_model:make_model"})
+@click.group(cls=LazyGroup, lazy={"make-model": "executor.make_model:make_model", "serve": "pagedkv.serve:serve"})
 @click.version_option(package_name="pagedkv")
 def main() -> None:
     """pagedkv: LLM serving around PagedAttention."""
@@ -42,6 +42,7 @@ def main() -> None:
         "kernels": "kernels.bench:bench_kernels",
         "capacity": "blockd.capacity:bench_capacity",
         "throughput": "executor.bench:bench_throughput",
+        "serve": "gateway.bench:bench_serve",
     },
 )
 def bench() -> None:

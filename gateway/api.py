@@ -1,0 +1,180 @@
+"""The OpenAI HTTP API as this gateway accepts it: request bodies, validated, and how they map to sampling.
+
+Unknown fields are refused (a setting that would be silently ignored is worse than an error); fields OpenAI
+defines that pagedkv does not implement are accepted only at their neutral value. Extensions, as in other
+open servers: `top_k`, `stop_token_ids`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from executor.sampling import MAX_LOGPROBS, SamplingParams
+from gateway.errors import invalid_request
+
+MAX_STOP_STRINGS = 16
+MAX_N = 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self) -> _Common:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name} is not supported by pagedkv; leave it at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by pagedkv")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        if len(self.stop_strings()) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            n=self.n, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            logprobs=logprobs)  # fmt: skip
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_supported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported by pagedkv")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by pagedkv (only best_of == n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported by pagedkv")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a string, token ids, or a batch of either."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            return []
+        if isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # extension
+
+    @model_validator(mode="after")
+    def _chat_supported(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported by pagedkv")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by pagedkv")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than text is not supported by pagedkv")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One sentence (and the offending parameter) from pydantic's errors: the first one says enough."""
+    error = errors[0]
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    # Union members show up in the location ("str", "list[int]"): they name types, not parameters.
+    location = [part for part in location if not any(ch in part for ch in "[]") and part not in ("str", "int")]
+    param = ".".join(location) or None
+    message = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif error.get("type") == "missing":
+        message = f"Missing required parameter: {param}"
+    elif param:
+        message = f"{param}: {message}"
+    return message, param
+
+
+def require_json_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    return body

@@ -1,0 +1,231 @@
+"""The gateway's connections to its executors: one `ExecutorLink` each, with health and load.
+
+A link owns one DEALER socket and one task. The task reads everything the executor sends (deltas go to the
+stream of their request, load reports and info refresh the link's state) and asks for the executor's load a few
+times a second, which doubles as the health check. An executor is healthy while it answers; it is taken out of
+rotation when its connection drops (a killed process: seen at once through the socket monitor) or when it has
+been silent for `timeout_s`. Then every request in flight on it gets `ExecutorLost` (the generation decides
+whether to retry elsewhere), and the socket is replaced, so nothing queued for the lost executor reaches a
+restarted one. It rejoins when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from blockd.hashing import pack_tokens
+from executor import protocol as ep
+from executor.sampling import SamplingParams
+
+log = structlog.get_logger("gateway")
+
+
+@dataclass(frozen=True)
+class ExecutorLost:
+    """Put on a request's stream when its executor went away: its deltas will never come."""
+
+    endpoint: str
+    reason: str
+
+
+StreamItem = ep.Delta | ep.Rejected | ExecutorLost
+
+
+class ExecutorUnavailable(ConnectionError):
+    pass
+
+
+class ExecutorLink:
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context, *, timeout_s: float = 5.0,
+                 poll_interval_s: float | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s or min(0.5, timeout_s / 4)
+        self._context = context
+        self.info: ep.Info | None = None
+        self.load: ep.LoadReport | None = None
+        self.healthy = False
+        self.connected = False
+        self.last_heard = 0.0
+        self.streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._socket: zmq.asyncio.Socket | None = None  # polled by the task
+        self._sync: zmq.Socket | None = None  # the same socket, for non-blocking sends and reads
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def pool_id(self) -> str | None:
+        return self.info.pool_id if self.info else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.streams)
+
+    def queue_depth(self) -> int:
+        """Requests this executor has to work through: what it reports, or what we sent it, if more."""
+        reported = self.load.running + self.load.waiting if self.load else 0
+        return max(reported, self.in_flight)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "endpoint": self.endpoint,
+            "healthy": self.healthy,
+            "pool_id": self.pool_id,
+            "in_flight": self.in_flight,
+            "running": self.load.running if self.load else None,
+            "waiting": self.load.waiting if self.load else None,
+            "free_blocks": self.load.free_blocks if self.load else None,
+            "num_blocks": self.load.num_blocks if self.load else None,
+            "blockd_reachable": self.load.blockd_reachable if self.load else None,
+        }
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> asyncio.Queue[StreamItem]:
+        """Send a request; its deltas arrive on the returned queue. Raises ExecutorUnavailable."""
+        if not self.healthy or self._sync is None:
+            raise ExecutorUnavailable(f"executor {self.endpoint} is out of rotation")
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.streams[request_id] = queue
+        frame = ep.encode(ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params))
+        try:
+            self._sync.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            del self.streams[request_id]
+            raise ExecutorUnavailable(f"executor {self.endpoint} is not connected") from None
+        return queue
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        if index is None:
+            self.streams.pop(request_id, None)
+        if self._sync is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sync.send(ep.encode(ep.Abort(request_id=request_id, index=index)), zmq.NOBLOCK)
+
+    def release(self, request_id: str) -> None:
+        """The request is over (every choice finished): stop routing its deltas."""
+        self.streams.pop(request_id, None)
+
+    # ------------------------------------------------------------------------------------------ the task
+
+    def start(self) -> None:
+        self._open()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"executor-link {self.endpoint}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._close_sockets()
+
+    def _open(self) -> None:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for an executor that is not connected
+        socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        socket.connect(self.endpoint)
+        self._socket = socket
+        self._sync = zmq.Socket.shadow(socket.underlying)
+
+    def _close_sockets(self) -> None:
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._socket.close(linger=0)
+            self._socket = None
+            self._sync = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    async def _run(self) -> None:
+        next_poll = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_poll:
+                self._ask_for_load()
+                next_poll = now + self.poll_interval_s
+            if self.healthy and now - self.last_heard > self.timeout_s:
+                self._lose(f"silent for {self.timeout_s:g} s")
+                self._close_sockets()
+                self._open()
+            assert self._socket is not None and self._monitor is not None
+            poller = zmq.asyncio.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            events = dict(await poller.poll(max(1, int((next_poll - time.monotonic()) * 1000))))
+            if self._monitor in events:
+                self._on_monitor_event(await self._monitor.recv_multipart())
+            if self._socket in events:
+                assert self._sync is not None
+                for _ in range(1000):  # drain what is waiting, then look at the clock again
+                    try:
+                        frame = self._sync.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frame(frame)
+
+    def _ask_for_load(self) -> None:
+        assert self._sync is not None
+        messages = [ep.GetLoad()] if self.info is not None else [ep.GetInfo(), ep.GetLoad()]
+        for message in messages:
+            with contextlib.suppress(zmq.Again):
+                self._sync.send(ep.encode(message), zmq.NOBLOCK)
+
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+            self._ask_for_load()
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            if self.healthy:
+                self._lose("connection closed")
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            message = ep.decode_outbound(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad_frame_from_executor", executor=self.endpoint, error=str(exc))
+            return
+        self.last_heard = time.monotonic()
+        kind = type(message)
+        if kind is ep.Delta or kind is ep.Rejected:
+            stream = self.streams.get(message.request_id)
+            if stream is not None:
+                stream.put_nowait(message)
+        elif kind is ep.LoadReport:
+            self.load = message
+        elif kind is ep.Info:
+            if self.info is not None and self.info.pool_id != message.pool_id:
+                log.info("executor_replaced", executor=self.endpoint, pool_id=message.pool_id)
+            self.info = message
+        if not self.healthy and self.info is not None:
+            self.healthy = True
+            log.info("executor_in_rotation", executor=self.endpoint, pool_id=self.info.pool_id)
+
+    def _lose(self, reason: str) -> None:
+        """Out of rotation: every request in flight here hears that its deltas will not come."""
+        self.healthy = False
+        self.info = None  # asked for again: a restarted executor may have a new pool or model
+        self.load = None
+        log.warning("executor_out_of_rotation", executor=self.endpoint, reason=reason, in_flight=len(self.streams))
+        lost = ExecutorLost(self.endpoint, reason)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.put_nowait(lost)

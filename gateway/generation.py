@@ -1,0 +1,205 @@
+"""One prompt's generation: route it, submit it, turn the executor's token deltas into text events.
+
+Each choice has its own detokenizer and stop-string matcher. A stop string ends the choice at once: the text
+before it is the last the client sees, and the executor is told to abort that choice, which frees its blocks.
+
+Failure: if the executor is lost (or rejects the prompt for lack of room) before this generation has yielded
+anything, it is submitted again to another executor; once something has been yielded it cannot be taken back,
+so the generation raises `GenerationFailed`. Errors before the first event are `APIError`s, so the HTTP
+handler can still answer with a status code. Closing the iterator early (a client that went away) aborts the
+request at the executor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from executor import protocol as ep
+from executor.sampling import SamplingParams
+from gateway import errors
+from gateway.executors import ExecutorLink, ExecutorLost, ExecutorUnavailable
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Router
+from gateway.text import Detokenizer, StopMatcher, Tokenizer
+
+_REJECTIONS = {
+    "invalid_request": lambda m: errors.invalid_request(m),
+    "context_length_exceeded": lambda m: errors.context_length_exceeded(m),
+    "capacity_exceeded": lambda m: errors.context_length_exceeded(m),
+}
+
+
+class GenerationFailed(RuntimeError):
+    """The generation broke after it had started streaming."""
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    logprobs: list[ep.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class _Choice:
+    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str]) -> None:
+        self.detokenizer = detokenizer
+        self.stop = StopMatcher(stops)
+        self.finished = False
+        self.tokens = 0
+        self.last_token_at: float | None = None
+
+
+class Generation:
+    def __init__(self, *, request_id: str, prompt: Sequence[int], params: SamplingParams, stops: Sequence[str],
+                 router: Router, tokenizer: Tokenizer, metrics: GatewayMetrics, arrival: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = list(prompt)
+        self.params = params
+        self.stops = list(stops)
+        self.router = router
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.usage = Usage(prompt_tokens=len(self.prompt))
+        self.executor: str | None = None  # the pool that served it
+        self.first_token_at: float | None = None
+        self._link: ExecutorLink | None = None
+        self._submitted_id: str | None = None
+        self._choices: list[_Choice] = []
+        self._done = False
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        yielded = False
+        tried: set[str] = set()
+        attempt = 0
+        try:
+            while True:
+                queue = await self._submit(tried, attempt)
+                retry = False
+                while not self._done:
+                    item = await queue.get()
+                    if isinstance(item, ExecutorLost) or (type(item) is ep.Delta and item.finish_reason == "abort"
+                                                          and not self._choices[item.index].finished):
+                        reason = item.reason if isinstance(item, ExecutorLost) else "it aborted the request"
+                        if yielded:
+                            raise GenerationFailed(f"the executor serving this request was lost ({reason})")
+                        retry = True
+                        break
+                    if type(item) is ep.Rejected:
+                        if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
+                            retry = True  # another executor may have a larger cache
+                            break
+                        raise _REJECTIONS.get(item.code, errors.internal)(item.message)
+                    event = self._on_delta(item)
+                    if event is not None:
+                        yielded = True
+                        yield event
+                if not retry:
+                    return
+                tried.add(self._endpoint)
+                self._release()
+                attempt += 1
+                self.metrics.retries.inc()
+        finally:
+            self._release(abort=not self._done)
+
+    @property
+    def _endpoint(self) -> str:
+        assert self._link is not None
+        return self._link.endpoint
+
+    async def _submit(self, tried: set[str], attempt: int):
+        while True:
+            route = await self.router.choose(self.prompt, exclude=tried)
+            if route is None:
+                detail = "every executor is out of rotation" if not tried else "the executors tried were lost"
+                raise errors.no_executor(detail)
+            link = route.link
+            submitted_id = self.request_id if attempt == 0 else f"{self.request_id}-retry{attempt}"
+            try:
+                queue = link.submit(submitted_id, self.prompt, self.params)
+            except ExecutorUnavailable:
+                tried.add(link.endpoint)
+                continue
+            self._link, self._submitted_id = link, submitted_id
+            self.executor = link.pool_id
+            self._choices = [_Choice(self.tokenizer.detokenizer(self.prompt), self.stops)
+                             for _ in range(self.params.n)]
+            self.usage = Usage(prompt_tokens=len(self.prompt))
+            self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
+            return queue
+
+    def _on_delta(self, delta: ep.Delta) -> ChoiceEvent | None:
+        choice = self._choices[delta.index]
+        if choice.finished:
+            return None  # tokens that were in flight when its stop string was found
+        now = time.monotonic()
+        self.usage.cached_tokens = max(self.usage.cached_tokens, delta.cached_tokens)
+        if delta.token_ids:
+            self._count_tokens(choice, len(delta.token_ids), now)
+        text = choice.detokenizer.add(delta.token_ids)
+        if delta.finish_reason is not None:
+            text += choice.detokenizer.flush()
+        released = choice.stop.feed(text)
+        finish_reason = None
+        if choice.stop.stopped:
+            finish_reason = "stop"
+            if delta.finish_reason is None:
+                self._abort_choice(delta.index)
+        elif delta.finish_reason is not None:
+            released += choice.stop.flush()
+            if delta.finish_reason not in ("stop", "length"):
+                raise GenerationFailed(f"the executor ended this request with {delta.finish_reason!r}")
+            finish_reason = delta.finish_reason
+        if finish_reason is not None:
+            choice.finished = True
+            if all(c.finished for c in self._choices):
+                self._finish(now)
+        if not released and not delta.logprobs and finish_reason is None:
+            return None
+        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason)
+
+    def _count_tokens(self, choice: _Choice, count: int, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.observe(now - self.arrival)
+        elif choice.last_token_at is not None:
+            self.metrics.itl.observe(now - choice.last_token_at)
+        choice.last_token_at = now
+        choice.tokens += count
+        self.usage.completion_tokens += count
+        self.metrics.generated_tokens.inc(count)
+
+    def _abort_choice(self, index: int) -> None:
+        assert self._link is not None and self._submitted_id is not None
+        if self.params.n == 1:
+            self._link.abort(self._submitted_id)
+        else:
+            self._link.abort(self._submitted_id, index)
+
+    def _finish(self, now: float) -> None:
+        self._done = True
+        self.metrics.e2e.observe(now - self.arrival)
+        self.metrics.prompt_tokens.inc(self.usage.prompt_tokens)
+        self.metrics.cached_tokens.inc(self.usage.cached_tokens)
+
+    def _release(self, abort: bool = False) -> None:
+        """Stop listening for this submission; abort it at the executor if it is still going."""
+        if self._link is None or self._submitted_id is None:
+            return
+        if abort:
+            self._link.abort(self._submitted_id)
+        else:
+            self._link.release(self._submitted_id)
+        self._link = None
+        self._submitted_id = None

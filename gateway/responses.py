@@ -1,0 +1,117 @@
+"""OpenAI response bodies and stream chunks, built from generation events. Pure functions of their inputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from executor import protocol as ep
+from gateway.errors import APIError
+from gateway.generation import Usage
+from gateway.text import Tokenizer
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every response and chunk of one request repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+DONE = sse("[DONE]")
+
+
+def error_event(error: APIError) -> str:
+    return sse(error.body())
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def total_usage(usages: Sequence[Usage]) -> Usage:
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in usages))
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+
+
+@dataclass
+class CompletionLogprobs:
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], offset: int) -> None:
+        for entry in entries:
+            text = tokenizer.token_text(entry.token_id)
+            self.tokens.append(text)
+            self.token_logprobs.append(entry.logprob)
+            self.top_logprobs.append({tokenizer.token_text(t): lp for t, lp in entry.top})
+            self.text_offset.append(offset)
+            offset += len(text)
+
+    def body(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], top: int) -> list[dict[str, Any]]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tokenizer.token_text(token_id), "logprob": logprob,
+                "bytes": list(tokenizer.token_bytes(token_id))}
+
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top[:top]]} for e in entries]
+
+
+# ---------------------------------------------------------------------------------------------- completions
+
+
+def completion_chunk(env: Envelope, index: int, text: str, logprobs: dict[str, Any] | None,
+                     finish_reason: str | None) -> dict[str, Any]:
+    return {"id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def completion_body(env: Envelope, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    return {"id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
+            "choices": choices, "usage": usage_body(usage)}
+
+
+def usage_chunk(env: Envelope, object_name: str, usage: Usage) -> dict[str, Any]:
+    return {"id": env.id, "object": object_name, "created": env.created, "model": env.model, "choices": [],
+            "usage": usage_body(usage)}
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def chat_chunk(env: Envelope, index: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None,
+               finish_reason: str | None) -> dict[str, Any]:
+    return {"id": env.id, "object": "chat.completion.chunk", "created": env.created, "model": env.model,
+            "choices": [{"index": index, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish_reason}]}
+
+
+def chat_body(env: Envelope, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    return {"id": env.id, "object": "chat.completion", "created": env.created, "model": env.model,
+            "choices": choices, "usage": usage_body(usage)}

@@ -1,0 +1,114 @@
+"""Which executor gets a request.
+
+- `prefix` (default): blockd knows, for every pool, how many of this prompt's tokens are already cached there.
+  The executor with the most wins, unless it has more than `load_slack` requests more in flight than the least
+  loaded one: a warm cache is worth a little queueing, not an unbounded hot spot. Ties (a cold prompt, the
+  usual case) go to the least loaded, and among equals to the next in turn, so cold traffic spreads evenly.
+- `least-loaded`: fewest requests in flight (reported by the executor, or sent by us if more).
+
+Load is requests in flight plus KV pressure (`load_of`), so a nearly full cache counts as busy.
+- `round-robin`: the next healthy executor in turn.
+
+blockd's answer is an optimisation: if blockd does not answer quickly, the request is routed as least-loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+
+from blockd.client import BlockdClient, BlockdUnavailable
+from blockd.errors import BlockdError
+from gateway.executors import ExecutorLink
+
+log = structlog.get_logger("gateway")
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+
+
+@dataclass(frozen=True)
+class Route:
+    link: ExecutorLink
+    expected_cached_tokens: int  # what blockd said this executor holds of the prompt (0 if not asked)
+
+
+class PrefixLookup:
+    """blockd's prefix lookup, off the event loop (the client is synchronous and not thread-safe: one thread)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 0.25) -> None:
+        self._client = BlockdClient(endpoint, timeout_s=timeout_s)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockd-lookup")
+        self.reachable = True
+
+    async def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._thread, self._client.lookup, tokens)
+        except (BlockdUnavailable, BlockdError) as exc:
+            if self.reachable:
+                log.warning("prefix_lookup_failed", error=str(exc), fallback="least-loaded")
+            self.reachable = False
+            return {}
+        if not self.reachable:
+            log.info("prefix_lookup_recovered")
+        self.reachable = True
+        return result
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+
+class Router:
+    def __init__(self, links: Sequence[ExecutorLink], policy: str, lookup: PrefixLookup | None,
+                 load_slack: int = 8) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; use one of {', '.join(POLICIES)}")
+        self.links = list(links)
+        self.policy = policy
+        self.lookup = lookup
+        self.load_slack = load_slack
+        self._turn = itertools.count()
+
+    def healthy(self, exclude: set[str] = frozenset()) -> list[ExecutorLink]:  # type: ignore[assignment]
+        return [link for link in self.links if link.healthy and link.endpoint not in exclude]
+
+    def _in_turn(self, links: list[ExecutorLink]) -> list[ExecutorLink]:
+        """The links rotated by one more each call: the tie-break that spreads equal choices."""
+        start = next(self._turn) % len(links)
+        return links[start:] + links[:start]
+
+    async def choose(self, prompt: Sequence[int], exclude: set[str] = frozenset()) -> Route | None:  # type: ignore[assignment]
+        """The executor for this prompt, or None if no executor is in rotation."""
+        candidates = self.healthy(exclude)
+        if not candidates:
+            return None
+        ordered = self._in_turn(candidates)
+        if self.policy == "round-robin":
+            return Route(ordered[0], 0)
+        cached: dict[str, int] = {}
+        if self.policy == "prefix" and self.lookup is not None:
+            cached = await self.lookup.cached_tokens(prompt)
+            ordered = [link for link in ordered if link.healthy] or ordered  # the wait may have changed things
+        return pick(ordered, cached if self.policy == "prefix" else {}, self.load_slack)
+
+
+def load_of(link: ExecutorLink, load_slack: int) -> float:
+    """Requests to work through, plus KV pressure: a cache full of live sequences counts as `load_slack` more
+    requests (a new one there would wait for blocks or preempt)."""
+    utilization = link.load.kv_utilization if link.load else 0.0
+    return link.queue_depth() + utilization * load_slack
+
+
+def pick(ordered: list[ExecutorLink], cached: dict[str, int], load_slack: int) -> Route:
+    """The decision itself, given the candidates in tie-break order and blockd's cached tokens per pool."""
+    loads = {link.endpoint: load_of(link, load_slack) for link in ordered}
+    lightest = min(loads.values())
+    eligible = [link for link in ordered if loads[link.endpoint] <= lightest + load_slack]
+    # max keeps the first of equals: the rotation decides ties
+    best = max(eligible, key=lambda link: (cached.get(link.pool_id or "", 0), -link.queue_depth()))
+    return Route(best, cached.get(best.pool_id or "", 0))

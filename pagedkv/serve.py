@@ -1,0 +1,526 @@
+"""`pagedkv serve`: a whole local stack (blockd, N executors, the gateway) as child processes of one command.
+
+Children run as `python -m <module>` with this interpreter, so the stack works without the venv on PATH. Each
+child gets its own session (a terminal's Ctrl-C reaches only this process, which then stops them in order:
+gateway, executors, blockd) and is told by the kernel to stop if this process dies without doing so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Self
+
+import click
+
+ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")  # as gateway/server.py (not imported: fast --help)
+DEVICES = ("cpu", "cuda")
+LOG_TAIL_LINES = 20
+STOP_GRACE_S = 10.0
+_POLL_S = 0.25
+_PROBE_TIMEOUT_S = 0.3
+_WAITING_NOTE_S = 15.0  # how often a slow start says what it still waits for
+_PR_SET_PDEATHSIG = 1
+
+
+class StackFailed(RuntimeError):
+    """The stack could not start, or a child died. `component` names the child (None: not one child's fault)."""
+
+    def __init__(self, message: str, *, component: str | None = None, returncode: int | None = None,
+                 log_tail: str = "") -> None:  # fmt: skip
+        super().__init__(message)
+        self.component = component
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
+class PortInUse(StackFailed):
+    """The gateway's port is taken: raised before anything is started."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago (all bound at once, so no two are the same)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """PortInUse if something listens on host:port. SO_REUSEADDR as servers set it, so TIME_WAIT is no hit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
+                            "there? choose another --port, or 0 for any free one)") from None  # fmt: skip
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    # In the child between fork and exec. PDEATHSIG fires when the parent *thread* that forked exits: start a
+    # stack from a thread that outlives it (the main thread, normally).
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stderr(line: str) -> None:
+    click.echo(line, err=True)
+
+
+class LocalStack:
+    """blockd, `executors` executors and the gateway as child processes; `start()` returns once all are healthy.
+
+    Use as a context manager (`with LocalStack(...) as stack:`), or call start() and stop() yourself. Logs of
+    each child go to `<log_dir>/<name>.log`; the state directory (blockd's Redis) is a fresh temporary one,
+    removed by stop(), unless `state_dir` is given.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_dir: Path | None = None,
+        executors: int = 1,
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        routing: str = "prefix",
+        kv_cache_memory: str | None = None,
+        state_dir: Path | None = None,
+        persistence: bool = True,
+        executor_args: Sequence[str] = (),
+        gateway_args: Sequence[str] = (),
+        log_dir: Path | None = None,
+        startup_timeout_s: float = 300.0,
+        progress: Callable[[str], None] | None = _stderr,
+    ) -> None:
+        if executors < 1:
+            raise ValueError(f"executors must be at least 1, not {executors}")
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, not {routing!r}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is out of range")
+        self._given_model_dir = Path(model_dir).expanduser().resolve() if model_dir is not None else None
+        self.executors = executors
+        self.device = device
+        self.host = host
+        self.port = port
+        self.routing = routing
+        self.kv_cache_memory = kv_cache_memory
+        self._given_state_dir = Path(state_dir).expanduser().resolve() if state_dir is not None else None
+        self.persistence = persistence
+        self.executor_args = tuple(executor_args)
+        self.gateway_args = tuple(gateway_args)
+        self._given_log_dir = Path(log_dir).expanduser().resolve() if log_dir is not None else None
+        self.startup_timeout_s = startup_timeout_s
+        self._progress = progress or (lambda _line: None)
+        self._state_dir: Path | None = None
+        self._owns_state_dir = False
+        self._blockd_port: int | None = None
+        self._executor_ports: list[int] = []
+        self._processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._last_health = "no answer yet"
+        self._started = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------------------------------ properties
+
+    @property
+    def model_dir(self) -> Path:
+        """The checkpoint served: the one given, or the generated default model's directory."""
+        if self._given_model_dir is not None:
+            return self._given_model_dir
+        from executor.make_model import default_model_dir
+
+        return default_model_dir()
+
+    @property
+    def model_name(self) -> str:
+        """The model name clients ask the gateway for."""
+        args = list(self.gateway_args)
+        for i, arg in enumerate(args):
+            if arg == "--served-model-name" and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith("--served-model-name="):
+                return arg.split("=", 1)[1]
+        return self.model_dir.name
+
+    @property
+    def url(self) -> str:
+        """http://host:port of the gateway (a wildcard host becomes loopback, which is where clients here go)."""
+        if self.port == 0:
+            raise RuntimeError("the gateway's port is chosen by start(): start the stack first")
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API root, for clients' base_url."""
+        return self.url + "/v1"
+
+    @property
+    def blockd_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self._require(self._blockd_port)}"
+
+    @property
+    def executor_endpoints(self) -> list[str]:
+        self._require(self._blockd_port)
+        return [f"tcp://127.0.0.1:{port}" for port in self._executor_ports]
+
+    @property
+    def state_dir(self) -> Path:
+        return self._require(self._state_dir)
+
+    @property
+    def log_dir(self) -> Path:
+        return self._given_log_dir or self.state_dir / "logs"
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        """Child name (blockd, executor-0.., gateway) -> its process, for those started so far."""
+        return dict(self._processes)
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    @staticmethod
+    def _require(value: Any) -> Any:
+        if value is None:
+            raise RuntimeError("the stack is not started")
+        return value
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        self.stop()
+
+    def start(self) -> None:
+        """Start every child and return once the gateway reports all executors healthy.
+
+        StackFailed (PortInUse for a taken port, before anything starts) when a child exits early or the stack
+        is not ready within startup_timeout_s; whatever was started is stopped again first.
+        """
+        if self._started:
+            raise RuntimeError("a LocalStack starts once; make a new one")
+        self._started = True
+        if self.port == 0:
+            self.port = free_ports(1, self.host if self.host not in ("", "::") else "127.0.0.1")[0]
+        else:
+            check_port_free(self.host, self.port)
+        try:
+            self._start()
+        except BaseException:  # Ctrl-C included: leave nothing running behind
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        if self.device == "cuda":
+            self._check_cuda()
+        model_dir = self._model()
+        deadline = time.monotonic() + self.startup_timeout_s  # after generating the default model, if it had to be
+        if self._given_state_dir is not None:
+            self._state_dir = self._given_state_dir
+            self._state_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self._state_dir = Path(tempfile.mkdtemp(prefix="pagedkv-serve-"))
+            self._owns_state_dir = True
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._blockd_port, *self._executor_ports = free_ports(1 + self.executors)
+        self._progress(f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; "
+                       f"logs in {self.log_dir}")  # fmt: skip
+
+        blockd = ["--endpoint", self.blockd_endpoint, "--state-dir", str(self.state_dir / "blockd")]
+        self._spawn("blockd", "blockd.server", blockd if self.persistence else [*blockd, "--no-persistence"])
+        for i, endpoint in enumerate(self.executor_endpoints):
+            args = ["--model", str(model_dir), "--device", f"cuda:{i}" if self.device == "cuda" else "cpu",
+                    "--blockd", self.blockd_endpoint, "--bind", endpoint, "--pool-id", f"executor-{i}"]
+            if self.kv_cache_memory is not None:
+                args += ["--kv-cache-memory", self.kv_cache_memory]
+            self._spawn(f"executor-{i}", "executor.server", [*args, *self.executor_args])
+
+        # The gateway starts last, once the executors answer: a failing executor is then reported as itself,
+        # not as an unhealthy gateway, and the gateway does not wait on executors still loading.
+        probes: dict[str, Callable[[], str | None]] = {"blockd": self._probe_blockd}
+        for i, endpoint in enumerate(self.executor_endpoints):
+            probes[f"executor-{i}"] = lambda endpoint=endpoint: self._probe_executor(endpoint)
+        self._wait_ready(probes, deadline)
+
+        gateway = ["--model", str(model_dir), "--executors", ",".join(self.executor_endpoints),
+                   "--blockd", self.blockd_endpoint, "--host", self.host, "--port", str(self.port),
+                   "--routing", self.routing, *self.gateway_args]  # fmt: skip
+        self._spawn("gateway", "gateway.server", gateway)
+        self._wait_ready({"gateway": self._probe_gateway}, deadline)
+
+    def _check_cuda(self) -> None:
+        import torch  # only here: --help and CPU stacks need no CUDA probe
+
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < self.executors:
+            raise StackFailed(f"{self.executors} executor(s) on cuda need as many CUDA devices (one each), but "
+                              f"this machine has {available}")  # fmt: skip
+
+    def _model(self) -> Path:
+        if self._given_model_dir is not None:
+            if not self._given_model_dir.is_dir():
+                raise StackFailed(f"model directory {self._given_model_dir} does not exist")
+            return self._given_model_dir
+        from executor.make_model import default_model_dir, ensure_default_model
+
+        if not (default_model_dir() / "config.json").is_file():
+            self._progress(f"generating the default model in {default_model_dir()} (once)")
+        # Here in the parent, so the children find it complete instead of each generating it.
+        return ensure_default_model()
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.device == "cpu" and name.startswith("executor-") and "OMP_NUM_THREADS" not in os.environ:
+            # Executors on one CPU share its cores: torch would otherwise give each of them all of them.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.executors))
+        with open(self.log_path(name), "ab") as log:
+            self._processes[name] = subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent)  # noqa: PLW1509 - only a prctl before exec, as blockd's Redis
+
+    def _wait_ready(self, probes: dict[str, Callable[[], str | None]], deadline: float) -> None:
+        """Poll each probe (None: not ready; a string: ready, with what to say) until all are ready."""
+        waiting = dict(probes)
+        started = time.monotonic()
+        next_note = started + _WAITING_NOTE_S
+        while waiting:
+            self.check()
+            for name, probe in list(waiting.items()):
+                note = probe()
+                if note is not None:
+                    del waiting[name]
+                    self._progress(f"{name} ready: {note}")
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                tails = "\n".join(f"--- {name} ({self.log_path(name)}) ---\n{_tail(self.log_path(name))}"
+                                  for name in waiting)  # fmt: skip
+                detail = f"; gateway /health said: {self._last_health}" if "gateway" in waiting else ""
+                raise StackFailed(f"the stack was not ready within {self.startup_timeout_s:g} s: still waiting for "
+                                  f"{', '.join(waiting)}{detail}\n{tails}", component=next(iter(waiting)),
+                                  log_tail=tails)  # fmt: skip
+            if now >= next_note:
+                next_note = now + _WAITING_NOTE_S
+                self._progress(f"still waiting for {', '.join(waiting)} ({now - started:.0f} s)")
+            time.sleep(_POLL_S)
+
+    def _probe_blockd(self) -> str | None:
+        from blockd.client import BlockdClient, BlockdUnavailable
+
+        with BlockdClient(self.blockd_endpoint, timeout_s=_PROBE_TIMEOUT_S) as client:
+            try:
+                client.pools()
+            except BlockdUnavailable:
+                return None
+        return self.blockd_endpoint
+
+    def _probe_executor(self, endpoint: str) -> str | None:
+        from executor.client import ExecutorClient, ExecutorUnavailable
+
+        with ExecutorClient(endpoint, timeout_s=_PROBE_TIMEOUT_S) as client:
+            try:
+                info = client.info()
+            except ExecutorUnavailable:
+                return None
+        return f"{endpoint}, {info.device}, {info.num_blocks} KV blocks of {info.block_size} tokens"
+
+    def _probe_gateway(self) -> str | None:
+        import httpx
+
+        try:
+            response = httpx.get(f"{self.url}/health", timeout=2.0)
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self._last_health = f"{type(exc).__name__}: {exc}"
+            return None
+        self._last_health = f"{response.status_code} {body}"
+        executors = body.get("executors") if isinstance(body, dict) else None
+        healthy = [e for e in executors or [] if isinstance(e, dict) and e.get("healthy") is True]
+        if response.status_code == 200 and len(executors or []) == self.executors == len(healthy):
+            return f"{self.base_url} (model {self.model_name})"
+        return None
+
+    def check(self) -> None:
+        """StackFailed naming the first child that has exited (with its exit code and log tail), if any."""
+        for name, process in self._processes.items():
+            code = process.poll()
+            if code is not None:
+                tail = _tail(self.log_path(name))
+                raise StackFailed(f"{name} {_describe_exit(code)}; the last lines of {self.log_path(name)}:\n{tail}",
+                                  component=name, returncode=code, log_tail=tail)  # fmt: skip
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one child (as a crash would): blockd, executor-N or gateway."""
+        if name not in self._processes:
+            raise KeyError(f"no child named {name!r}; there are {', '.join(self._processes) or 'none'}")
+        process = self._processes[name]
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the gateway, then the executors, then blockd, each tier waited for up to grace_s before
+        SIGKILL; then remove the state directory if it is a temporary one. Safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        tiers = [["gateway"], [n for n in self._processes if n.startswith("executor-")], ["blockd"]]
+        for tier in tiers:
+            self._stop_tier([self._processes[n] for n in tier if n in self._processes], grace_s)
+        if self._owns_state_dir and self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+
+    @staticmethod
+    def _stop_tier(processes: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            # Anything the child left behind in its process group (it leads one) goes with it.
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM arrived."""
+
+
+def _curl_example(stack: LocalStack) -> str:
+    payload = json.dumps({"model": stack.model_name, "messages": [{"role": "user", "content": "Hello!"}],
+                          "max_tokens": 32})  # fmt: skip
+    return (f"curl {stack.base_url}/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(payload)}")  # fmt: skip
+
+
+@click.command("serve", context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Checkpoint directory (config.json, safetensors, tokenizer). Default: the generated default "
+                   "model (see `pagedkv make-model`), created on first use.")
+@click.option("--executors", type=click.IntRange(min=1), default=1,
+              help="Executor processes; on cuda one per device (cuda:0, cuda:1, ...).")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", help="Where the executors run the model.")
+@click.option("--host", default="127.0.0.1", help="Address the HTTP API listens on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port (0: any free port).")
+@click.option("--routing", type=click.Choice(ROUTING_POLICIES), default="prefix",
+              help="How the gateway picks an executor: prefix (the one holding the longest cached prefix), "
+                   "least-loaded or round-robin.")
+@click.option("--kv-cache-memory", default=None,
+              help="KV cache of each executor: bytes like 2GiB, or on cuda a fraction of free memory like 0.9. "
+                   "Default: the executor's (256MiB on cpu, 0.9 on cuda).")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where blockd keeps its prefix index (embedded Redis) and the logs, kept after exit. "
+                   "Default: a temporary directory, removed on exit.")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where each process logs (blockd.log, executor-N.log, gateway.log). Default: <state-dir>/logs.")
+def serve(model_dir: Path | None, executors: int, device: str, host: str, port: int, routing: str,
+          kv_cache_memory: str | None, state_dir: Path | None, log_dir: Path | None) -> None:
+    """Run a whole local stack: blockd, executors and the OpenAI-compatible gateway, until Ctrl-C.
+
+    Prints the URL, the model name and a curl example once everything is healthy. Ctrl-C (or SIGTERM) stops
+    every process cleanly and exits 0; if a process dies while serving, the rest are stopped and the exit
+    status is 1.
+    """
+    stack = LocalStack(model_dir=model_dir, executors=executors, device=device, host=host, port=port,
+                       routing=routing, kv_cache_memory=kv_cache_memory, state_dir=state_dir,
+                       log_dir=log_dir)  # fmt: skip
+
+    def interrupted(_signum: int, _frame: FrameType | None) -> None:
+        # Once: a second Ctrl-C must not cut the orderly shutdown short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Interrupted
+
+    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            stack.start()
+            temporary = state_dir is None and log_dir is None
+            pids = " ".join(f"{name}={process.pid}" for name, process in stack.processes.items())
+            click.echo(f"\npagedkv is serving {stack.model_name} with {executors} executor(s) on {device}\n\n"
+                       f"  url        {stack.url}\n"
+                       f"  api        {stack.base_url}\n"
+                       f"  model      {stack.model_name}\n"
+                       f"  logs       {stack.log_dir}{' (removed on exit)' if temporary else ''}\n"
+                       f"  processes  {pids}\n\n"
+                       f"Try:\n  {_curl_example(stack)}\n\n"
+                       "Ctrl-C stops everything.")  # fmt: skip
+            while True:
+                stack.check()
+                time.sleep(0.5)
+        except _Interrupted:
+            click.echo("stopping...", err=True)
+            stack.stop()
+            click.echo("stopped", err=True)
+        except StackFailed as exc:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            stack.stop()
+            raise click.ClickException(str(exc)) from None
+        finally:
+            stack.stop()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+if __name__ == "__main__":
+    serve()

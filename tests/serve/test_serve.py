@@ -1,0 +1,248 @@
+"""`pagedkv serve` and LocalStack: startup, failure reporting, clean shutdown, nothing left running."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from executor.make_model import write_model
+from pagedkv.cli import main
+from pagedkv.serve import LocalStack, PortInUse, StackFailed, check_port_free, free_ports
+from tests.blockd.conftest import wait_for
+from tests.executor.conftest import TINY
+
+SERVE = [sys.executable, "-m", "pagedkv.serve"]  # pagedkv/cli.py has no __main__ guard; serve.py has one
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("serve-model") / "tiny-serve", arch="llama", quiet=True, **TINY)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port something listens on for the test's duration."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+# ------------------------------------------------------------------------------------------ without a gateway
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    for port in ports:
+        check_port_free("127.0.0.1", port)
+
+
+def test_busy_port_is_a_clear_error_before_anything_starts(tmp_path: Path, busy_port: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path / "home"))  # where the default model would be generated
+    result = CliRunner().invoke(main, ["serve", "--port", str(busy_port), "--state-dir", str(tmp_path / "state"),
+                                       "--log-dir", str(tmp_path / "logs")])
+    assert result.exit_code == 1, result.output
+    assert f"cannot listen on 127.0.0.1:{busy_port}" in result.output and "--port" in result.output
+    assert not (tmp_path / "state").exists() and not (tmp_path / "logs").exists()
+    assert not (tmp_path / "home").exists()
+
+    stack = LocalStack(port=busy_port, state_dir=tmp_path / "state", progress=None)
+    with pytest.raises(PortInUse):
+        stack.start()
+    assert stack.processes == {} and not (tmp_path / "state").exists()
+
+
+def test_help_is_fast_and_complete() -> None:
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0
+    for option in ("--model", "--executors", "--device", "--host", "--port", "--routing", "--kv-cache-memory",
+                   "--state-dir", "--log-dir"):
+        assert option in result.output
+    # --help must not pay for torch
+    subprocess.run([sys.executable, "-c", "import sys, pagedkv.serve; assert 'torch' not in sys.modules"],
+                   check=True, timeout=30)
+    assert "Usage:" in subprocess.run([*SERVE, "--help"], capture_output=True, text=True, check=True,
+                                      timeout=30).stdout
+
+
+def test_bad_arguments_are_rejected() -> None:
+    with pytest.raises(ValueError, match="executors"):
+        LocalStack(executors=0)
+    with pytest.raises(ValueError, match="device"):
+        LocalStack(device="tpu")
+    with pytest.raises(ValueError, match="routing"):
+        LocalStack(routing="random")
+    with pytest.raises(RuntimeError, match="not started"):
+        LocalStack().blockd_endpoint  # noqa: B018
+
+
+def test_more_cuda_executors_than_devices_is_a_clear_error(tmp_path: Path, tiny_model: Path) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    stack = LocalStack(model_dir=tiny_model, device="cuda", executors=count + 1, port=0, progress=None)
+    with pytest.raises(StackFailed, match=f"need as many CUDA devices.*has {count}"):
+        stack.start()
+    assert stack.processes == {}
+
+
+def test_a_child_failing_at_startup_is_named_with_its_log_and_nothing_stays_running(
+        tmp_path: Path, tiny_model: Path) -> None:  # fmt: skip
+    progress: list[str] = []
+    stack = LocalStack(model_dir=tiny_model, executor_args=["--num-blocks", "0"], state_dir=tmp_path / "state",
+                       port=0, startup_timeout_s=60, progress=progress.append)
+    started = time.monotonic()
+    with pytest.raises(StackFailed) as failure:
+        stack.start()
+    assert time.monotonic() - started < 30
+    assert failure.value.component == "executor-0" and failure.value.returncode == 2
+    assert "--num-blocks" in failure.value.log_tail and "--num-blocks" in str(failure.value)
+    assert "executor-0 exited with code 2" in str(failure.value)
+    assert set(stack.processes) == {"blockd", "executor-0"}  # the gateway waits for healthy executors
+    for name, process in stack.processes.items():
+        assert process.returncode is not None, name
+        assert not running(process.pid), name
+    assert (tmp_path / "state" / "logs" / "executor-0.log").is_file()  # a given state dir is kept
+    assert any(line.startswith("blockd ready") for line in progress), progress
+
+
+# ---------------------------------------------------------------------------------- end to end (needs gateway)
+
+
+class ServeProcess:
+    """`pagedkv serve` as a subprocess; its stdout and stderr go to files that the test reads."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.out, self.err = tmp_path / "serve.out", tmp_path / "serve.err"
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self.process = subprocess.Popen([*SERVE, *args], stdout=out, stderr=err,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def output(self) -> str:
+        return f"--- stdout\n{self.out.read_text()}\n--- stderr\n{self.err.read_text()}"
+
+    def wait_ready(self, timeout_s: float = 60.0) -> tuple[str, dict[str, int]]:
+        """The URL and the child pids that serve printed once ready."""
+        def ready() -> str | None:
+            assert self.process.poll() is None, f"serve exited with {self.process.returncode}\n{self.output()}"
+            text = self.out.read_text()
+            return text if "Ctrl-C stops everything" in text else None
+
+        try:
+            text = wait_for(ready, timeout_s, 0.1, "pagedkv serve to print its URL")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.output()}") from None
+        url = re.search(r"^\s*url\s+(http://\S+)$", text, re.MULTILINE)
+        pids = re.search(r"^\s*processes\s+(.+)$", text, re.MULTILINE)
+        assert url and pids, text
+        return url.group(1), {name: int(pid) for name, pid in (p.split("=") for p in pids.group(1).split())}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
+    started: list[ServeProcess] = []
+
+    def start(*args: str) -> ServeProcess:
+        started.append(ServeProcess(tmp_path, *args))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def test_serve_runs_a_stack_until_sigint_and_leaves_nothing_running(
+        tmp_path: Path, tiny_model: Path, serve_process: Callable[..., ServeProcess]) -> None:  # fmt: skip
+    state = tmp_path / "state"
+    serve = serve_process("--model", str(tiny_model), "--executors", "2", "--port", "0", "--kv-cache-memory",
+                          "64MiB", "--state-dir", str(state))
+    url, pids = serve.wait_ready()
+    assert set(pids) == {"blockd", "executor-0", "executor-1", "gateway"}
+    redis_pid = int((state / "blockd" / "redis.pid").read_text())  # blockd's own child
+    assert running(redis_pid)
+    out = serve.out.read_text()
+    assert "model      tiny-serve" in out and f"curl {url}/v1/chat/completions" in out
+    assert '"model": "tiny-serve"' in out
+
+    health = httpx.get(f"{url}/health", timeout=10)
+    assert health.status_code == 200, health.text
+    body = health.json()
+    assert body["status"] == "ok" and len(body["executors"]) == 2
+    assert all(e["healthy"] for e in body["executors"]), body
+    models = httpx.get(f"{url}/v1/models", timeout=10)
+    assert models.status_code == 200 and "tiny-serve" in [m["id"] for m in models.json()["data"]], models.text
+
+    # The printed curl example works as printed.
+    curl = shlex.split(next(line for line in out.splitlines() if line.strip().startswith("curl ")))
+    completion = httpx.post(curl[1], content=curl[curl.index("-d") + 1], timeout=30,
+                            headers=dict([curl[curl.index("-H") + 1].split(": ")]))
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["message"]["role"] == "assistant"
+
+    serve.process.send_signal(signal.SIGINT)
+    assert serve.process.wait(timeout=20) == 0, serve.output()
+    for name, pid in {**pids, "redis": redis_pid}.items():
+        assert not running(pid), f"{name} ({pid}) survived\n{serve.output()}"
+    assert (state / "logs" / "gateway.log").is_file()  # a given state dir is kept
+
+
+def test_serve_exits_nonzero_naming_a_child_that_dies(
+        tmp_path: Path, tiny_model: Path, serve_process: Callable[..., ServeProcess]) -> None:  # fmt: skip
+    serve = serve_process("--model", str(tiny_model), "--port", "0", "--kv-cache-memory", "64MiB")
+    _, pids = serve.wait_ready()
+    os.kill(pids["executor-0"], signal.SIGKILL)
+    assert serve.process.wait(timeout=20) == 1, serve.output()
+    assert "executor-0 was killed by SIGKILL" in serve.err.read_text()
+    for name, pid in pids.items():
+        assert not running(pid), f"{name} ({pid}) survived\n{serve.output()}"
+
+
+def test_local_stack_api(tmp_path: Path, tiny_model: Path) -> None:
+    progress: list[str] = []
+    with LocalStack(model_dir=tiny_model, port=0, kv_cache_memory="64MiB", routing="round-robin",
+                    persistence=False, log_dir=tmp_path / "logs", progress=progress.append) as stack:
+        assert stack.base_url == stack.url + "/v1" and stack.model_name == "tiny-serve"
+        assert stack.blockd_endpoint.startswith("tcp://127.0.0.1:") and len(stack.executor_endpoints) == 1
+        assert [line.split()[0] for line in progress[1:]] == ["blockd", "executor-0", "gateway"], progress
+        health = httpx.get(f"{stack.url}/health", timeout=10).json()
+        assert [e["endpoint"] for e in health["executors"]] == stack.executor_endpoints
+        stack.check()  # all alive
+
+        stack.kill("executor-0")
+        with pytest.raises(StackFailed) as failure:
+            stack.check()
+        assert failure.value.component == "executor-0" and failure.value.returncode == -signal.SIGKILL
+        with pytest.raises(KeyError, match="executor-7"):
+            stack.kill("executor-7")
+        processes, state_dir = stack.processes, stack.state_dir
+    assert all(not running(p.pid) for p in processes.values())
+    assert not state_dir.exists()  # a temporary state dir goes with the stack
+    assert (tmp_path / "logs" / "gateway.log").is_file()  # a given log dir stays
