@@ -144,8 +144,8 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
                 deltas.append(self._delta(seq, [], None))
-        for index in range(len(request.sequences), request.params.n):  # choices never forked
-            deltas.append(ep.Delta(request_id=request_id, index=index, token_ids=[], finish_reason="abort",
+        for unforked in range(len(request.sequences), request.params.n):  # choices never forked
+            deltas.append(ep.Delta(request_id=request_id, index=unforked, token_ids=[], finish_reason="abort",
                                    prompt_tokens=len(request.prompt), cached_tokens=request.num_cached_tokens))
         return deltas
 

@@ -14,7 +14,7 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from gateway import errors, responses
 from gateway.api import ChatCompletionRequest, CompletionRequest, _Common, require_json_object, validation_message
 from gateway.errors import APIError
 from gateway.executors import ExecutorLink
-from gateway.generation import ChoiceEvent, Generation, GenerationFailed
+from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted
 from gateway.metrics import GatewayMetrics
 from gateway.routing import PrefixLookup, Router
 from gateway.text import PromptError, Tokenizer
@@ -101,9 +101,9 @@ class Gateway:
             raise errors.model_not_found(name, self.model_name)
 
     def generation(self, request_id: str, prompt: list[int], params: SamplingParams, stops: list[str],
-                   arrival: float) -> Generation:
+                   arrival: float, replayable: bool) -> Generation:
         return Generation(request_id=request_id, prompt=prompt, params=params, stops=stops, router=self.router,
-                          tokenizer=self.tokenizer, metrics=self.metrics, arrival=arrival)
+                          tokenizer=self.tokenizer, metrics=self.metrics, arrival=arrival, replayable=replayable)
 
 
 # -------------------------------------------------------------------------------------------------- requests
@@ -156,14 +156,14 @@ async def _parse(request: Request, model: type[_Common]) -> Any:
         raise errors.invalid_request(message, param=param) from None
 
 
-async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, ChoiceEvent | Restarted]]:
     """The events of several generations as they come, tagged with the generation's position."""
     if len(generations) == 1:
         async with contextlib.aclosing(generations[0].events()) as events:  # closed (aborting) even if we are
             async for event in events:
                 yield 0, event
         return
-    queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, ChoiceEvent | Restarted | BaseException | None]] = asyncio.Queue()
 
     async def pump(position: int, generation: Generation) -> None:
         try:
@@ -280,7 +280,13 @@ class _Exchange:
         completion_logprobs = [responses.CompletionLogprobs() for _ in range(count)]
         chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
 
-        def take(position: int, event: ChoiceEvent) -> None:
+        def take(position: int, event: ChoiceEvent | Restarted) -> None:
+            if isinstance(event, Restarted):  # its executor was lost: its choices start over
+                for index in range(position * self.n, (position + 1) * self.n):
+                    texts[index], finish[index] = "", None
+                    completion_logprobs[index] = responses.CompletionLogprobs()
+                    chat_logprobs[index] = []
+                return
             index = self.choice_index(position, event)
             if self.logprobs is not None and self.kind == "completion":
                 completion_logprobs[index].add(self.gateway.tokenizer, event.logprobs, len(texts[index]))
@@ -305,13 +311,31 @@ class _Exchange:
         return responses.chat_body(self.envelope, choices, usage)
 
 
+class _EventStream(StreamingResponse):
+    """A streaming response that aborts its generations and leaves the queue even if its body never starts
+    (a client gone before the first byte): the body's own cleanup would never run then."""
+
+    def __init__(self, content: AsyncIterator[str], *, cleanup: Callable[[], Awaitable[None]],
+                 release: contextlib.ExitStack, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+            self._release.close()
+
+
 async def _respond(gateway: Gateway, request: Request, kind: str, body: _Common,
                    prompts: list[list[int]], max_tokens: list[int], logprobs: int | None) -> Response:
     arrival = time.monotonic()
     request_id = uuid.uuid4().hex
     generations = [
         gateway.generation(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt,
-                           body.sampling(limit, logprobs), body.stop_strings(), arrival)
+                           body.sampling(limit, logprobs), body.stop_strings(), arrival, replayable=not body.stream)
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))
     ]
     exchange = _Exchange(gateway, request, kind, body, generations, logprobs)
@@ -327,8 +351,8 @@ async def _respond(gateway: Gateway, request: Request, kind: str, body: _Common,
         await exchange.events.aclose()
         raise
     if body.stream:
-        return StreamingResponse(exchange.stream(first, release), media_type="text/event-stream",
-                                 headers={**exchange.headers(), "Cache-Control": "no-cache"})
+        return _EventStream(exchange.stream(first, release), cleanup=exchange.events.aclose, release=release,
+                            media_type="text/event-stream", headers={**exchange.headers(), "Cache-Control": "no-cache"})
     with release:
         collect = asyncio.create_task(exchange.collect(first))
         disconnect = asyncio.create_task(_until_disconnected(request))

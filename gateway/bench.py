@@ -81,7 +81,7 @@ QUICK_ROUTING_OUTPUT = 8
 #: Untimed requests before each measured phase: first-call costs (allocations, lazy imports) stay out of it.
 WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_OUTPUT = 4, 8, 2
 REQUEST_TIMEOUT_S = 600.0
-ROUTING_POLICIES = ("prefix", "round-robin")
+COMPARED_POLICIES = ("prefix", "round-robin")  # what part 2 sets side by side
 
 
 # ------------------------------------------------------------------------------------------------- workload
@@ -578,7 +578,7 @@ def _routing_part(options: StackOptions, groups: int, group_size: int, prefix_to
     if options.executors < 2:
         click.echo("warning: with 1 executor both policies send everything to it", err=True)
     summaries: dict[str, Summary] = {}
-    for policy in ROUTING_POLICIES:
+    for policy in COMPARED_POLICIES:
         with own_stack(options, policy) as stack:
             summaries[policy] = asyncio.run(measure_routing(stack.base_url, stack.model_name, workload, clients,
                                                             seed, policy))  # fmt: skip

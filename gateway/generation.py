@@ -4,8 +4,10 @@ Each choice has its own detokenizer and stop-string matcher. A stop string ends 
 before it is the last the client sees, and the executor is told to abort that choice, which frees its blocks.
 
 Failure: if the executor is lost (or rejects the prompt for lack of room) before this generation has yielded
-anything, it is submitted again to another executor; once something has been yielded it cannot be taken back,
-so the generation raises `GenerationFailed`. Errors before the first event are `APIError`s, so the HTTP
+anything, it is submitted again to another executor. Once something has been yielded, a streamed response
+cannot take it back, so the generation raises `GenerationFailed`; a whole (non-streamed) response has shown the
+client nothing yet, so with `replayable` the generation yields `Restarted` (drop what came so far) and starts
+over elsewhere. Errors before the first event are `APIError`s, so the HTTP
 handler can still answer with a status code. Closing the iterator early (a client that went away) aborts the
 request at the executor.
 """
@@ -43,6 +45,11 @@ class ChoiceEvent:
     finish_reason: str | None = None  # "stop" | "length"
 
 
+@dataclass(frozen=True)
+class Restarted:
+    """The events yielded so far are void: the generation starts again on another executor."""
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -61,7 +68,8 @@ class _Choice:
 
 class Generation:
     def __init__(self, *, request_id: str, prompt: Sequence[int], params: SamplingParams, stops: Sequence[str],
-                 router: Router, tokenizer: Tokenizer, metrics: GatewayMetrics, arrival: float | None = None) -> None:
+                 router: Router, tokenizer: Tokenizer, metrics: GatewayMetrics, arrival: float | None = None,
+                 replayable: bool = False) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
         self.params = params
@@ -70,6 +78,7 @@ class Generation:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
+        self.replayable = replayable
         self.usage = Usage(prompt_tokens=len(self.prompt))
         self.executor: str | None = None  # the pool that served it
         self.first_token_at: float | None = None
@@ -78,7 +87,7 @@ class Generation:
         self._choices: list[_Choice] = []
         self._done = False
 
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
+    async def events(self) -> AsyncIterator[ChoiceEvent | Restarted]:
         yielded = False
         tried: set[str] = set()
         attempt = 0
@@ -91,7 +100,7 @@ class Generation:
                     if isinstance(item, ExecutorLost) or (type(item) is ep.Delta and item.finish_reason == "abort"
                                                           and not self._choices[item.index].finished):
                         reason = item.reason if isinstance(item, ExecutorLost) else "it aborted the request"
-                        if yielded:
+                        if yielded and not self.replayable:
                             raise GenerationFailed(f"the executor serving this request was lost ({reason})")
                         retry = True
                         break
@@ -110,6 +119,10 @@ class Generation:
                 self._release()
                 attempt += 1
                 self.metrics.retries.inc()
+                if yielded:
+                    yielded = False
+                    self.first_token_at = None
+                    yield Restarted()
         finally:
             self._release(abort=not self._done)
 

@@ -61,13 +61,19 @@ class CompletionLogprobs:
     text_offset: list[int] = field(default_factory=list)
 
     def add(self, tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], offset: int) -> None:
+        """Entries of tokens whose text starts at character `offset` of the choice's text."""
+        pending = b""  # bytes of a character that the next tokens complete
         for entry in entries:
-            text = tokenizer.token_text(entry.token_id)
-            self.tokens.append(text)
+            self.tokens.append(tokenizer.token_text(entry.token_id))
             self.token_logprobs.append(entry.logprob)
             self.top_logprobs.append({tokenizer.token_text(t): lp for t, lp in entry.top})
             self.text_offset.append(offset)
-            offset += len(text)
+            pending += tokenizer.token_bytes(entry.token_id)
+            try:
+                offset += len(pending.decode("utf-8"))
+                pending = b""
+            except UnicodeDecodeError:
+                pass  # the offset moves once the character is whole
 
     def body(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,

@@ -24,11 +24,12 @@ import structlog
 
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.errors import BlockdError
+from gateway import ROUTING_POLICIES
 from gateway.executors import ExecutorLink
 
 log = structlog.get_logger("gateway")
 
-POLICIES = ("prefix", "least-loaded", "round-robin")
+POLICIES = ROUTING_POLICIES
 
 
 @dataclass(frozen=True)
@@ -110,5 +111,5 @@ def pick(ordered: list[ExecutorLink], cached: dict[str, int], load_slack: int) -
     lightest = min(loads.values())
     eligible = [link for link in ordered if loads[link.endpoint] <= lightest + load_slack]
     # max keeps the first of equals: the rotation decides ties
-    best = max(eligible, key=lambda link: (cached.get(link.pool_id or "", 0), -link.queue_depth()))
+    best = max(eligible, key=lambda link: (cached.get(link.pool_id or "", 0), -loads[link.endpoint]))
     return Route(best, cached.get(best.pool_id or "", 0))

@@ -8,9 +8,8 @@ import click
 
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
+from gateway import ROUTING_POLICIES
 from pagedkv.logs import configure_logging
-
-ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 
 
 def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:

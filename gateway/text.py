@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
@@ -57,7 +58,7 @@ class Tokenizer:
             raise PromptError("this model has no chat template: use /v1/completions with a plain prompt")
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # jinja errors: the template refused these messages
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # the template refused them
             raise PromptError(f"the chat template could not render these messages: {exc}") from None
         # The template writes any special tokens (BOS, turn markers) itself.
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -100,7 +101,7 @@ class Detokenizer:
         self._ids.extend(token_ids)
         before = self._decode(self._ids[self._window:self._released])
         text = self._decode(self._ids[self._window:])
-        if text.endswith(_REPLACEMENT) or not text.startswith(before):
+        if text.endswith(_REPLACEMENT) or not _extends(text, before):
             return ""  # mid-character: wait for the token that completes it
         self._window = max(self._window, len(self._ids) - self.CONTEXT_TOKENS)
         self._released = len(self._ids)
@@ -111,7 +112,14 @@ class Detokenizer:
         before = self._decode(self._ids[self._window:self._released])
         text = self._decode(self._ids[self._window:])
         self._released = len(self._ids)
-        return text[len(before):] if text.startswith(before) else ""
+        return text[len(before):] if _extends(text, before) else ""
+
+
+def _extends(text: str, before: str) -> bool:
+    """Whether `text` continues `before`. A prompt of token ids can end mid-character: its context then decodes
+    to U+FFFD at the end, which the output completes (that character stays the prompt's)."""
+    return text.startswith(before) or (before.endswith(_REPLACEMENT) and len(text) >= len(before)
+                                       and text.startswith(before[:-1]))
 
 
 class StopMatcher:

@@ -25,7 +25,8 @@ from typing import Any, Self
 
 import click
 
-ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")  # as gateway/server.py (not imported: fast --help)
+from gateway import ROUTING_POLICIES  # the package alone: no torch, so --help stays fast
+
 DEVICES = ("cpu", "cuda")
 LOG_TAIL_LINES = 20
 STOP_GRACE_S = 10.0

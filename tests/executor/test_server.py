@@ -115,6 +115,29 @@ def test_abort_over_the_wire_frees_blocks(tiny_models, blockd, start_executor):
         assert client.load().running == 0
 
 
+def test_n_2_over_the_wire_every_choice_finishes_and_one_can_be_aborted(tiny_models, blockd, start_executor):
+    executor = start_executor(tiny_models["llama"], blockd.endpoint, "--pool-id", "pn")
+    prompt = random_prompts([20], vocab=512, seed=22)[0]
+    with executor.client() as client:
+        # Greedy choices finish in the same step: both final deltas must still be sent.
+        choices = client.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, n=2, ignore_eos=True))
+        assert [d[-1].finish_reason for d in choices] == ["length", "length"]
+        assert tokens_of(choices[0]) == tokens_of(choices[1]) == hf_greedy_ignoring_eos(tiny_models["llama"],
+                                                                                         prompt, 5)
+        client.submit("pair", prompt, SamplingParams(max_tokens=300, temperature=1.0, seed=5, n=2, ignore_eos=True))
+        seen: dict[int, list[ep.Delta]] = {0: [], 1: []}
+        while not (seen[0] and seen[1]):
+            message = client.receive()
+            seen[message.index].append(message)
+        client.abort("pair", index=1)  # a gateway found a stop string in choice 1
+        while not (seen[0] and seen[0][-1].finish_reason and seen[1][-1].finish_reason):
+            message = client.receive()
+            seen[message.index].append(message)
+        assert seen[1][-1].finish_reason == "abort"
+        assert seen[0][-1].finish_reason == "length" and seen[0][-1].completion_tokens == 300
+        wait_for(lambda: blockd.client().stats("pn").pools[0].blocks_in_use == 0, what="blocks freed")
+
+
 def test_bad_messages_get_clear_errors_and_serving_continues(tiny_models, blockd, start_executor):
     executor = start_executor(tiny_models["llama"], blockd.endpoint)
     good = random_prompts([12], vocab=512, seed=22)[0]

@@ -1,0 +1,314 @@
+"""gateway.api (request bodies: validation, prompts, sampling) and gateway.responses (bodies, chunks, SSE)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from executor import protocol as ep
+from executor.make_model import write_model
+from executor.sampling import MAX_LOGPROBS, SamplingParams
+from gateway import responses
+from gateway.api import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    require_json_object,
+    validation_message,
+)
+from gateway.errors import APIError, invalid_request
+from gateway.generation import Usage
+from gateway.text import Tokenizer
+from tests.executor.conftest import TINY
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def refusal(model: type[BaseModel], body: dict[str, Any]) -> tuple[str, str | None]:
+    """validation_message for a body that must not validate."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return validation_message(info.value.errors())
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": HI, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "hello", **fields}
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("model, body", [(CompletionRequest, completion(frobnicate=1)),
+                                         (ChatCompletionRequest, chat(frobnicate=True))])
+def test_unknown_field_is_named(model: type[BaseModel], body: dict[str, Any]) -> None:
+    assert refusal(model, body) == ("Unrecognized request argument supplied: frobnicate", "frobnicate")
+
+
+def test_unknown_nested_field_is_named_with_its_path() -> None:
+    message, param = refusal(CompletionRequest, completion(stream=True, stream_options={"include_usage": True,
+                                                                                         "bogus": 1}))
+    assert (message, param) == ("Unrecognized request argument supplied: stream_options.bogus",
+                                "stream_options.bogus")
+    message, param = refusal(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "extra": 1}]})
+    assert param == "messages.0.extra" and message.startswith("Unrecognized request argument supplied")
+
+
+def test_missing_messages() -> None:
+    assert refusal(ChatCompletionRequest, {"model": "m"}) == ("Missing required parameter: messages", "messages")
+    assert refusal(CompletionRequest, {"model": "m"}) == ("Missing required parameter: prompt", "prompt")
+    message, param = refusal(ChatCompletionRequest, {"messages": []})
+    assert param == "messages" and message.startswith("messages: ")
+
+
+@pytest.mark.parametrize("temperature", [-0.1, 2.01, 5])
+def test_temperature_out_of_range(temperature: float) -> None:
+    message, param = refusal(ChatCompletionRequest, chat(temperature=temperature))
+    assert param == "temperature"
+    assert message.startswith("temperature: "), message
+
+
+@pytest.mark.parametrize("field, value", [("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("n", 65), ("top_k", -1),
+                                          ("max_tokens", 0), ("seed", 2**63), ("logprobs", MAX_LOGPROBS + 1)])
+def test_out_of_range_fields_are_named(field: str, value: Any) -> None:
+    message, param = refusal(CompletionRequest, completion(**{field: value}))
+    assert param == field and message.startswith(f"{field}: "), (message, param)
+
+
+def test_union_members_do_not_show_up_as_parameters() -> None:
+    _, param = refusal(CompletionRequest, {"prompt": 5})
+    assert param == "prompt", "'str' / 'list[int]' name types, not parameters"
+    _, param = refusal(ChatCompletionRequest, {"messages": [{"role": "user", "content": 7}]})
+    assert param == "messages.0.content"
+
+
+def test_validation_message_drops_body_and_value_error_prefix() -> None:
+    errors = [{"type": "value_error", "loc": ("body", "stop"), "msg": "Value error, too many"}]
+    assert validation_message(errors) == ("stop: too many", "stop")
+    assert validation_message([{"type": "value_error", "loc": (), "msg": "Value error, no"}]) == ("no", None)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalties_are_refused_unless_zero(field: str) -> None:
+    message, _ = refusal(ChatCompletionRequest, chat(**{field: 0.5}))
+    assert field in message and "not supported" in message
+    assert getattr(ChatCompletionRequest.model_validate(chat(**{field: 0})), field) == 0.0
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"42": 5.0}}, "logit_bias"),
+    ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS}"),
+])
+def test_unsupported_chat_settings_are_refused(fields: dict[str, Any], words: str) -> None:
+    message, _ = refusal(ChatCompletionRequest, chat(**fields))
+    assert words in message, message
+
+
+def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
+    body = ChatCompletionRequest.model_validate(chat(tools=[], tool_choice="none", response_format={"type": "text"},
+                                                     logit_bias={}, stop=["x"] * MAX_STOP_STRINGS))
+    assert len(body.stop_strings()) == MAX_STOP_STRINGS
+    assert CompletionRequest.model_validate(completion(n=2, best_of=2)).n == 2
+
+
+@pytest.mark.parametrize("fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                                           ({"suffix": "end"}, "suffix")])
+def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], words: str) -> None:
+    message, _ = refusal(CompletionRequest, completion(**fields))
+    assert words in message and "not supported" in message
+
+
+def test_stream_options_with_stream() -> None:
+    body = ChatCompletionRequest.model_validate(chat(stream=True, stream_options={"include_usage": True}))
+    assert body.include_usage
+    assert not ChatCompletionRequest.model_validate(chat(stream=True)).include_usage
+
+
+def test_require_json_object() -> None:
+    assert require_json_object({"a": 1}) == {"a": 1}
+    for body in ([1], "x", None, 3):
+        with pytest.raises(APIError) as info:
+            require_json_object(body)
+        assert info.value.status == 400 and info.value.type == "invalid_request_error"
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hello", ["hello"]),
+    ("", [""]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    (["a", "b"], ["a", "b"]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+    ([], []),
+])
+def test_prompts(prompt: Any, expected: list[Any]) -> None:
+    assert CompletionRequest.model_validate({"prompt": prompt}).prompts() == expected
+
+
+def test_mixed_prompt_list_is_refused() -> None:
+    _, param = refusal(CompletionRequest, {"prompt": [1, "a"]})
+    assert param is not None and param.startswith("prompt")
+
+
+def test_stop_strings() -> None:
+    assert CompletionRequest.model_validate(completion()).stop_strings() == []
+    assert CompletionRequest.model_validate(completion(stop="\n")).stop_strings() == ["\n"]
+    assert CompletionRequest.model_validate(completion(stop=["a", "b"])).stop_strings() == ["a", "b"]
+
+
+def test_chat_message_for_template() -> None:
+    parts = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Hello, "},
+                                                                     {"type": "text", "text": "world"}]})
+    assert parts.for_template() == {"role": "user", "content": "Hello, world"}
+    dev = ChatMessage.model_validate({"role": "developer", "content": "Be brief.", "name": "ops"})
+    assert dev.for_template() == {"role": "system", "content": "Be brief.", "name": "ops"}
+    empty = ChatMessage.model_validate({"role": "assistant", "content": None})
+    assert empty.for_template() == {"role": "assistant", "content": ""}
+    assert "name" not in ChatMessage(role="user", content="x", name="").for_template()
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def test_completion_sampling_maps_every_field() -> None:
+    body = CompletionRequest.model_validate(completion(
+        max_tokens=7, temperature=0.3, top_p=0.9, top_k=40, seed=123, n=3, stop_token_ids=[5, 6], ignore_eos=True,
+        logprobs=2))
+    params = body.sampling(body.max_tokens or 0, body.logprobs)
+    assert params == SamplingParams(max_tokens=7, temperature=0.3, top_p=0.9, top_k=40, seed=123, n=3,
+                                    stop_token_ids=(5, 6), ignore_eos=True, logprobs=2)
+    assert params.validate(vocab_size=512) is None
+
+
+def test_sampling_defaults() -> None:
+    body = CompletionRequest.model_validate(completion())
+    assert body.max_tokens == 16, "OpenAI's default for completions"
+    params = body.sampling(16, None)
+    assert params == SamplingParams(max_tokens=16)
+    assert params.stop_token_ids == () and params.logprobs is None and params.seed is None
+
+
+def test_chat_token_limit_prefers_max_completion_tokens() -> None:
+    assert ChatCompletionRequest.model_validate(chat()).token_limit is None
+    assert ChatCompletionRequest.model_validate(chat(max_tokens=5)).token_limit == 5
+    assert ChatCompletionRequest.model_validate(chat(max_completion_tokens=9)).token_limit == 9
+    assert ChatCompletionRequest.model_validate(chat(max_tokens=5, max_completion_tokens=9)).token_limit == 9
+
+
+def test_chat_logprobs_k_and_sampling() -> None:
+    assert ChatCompletionRequest.model_validate(chat()).logprobs_k is None
+    assert ChatCompletionRequest.model_validate(chat(logprobs=True)).logprobs_k == 0
+    body = ChatCompletionRequest.model_validate(chat(logprobs=True, top_logprobs=4, temperature=0, seed=-1, n=2))
+    assert body.logprobs_k == 4
+    params = body.sampling(body.token_limit or 32, body.logprobs_k)
+    assert params == SamplingParams(max_tokens=32, temperature=0.0, seed=-1, n=2, logprobs=4)
+
+
+# ------------------------------------------------------------------------------------------------ responses
+
+
+def test_usage_body() -> None:
+    assert responses.usage_body(Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=8)) == {
+        "prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 8}}
+    total = responses.total_usage([Usage(3, 1, 0), Usage(5, 2, 4)])
+    assert total == Usage(8, 3, 4)
+    assert responses.total_usage([]) == Usage()
+
+
+def test_sse_framing() -> None:
+    frame = responses.sse({"text": "日本 é", "n": 1})
+    assert frame == 'data: {"text":"日本 é","n":1}\n\n', "compact JSON, UTF-8 as is, a blank line after"
+    assert json.loads(frame.removeprefix("data: ")) == {"text": "日本 é", "n": 1}
+    assert responses.sse({"text": "a\nb"}).count("\n") == 2, "newlines inside strings are escaped by JSON"
+    assert responses.DONE == "data: [DONE]\n\n"
+    event = responses.error_event(invalid_request("bad", param="stop"))
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[6:]) == {"error": {"message": "bad", "type": "invalid_request_error", "param": "stop",
+                                               "code": None}}
+
+
+ENV = responses.Envelope(id="cmpl-1", created=1700000000, model="tiny")
+
+
+def test_completion_chunk_and_body() -> None:
+    chunk = responses.completion_chunk(ENV, 1, "hi", None, "stop")
+    assert chunk == {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+                     "choices": [{"index": 1, "text": "hi", "logprobs": None, "finish_reason": "stop"}]}
+    body = responses.completion_body(ENV, chunk["choices"], Usage(2, 1, 0))
+    assert body["object"] == "text_completion" and body["usage"]["total_tokens"] == 3
+    usage = responses.usage_chunk(ENV, "text_completion", Usage(2, 1, 0))
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
+
+
+def test_chat_chunk_and_body() -> None:
+    chunk = responses.chat_chunk(ENV, 0, {"content": "x"}, None, None)
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"] == [{"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}]
+    with_lp = responses.chat_chunk(ENV, 0, {}, [{"token": "x"}], "length")
+    assert with_lp["choices"][0]["logprobs"] == {"content": [{"token": "x"}]}
+    body = responses.chat_body(ENV, [], Usage(1, 1, 1))
+    assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    model_dir: Path = write_model(tmp_path_factory.mktemp("api-model") / "m", arch="llama", quiet=True, **TINY)
+    return Tokenizer(model_dir)
+
+
+def test_completion_logprobs_text_offset_accumulates(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("hello world, again")
+    texts = [tokenizer.token_text(i) for i in ids]
+    assert "".join(texts) == "hello world, again"
+    logprobs = responses.CompletionLogprobs()
+    half = len(ids) // 2
+    logprobs.add(tokenizer, [ep.TokenLogprob(i, -0.5, [(i, -0.5), (0, -3.0)]) for i in ids[:half]], offset=0)
+    offset = sum(len(t) for t in texts[:half])
+    logprobs.add(tokenizer, [ep.TokenLogprob(i, -1.0, []) for i in ids[half:]], offset=offset)
+    body = logprobs.body()
+    assert body["tokens"] == texts
+    starts = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    assert body["text_offset"] == starts, "each token's offset is where its text starts in the completion"
+    assert body["token_logprobs"] == [-0.5] * half + [-1.0] * (len(ids) - half)
+    assert body["top_logprobs"][0] == {texts[0]: -0.5, "<|begin_of_text|>": -3.0}
+    assert body["top_logprobs"][-1] == {}
+
+
+def test_completion_logprobs_offsets_of_a_split_character_wait_for_the_whole_character(tokenizer: Tokenizer) -> None:
+    text = "é日!"
+    ids = tokenizer.encode(text)
+    logprobs = responses.CompletionLogprobs()
+    logprobs.add(tokenizer, [ep.TokenLogprob(i, -0.5, []) for i in ids], offset=0)
+    offsets = logprobs.body()["text_offset"]
+    assert len(ids) > len(text), "the characters are split across byte tokens"
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == len(text) - 1
+    assert set(offsets) <= set(range(len(text)))
+
+
+def test_chat_logprobs(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("é!")
+    entries = [ep.TokenLogprob(i, -0.25, [(i, -0.25), (2, -1.0), (3, -2.0)]) for i in ids]
+    out = responses.chat_logprobs(tokenizer, entries, top=2)
+    assert len(out) == len(ids)
+    assert b"".join(bytes(e["bytes"]) for e in out) == "é!".encode(), "bytes add up to the text, split or not"
+    assert all(len(e["top_logprobs"]) == 2 for e in out), "only the `top` best alternatives"
+    assert out[0]["top_logprobs"][1] == {"token": "<|im_start|>", "logprob": -1.0,
+                                         "bytes": list(b"<|im_start|>")}
+    assert out[-1]["token"] == "!" and out[-1]["logprob"] == -0.25
+    assert responses.chat_logprobs(tokenizer, entries, top=0)[0]["top_logprobs"] == []

@@ -1,0 +1,223 @@
+"""Executors that stop answering or die, a full queue, and no executor at all: real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from executor.make_model import write_model
+from pagedkv.serve import LocalStack, free_ports
+from tests.executor.conftest import TINY
+from tests.gateway.test_openai_api import wait_until_no_live_blocks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("failover-model") / "tiny-failover", arch="llama", quiet=True, **TINY)
+
+
+@pytest.fixture
+def stack(model_dir: Path, tmp_path: Path) -> Iterator[LocalStack]:
+    # A short silence limit, so that a frozen executor leaves the rotation quickly.
+    with LocalStack(model_dir=model_dir, executors=2, port=0, kv_cache_memory="8MiB", persistence=False,
+                    routing="round-robin", gateway_args=["--executor-timeout", "2"], log_dir=tmp_path / "logs",
+                    progress=None) as running:
+        yield running
+
+
+def health(stack_url: str) -> dict:
+    return httpx.get(f"{stack_url}/health", timeout=10).json()
+
+
+def healthy_pools(url: str) -> set[str]:
+    return {e["pool_id"] for e in health(url)["executors"] if e["healthy"]}
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_silent_executor_leaves_the_rotation_and_rejoins(stack: LocalStack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
+    frozen = stack.processes["executor-1"]
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: healthy_pools(stack.url) == {"executor-0"}, 15, "executor-1 to leave the rotation")
+        for _ in range(4):  # round-robin would alternate; only executor-0 is in rotation
+            response = client.completions.with_raw_response.create(model=stack.model_name, prompt="hello",
+                                                                   max_tokens=3)
+            assert response.headers["x-pagedkv-executor"] == "executor-0"
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    wait_for(lambda: healthy_pools(stack.url) == {"executor-0", "executor-1"}, 15, "executor-1 to rejoin")
+    served_by = {client.completions.with_raw_response.create(model=stack.model_name, prompt="hi", max_tokens=2)
+                 .headers["x-pagedkv-executor"] for _ in range(4)}
+    assert served_by == {"executor-0", "executor-1"}
+    wait_until_no_live_blocks(stack)
+
+
+def test_requests_that_streamed_nothing_are_retried_when_their_executor_dies(stack: LocalStack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    victim = stack.processes["executor-1"]
+    os.kill(victim.pid, signal.SIGSTOP)  # connected but mute: requests sent to it get nothing back
+    results: list[object] = [None] * 4
+
+    def ask(i: int) -> None:
+        try:
+            results[i] = client.completions.create(model=stack.model_name, prompt=[10 + i, 11, 12], max_tokens=4,
+                                                   extra_body={"ignore_eos": True})
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)  # round-robin has sent about half of them to the frozen executor
+    os.kill(victim.pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(isinstance(r, openai.types.Completion) for r in results), results
+    assert all(r.usage.completion_tokens == 4 for r in results)
+    assert metric(stack.url, "pagedkv_gateway_retried_requests_total") >= 1
+    assert healthy_pools(stack.url) == {"executor-0"}
+    wait_until_no_live_blocks(stack, pools={"executor-0"})  # the dead one's blocks wait for its lease to expire
+
+
+def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: LocalStack) -> None:
+    """Nothing of a non-streamed response has reached the client yet, so it starts over elsewhere."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model=stack.model_name, prompt=list(range(40, 60)), max_tokens=450, temperature=0,
+               extra_body={"ignore_eos": True})
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(client.completions.create(**ask)))
+    worker.start()
+
+    def generating() -> str | None:
+        busy = [e["pool_id"] for e in health(stack.url)["executors"] if e["running"]]
+        return busy[0] if busy else None
+
+    wait_for(lambda: generating() is not None, 30, "the request to be generating")
+    stack.kill(generating())
+    worker.join(timeout=120)
+    (survived,) = result
+    assert survived.usage.completion_tokens == 450
+    assert survived.choices[0].finish_reason == "length"
+    assert survived.choices[0].text == client.completions.create(**ask).choices[0].text  # greedy: same text
+    assert metric(stack.url, "pagedkv_gateway_retried_requests_total") >= 1
+
+
+def test_a_stream_whose_executor_dies_ends_with_an_error_event(stack: LocalStack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
+    response = client.completions.with_raw_response.create(
+        model=stack.model_name, prompt=list(range(30, 90)), max_tokens=450, stream=True,
+        extra_body={"ignore_eos": True})
+    serving = response.headers["x-pagedkv-executor"]
+    stream = response.parse()
+    chunks = iter(stream)
+    next(chunks)
+    stack.kill(serving)
+    with pytest.raises(openai.APIError) as raised:
+        for _ in chunks:
+            pass
+    assert "lost" in str(raised.value)
+    survivor = ({"executor-0", "executor-1"} - {serving}).pop()
+    result = client.completions.with_raw_response.create(model=stack.model_name, prompt="still here?", max_tokens=3)
+    assert result.headers["x-pagedkv-executor"] == survivor
+    wait_until_no_live_blocks(stack, pools={survivor})
+
+
+# ---------------------------------------------------------------------------------------------- gateways
+
+
+class Gateway:
+    """A second gateway process in front of an existing stack's executors."""
+
+    def __init__(self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str) -> None:
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.server", "--model", str(model_dir), "--executors", ",".join(executors),
+             "--blockd", blockd, "--port", str(self.port), *extra], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_listening(self) -> None:
+        def answers() -> bool:
+            assert self.process.poll() is None, "the gateway exited"
+            try:
+                httpx.get(f"{self.url}/health", timeout=2)
+                return True
+            except httpx.TransportError:
+                return False
+
+        wait_for(answers, 60, "the gateway to listen")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=15)
+        self.log.close()
+
+
+def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: Path) -> None:
+    gateway = Gateway(model_dir, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log",
+                      "--max-queue", "1", "--executor-timeout", "60")
+    executors = [stack.processes[name].pid for name in ("executor-0", "executor-1")]
+    body = {"model": stack.model_name, "prompt": "x", "max_tokens": 2}
+    try:
+        gateway.wait_listening()
+        wait_for(lambda: health(gateway.url)["status"] == "ok", 30, "executors in rotation")
+        for pid in executors:
+            os.kill(pid, signal.SIGSTOP)  # the first request stays in flight until they go on
+        first: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: first.append(
+            httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)))
+        waiting.start()
+        wait_for(lambda: health(gateway.url)["in_flight"] == 1, 10, "the first request to be in flight")
+        second = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+        assert second.status_code == 429
+        assert second.json()["error"]["type"] == "rate_limit_error"
+        for pid in executors:
+            os.kill(pid, signal.SIGCONT)
+        waiting.join(timeout=30)
+        assert first and first[0].status_code == 200  # the queued request was not lost
+        assert httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        for pid in executors:
+            os.kill(pid, signal.SIGCONT)
+        gateway.stop()
+    wait_until_no_live_blocks(stack)
+
+
+def test_no_executor_answers_503_and_health_says_so(model_dir: Path, tmp_path: Path) -> None:
+    nowhere = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    gateway = Gateway(model_dir, nowhere, "tcp://127.0.0.1:1", tmp_path / "gw.log")
+    try:
+        gateway.wait_listening()
+        response = httpx.post(f"{gateway.url}/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_executor_available"
+        state = httpx.get(f"{gateway.url}/health", timeout=10)
+        assert state.status_code == 503 and state.json()["status"] == "unavailable"
+        assert [e["healthy"] for e in state.json()["executors"]] == [False, False]
+    finally:
+        gateway.stop()

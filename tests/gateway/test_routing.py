@@ -1,0 +1,239 @@
+"""gateway.routing: which executor a request goes to, on real (unstarted) ExecutorLinks with set health and load."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from collections.abc import Sequence
+
+import pytest
+import zmq.asyncio
+
+from executor import protocol as ep
+from gateway.executors import ExecutorLink
+from gateway.routing import POLICIES, PrefixLookup, Route, Router, load_of, pick
+
+SLACK = 8
+
+
+def make_link(name: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, in_flight: int = 0,
+              healthy: bool = True) -> ExecutorLink:
+    """An ExecutorLink as its task would leave it after hearing from executor `name` (pool `pool-<name>`)."""
+    link = ExecutorLink(f"tcp://{name}:5600", zmq.asyncio.Context.instance())
+    pool = f"pool-{name}"
+    link.healthy = healthy
+    link.info = ep.Info(pool_id=pool, model_id="m", model_dir="/m", max_model_len=512, vocab_size=512, block_size=16,
+                        num_blocks=100, device="cpu", eos_token_ids=[1])
+    link.load = ep.LoadReport(pool_id=pool, running=running, waiting=waiting, free_blocks=round(100 * (1 - kv)),
+                              num_blocks=100, kv_utilization=kv, preemptions=0, steps=0)
+    for i in range(in_flight):
+        link.streams[f"req-{i}"] = asyncio.Queue()
+    return link
+
+
+class FakeLookup:
+    """Stands in for PrefixLookup at its boundary: an async `cached_tokens(tokens)` giving tokens per pool."""
+
+    def __init__(self, cached: dict[str, int], on_call: object = None) -> None:
+        self.cached = cached
+        self.calls: list[list[int]] = []
+        self.on_call = on_call
+
+    async def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
+        self.calls.append(list(tokens))
+        if callable(self.on_call):
+            self.on_call()
+        await asyncio.sleep(0)
+        return dict(self.cached)
+
+
+def choose(router: Router, prompt: Sequence[int] = (1, 2, 3), exclude: set[str] = frozenset()) -> Route | None:
+    return asyncio.run(router.choose(prompt, exclude))
+
+
+def name_of(route: Route | None) -> str | None:
+    return None if route is None else route.link.endpoint.removeprefix("tcp://").removesuffix(":5600")
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+def test_queue_depth_is_the_larger_of_reported_and_in_flight() -> None:
+    assert make_link("a", running=2, waiting=3).queue_depth() == 5
+    assert make_link("a", running=1, in_flight=4).queue_depth() == 4, "requests we sent count before it reports"
+    bare = ExecutorLink("tcp://x:1", zmq.asyncio.Context.instance())
+    assert bare.queue_depth() == 0 and load_of(bare, SLACK) == 0.0 and bare.pool_id is None
+
+
+def test_load_counts_full_kv_cache_as_load_slack_requests() -> None:
+    assert load_of(make_link("a", running=2), SLACK) == 2.0
+    assert load_of(make_link("a", running=2, kv=1.0), SLACK) == 2.0 + SLACK
+    assert load_of(make_link("a", running=2, kv=0.5), SLACK) == 2.0 + SLACK / 2
+
+
+# ------------------------------------------------------------------------------------------------ prefix
+
+
+def test_prefix_holder_wins_within_load_slack() -> None:
+    a, b, c = make_link("a", running=SLACK), make_link("b"), make_link("c", running=1)
+    lookup = FakeLookup({"pool-a": 64, "pool-c": 16})
+    router = Router([a, b, c], "prefix", lookup, load_slack=SLACK)
+    for _ in range(6):  # whatever the rotation
+        route = choose(router, [5] * 70)
+        assert name_of(route) == "a", "A holds the longest prefix and is exactly load_slack above the lightest"
+        assert route is not None and route.expected_cached_tokens == 64
+    assert lookup.calls[0] == [5] * 70, "the prompt's tokens are what blockd is asked about"
+
+
+def test_prefix_holder_beyond_the_slack_loses_to_the_least_loaded() -> None:
+    a, b, c = make_link("a", running=SLACK + 1), make_link("b"), make_link("c", running=2)
+    router = Router([a, b, c], "prefix", FakeLookup({"pool-a": 64}), load_slack=SLACK)
+    for _ in range(6):
+        route = choose(router)
+        assert name_of(route) == "b", "A is more than load_slack above the lightest: the least loaded gets it"
+        assert route is not None and route.expected_cached_tokens == 0
+
+
+def test_second_best_holder_wins_when_the_best_is_overloaded() -> None:
+    a, b, c = make_link("a", running=20), make_link("b", running=5), make_link("c")
+    router = Router([a, b, c], "prefix", FakeLookup({"pool-a": 64, "pool-b": 32}), load_slack=SLACK)
+    route = choose(router)
+    assert name_of(route) == "b" and route is not None and route.expected_cached_tokens == 32
+
+
+def test_kv_pressure_counts_against_a_prefix_holder() -> None:
+    # A's cache is full of live sequences: with 1 request in flight its load is 1 + SLACK, beyond the slack.
+    a, b = make_link("a", running=1, kv=1.0), make_link("b")
+    router = Router([a, b], "prefix", FakeLookup({"pool-a": 64}), load_slack=SLACK)
+    assert [name_of(choose(router)) for _ in range(4)] == ["b"] * 4
+    # With nothing in flight its load is exactly SLACK: still within the slack, so the warm cache wins.
+    a.load = make_link("a", running=0, kv=1.0).load
+    assert [name_of(choose(router)) for _ in range(4)] == ["a"] * 4
+
+
+def test_cold_prompts_spread_evenly_over_equal_executors() -> None:
+    links = [make_link(n, running=2) for n in "abc"]
+    router = Router(links, "prefix", FakeLookup({}), load_slack=SLACK)
+    chosen = [name_of(choose(router)) for _ in range(30)]
+    assert collections.Counter(chosen) == {"a": 10, "b": 10, "c": 10}, chosen
+    assert all(x != y for x, y in itertools.pairwise(chosen)), f"rotation: no executor twice in a row: {chosen}"
+
+
+def test_cold_prompts_go_to_the_least_loaded() -> None:
+    links = [make_link("a", running=3), make_link("b", running=1), make_link("c", running=2)]
+    router = Router(links, "prefix", FakeLookup({"pool-zzz": 99}), load_slack=SLACK)  # cached in an unknown pool
+    assert {name_of(choose(router)) for _ in range(6)} == {"b"}
+
+
+def test_prefix_without_lookup_routes_as_least_loaded() -> None:
+    links = [make_link("a", running=3), make_link("b", running=1)]
+    router = Router(links, "prefix", None, load_slack=SLACK)
+    assert {name_of(choose(router)) for _ in range(4)} == {"b"}
+
+
+def test_link_lost_while_blockd_answers_is_not_chosen() -> None:
+    a, b = make_link("a"), make_link("b", running=5)
+
+    def lose_a() -> None:
+        a.healthy = False
+
+    router = Router([a, b], "prefix", FakeLookup({"pool-a": 64}, on_call=lose_a), load_slack=SLACK)
+    assert name_of(choose(router)) == "b"
+
+
+# ------------------------------------------------------------------------------------------------ other policies
+
+
+def test_least_loaded_picks_fewest_requests() -> None:
+    links = [make_link("a", running=4), make_link("b", running=2, waiting=1), make_link("c", running=1, waiting=1),
+             make_link("d", in_flight=3)]
+    lookup = FakeLookup({"pool-a": 100})
+    router = Router(links, "least-loaded", lookup, load_slack=SLACK)
+    for _ in range(8):
+        route = choose(router)
+        assert name_of(route) == "c" and route is not None and route.expected_cached_tokens == 0
+    assert lookup.calls == [], "least-loaded never asks blockd"
+
+
+def test_least_loaded_counts_requests_sent_but_not_yet_reported() -> None:
+    a, b = make_link("a", running=1), make_link("b", running=0, in_flight=3)
+    router = Router([a, b], "least-loaded", None, load_slack=SLACK)
+    assert {name_of(choose(router)) for _ in range(4)} == {"a"}
+
+
+def test_least_loaded_counts_kv_pressure() -> None:
+    """A cache full of live sequences is as busy as load_slack more requests: one request elsewhere is lighter."""
+    a, b = make_link("a", running=0, kv=1.0), make_link("b", running=1, kv=0.0)
+    router = Router([a, b], "least-loaded", None, load_slack=SLACK)
+    assert [name_of(choose(router)) for _ in range(4)] == ["b"] * 4
+
+
+def test_round_robin_cycles() -> None:
+    links = [make_link("a", running=10), make_link("b"), make_link("c", kv=1.0)]
+    router = Router(links, "round-robin", FakeLookup({"pool-b": 50}), load_slack=SLACK)
+    chosen = [name_of(choose(router)) for _ in range(7)]
+    assert chosen == ["a", "b", "c", "a", "b", "c", "a"], "round-robin ignores load and cache"
+    route = choose(router)
+    assert route is not None and route.expected_cached_tokens == 0, "round-robin does not ask blockd"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_unhealthy_and_excluded_links_are_never_chosen(policy: str) -> None:
+    a = make_link("a", healthy=False)  # the lightest and the prefix holder, but out of rotation
+    b, c, d = make_link("b", running=2), make_link("c", running=2), make_link("d", running=2)
+    router = Router([a, b, c, d], policy, FakeLookup({"pool-a": 64, "pool-c": 64}), load_slack=SLACK)
+    chosen = {name_of(choose(router, exclude={c.endpoint})) for _ in range(12)}
+    assert chosen == {"b", "d"}, f"{policy}: chose {chosen}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_none_when_no_executor_is_healthy(policy: str) -> None:
+    links = [make_link("a", healthy=False), make_link("b", healthy=False)]
+    lookup = FakeLookup({"pool-a": 10})
+    router = Router(links, policy, lookup, load_slack=SLACK)
+    assert choose(router) is None
+    assert Router([], policy, lookup).healthy() == []
+    assert choose(Router([], policy, lookup)) is None
+    ok = make_link("c")
+    assert choose(Router([ok, *links], policy, lookup, load_slack=SLACK), exclude={ok.endpoint}) is None
+    assert lookup.calls == [], "with nothing to choose from blockd is not asked"
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Router([make_link("a")], "random", None)
+
+
+def test_pick_keeps_rotation_order_for_ties() -> None:
+    a, b, c = make_link("a"), make_link("b"), make_link("c")
+    assert pick([b, c, a], {}, SLACK).link is b
+    assert pick([c, a, b], {"pool-a": 0}, SLACK).link is c
+    assert pick([c, a, b], {"pool-a": 16, "pool-b": 16}, SLACK).link is a
+
+
+# ------------------------------------------------------------------------------------------------ blockd lookup
+
+
+def test_prefix_lookup_against_unreachable_blockd_returns_nothing() -> None:
+    lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.05)
+    try:
+        started = time.monotonic()
+        assert asyncio.run(lookup.cached_tokens([1, 2, 3])) == {}
+        assert lookup.reachable is False
+        assert asyncio.run(lookup.cached_tokens([4, 5])) == {}, "and again, without raising"
+        assert lookup.reachable is False
+        assert time.monotonic() - started < 5
+    finally:
+        lookup.close()
+
+
+def test_router_falls_back_to_least_loaded_when_blockd_is_away() -> None:
+    lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.05)
+    try:
+        router = Router([make_link("a", running=3), make_link("b", running=1)], "prefix", lookup, load_slack=SLACK)
+        route = choose(router)
+        assert name_of(route) == "b" and route is not None and route.expected_cached_tokens == 0
+    finally:
+        lookup.close()
