@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,20 +40,31 @@ class Route:
 
 
 class PrefixLookup:
-    """blockd's prefix lookup, off the event loop (the client is synchronous and not thread-safe: one thread)."""
+    """blockd's prefix lookup, off the event loop (the client is synchronous and not thread-safe: one thread).
 
-    def __init__(self, endpoint: str, timeout_s: float = 0.25) -> None:
+    After a lookup fails, requests are routed without one for `retry_after_s`: a blockd that is away must not
+    add its timeout to every request (nor queue them behind each other on the lookup thread).
+    """
+
+    def __init__(self, endpoint: str, timeout_s: float = 0.25, retry_after_s: float = 2.0) -> None:
         self._client = BlockdClient(endpoint, timeout_s=timeout_s)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockd-lookup")
+        self.retry_after_s = retry_after_s
         self.reachable = True
+        self._next_try = 0.0
 
     async def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
+        if not self.reachable and time.monotonic() < self._next_try:
+            return {}
+        self._next_try = time.monotonic() + self.retry_after_s  # one probe at a time while it is away
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._thread, self._client.lookup, tokens)
         except (BlockdUnavailable, BlockdError) as exc:
             if self.reachable:
-                log.warning("prefix_lookup_failed", error=str(exc), fallback="least-loaded")
+                log.warning("prefix_lookup_failed", error=str(exc), fallback="least-loaded",
+                            retry_after_s=self.retry_after_s)
             self.reachable = False
+            self._next_try = time.monotonic() + self.retry_after_s
             return {}
         if not self.reachable:
             log.info("prefix_lookup_recovered")

@@ -229,6 +229,30 @@ def test_prefix_lookup_against_unreachable_blockd_returns_nothing() -> None:
         lookup.close()
 
 
+def test_prefix_lookup_does_not_wait_on_an_absent_blockd_again_until_its_retry_time() -> None:
+    lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.3, retry_after_s=0.5)
+    calls = 0
+    original = lookup._client.lookup
+
+    def counted(tokens):  # the real client, counting the attempts that reach it
+        nonlocal calls
+        calls += 1
+        return original(tokens)
+
+    lookup._client.lookup = counted  # type: ignore[method-assign]
+    try:
+        assert asyncio.run(lookup.cached_tokens([1])) == {} and calls == 1
+        started = time.monotonic()
+        for _ in range(5):
+            assert asyncio.run(lookup.cached_tokens([1])) == {}
+        assert calls == 1, "no attempt while blockd is known to be away"
+        assert time.monotonic() - started < 0.3, "and no waiting for its timeout"
+        time.sleep(0.5)
+        assert asyncio.run(lookup.cached_tokens([1])) == {} and calls == 2, "a new probe after retry_after_s"
+    finally:
+        lookup.close()
+
+
 def test_router_falls_back_to_least_loaded_when_blockd_is_away() -> None:
     lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.05)
     try:
