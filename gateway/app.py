@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from executor.protocol import Info as ExecutorInfo
 from executor.sampling import SamplingParams
 from gateway import errors, responses
 from gateway.api import ChatCompletionRequest, CompletionRequest, _Common, require_json_object, validation_message
@@ -62,11 +63,19 @@ class Gateway:
         self.model_name = config.served_model_name or Path(config.model_dir).resolve().name
         self.created = int(time.time())
         self.context = zmq.asyncio.Context()
-        self.links = [ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s) for e in config.executors]
+        self.links = [ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
+                      for e in config.executors]
         self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
         self.in_flight = 0
         self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
+
+    def _compatible(self, info: ExecutorInfo) -> str | None:
+        """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""
+        if self.tokenizer.vocab_size > info.vocab_size:
+            return (f"it serves {info.model_id} with a vocabulary of {info.vocab_size} tokens, but this gateway's "
+                    f"tokenizer ({self.config.model_dir}) has {self.tokenizer.vocab_size}: another model")
+        return None
 
     async def start(self) -> None:
         for link in self.links:
@@ -85,6 +94,10 @@ class Gateway:
     def max_model_len(self) -> int | None:
         lengths = [link.info.max_model_len for link in self.links if link.healthy and link.info]
         return min(lengths) if lengths else None
+
+    def why_unavailable(self) -> str:
+        refused = [f"{link.endpoint} is refused: {link.refused}" for link in self.links if link.refused]
+        return "; ".join(refused) if refused else "every executor is out of rotation"
 
     @contextlib.contextmanager
     def admitted(self):
@@ -113,7 +126,7 @@ def _token_limit(gateway: Gateway, prompt: list[int], asked: int | None, param: 
     """max_tokens for this prompt: what was asked, if it fits in the context; all the room left if not asked."""
     limit = gateway.max_model_len
     if limit is None:
-        raise errors.no_executor("every executor is out of rotation")
+        raise errors.no_executor(gateway.why_unavailable())
     if not prompt:
         raise errors.invalid_request("The prompt is empty.", param=param)
     room = limit - len(prompt)
@@ -455,6 +468,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "routing": config.routing, "in_flight": gateway.in_flight,
                 "prefix_lookup": None if gateway.lookup is None else gateway.lookup.reachable,
                 "executors": [link.describe() for link in gateway.links]}
+        if not healthy:
+            body["reason"] = gateway.why_unavailable()
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @app.get("/metrics")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -47,8 +47,11 @@ class ExecutorUnavailable(ConnectionError):
 
 class ExecutorLink:
     def __init__(self, endpoint: str, context: zmq.asyncio.Context, *, timeout_s: float = 5.0,
-                 poll_interval_s: float | None = None) -> None:
+                 poll_interval_s: float | None = None,
+                 compatible: Callable[[ep.Info], str | None] = lambda info: None) -> None:
         self.endpoint = endpoint
+        self.compatible = compatible  # why this gateway cannot use an executor (another model), or None
+        self.refused: str | None = None
         self.timeout_s = timeout_s
         self.poll_interval_s = poll_interval_s or min(0.5, timeout_s / 4)
         self._context = context
@@ -82,6 +85,7 @@ class ExecutorLink:
         return {
             "endpoint": self.endpoint,
             "healthy": self.healthy,
+            "refused": self.refused,
             "pool_id": self.pool_id,
             "in_flight": self.in_flight,
             "running": self.load.running if self.load else None,
@@ -214,7 +218,11 @@ class ExecutorLink:
         elif kind is ep.Info:
             if self.info is not None and self.info.pool_id != message.pool_id:
                 log.info("executor_replaced", executor=self.endpoint, pool_id=message.pool_id)
-            self.info = message
+            problem = self.compatible(message)
+            if problem and problem != self.refused:
+                log.error("executor_refused", executor=self.endpoint, pool_id=message.pool_id, reason=problem)
+            self.refused = problem
+            self.info = None if problem else message
         if not self.healthy and self.info is not None:
             self.healthy = True
             log.info("executor_in_rotation", executor=self.endpoint, pool_id=self.info.pool_id)

@@ -221,3 +221,20 @@ def test_no_executor_answers_503_and_health_says_so(model_dir: Path, tmp_path: P
         assert [e["healthy"] for e in state.json()["executors"]] == [False, False]
     finally:
         gateway.stop()
+
+
+def test_executors_serving_another_model_are_refused(stack: LocalStack, tmp_path: Path) -> None:
+    """A gateway whose tokenizer is not the executors' model would send them token ids that mean other words."""
+    other = write_model(tmp_path / "other-model", arch="llama", quiet=True, **{**TINY, "vocab_size": 1024})
+    gateway = Gateway(other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log")
+    try:
+        gateway.wait_listening()
+        wait_for(lambda: all(e["refused"] for e in health(gateway.url)["executors"]), 30, "both to be refused")
+        state = httpx.get(f"{gateway.url}/health", timeout=10)
+        assert state.status_code == 503 and "vocabulary of 512 tokens" in state.json()["reason"]
+        response = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503 and "another model" in response.json()["error"]["message"]
+    finally:
+        gateway.stop()
+    # The stack's own gateway, with the right tokenizer, is not affected.
+    assert health(stack.url)["status"] == "ok"
