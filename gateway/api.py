@@ -18,6 +18,14 @@ MAX_STOP_STRINGS = 16
 MAX_N = 64
 
 
+class ParamError(ValueError):
+    """A request-level check that names the parameter it is about (pydantic leaves those without a location)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -48,13 +56,13 @@ class _Common(BaseModel):
     def _supported(self) -> _Common:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported by pagedkv; leave it at 0")
+                raise ParamError(name, f"{name} is not supported by pagedkv; leave it at 0")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by pagedkv")
+            raise ParamError("logit_bias", "logit_bias is not supported by pagedkv")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings")
+            raise ParamError("stop", f"stop accepts at most {MAX_STOP_STRINGS} strings")
         return self
 
     def stop_strings(self) -> list[str]:
@@ -84,11 +92,11 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported by pagedkv")
+            raise ParamError("echo", "echo is not supported by pagedkv")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported by pagedkv (only best_of == n)")
+            raise ParamError("best_of", "best_of is not supported by pagedkv (only best_of == n)")
         if self.suffix:
-            raise ValueError("suffix is not supported by pagedkv")
+            raise ParamError("suffix", "suffix is not supported by pagedkv")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -139,13 +147,13 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
         if self.tools:
-            raise ValueError("tools are not supported by pagedkv")
+            raise ParamError("tools", "tools are not supported by pagedkv")
         if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by pagedkv")
+            raise ParamError("tool_choice", "tool_choice is not supported by pagedkv")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than text is not supported by pagedkv")
+            raise ParamError("response_format", "response_format other than text is not supported by pagedkv")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self
 
     @property
@@ -160,6 +168,9 @@ class ChatCompletionRequest(_Common):
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One sentence (and the offending parameter) from pydantic's errors: the first one says enough."""
     error = errors[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):
+        return str(cause), cause.param
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
     # Union members show up in the location ("str", "list[int]"): they name types, not parameters.
     location = [part for part in location if not any(ch in part for ch in "[]") and part not in ("str", "int")]

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import uvicorn
@@ -40,6 +40,7 @@ from gateway.routing import PrefixLookup, Router
 from gateway.text import PromptError, Tokenizer
 
 log = structlog.get_logger("gateway")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -203,20 +204,39 @@ async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
 async def _until_disconnected(request: Request) -> None:
     while True:
-        message = await request.receive()
+        message = await request.receive()  # the body is read: the next message is the disconnect
         if message["type"] == "http.disconnect":
             return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; or, if the client disconnects first, `work` is cancelled and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 class _Exchange:
     """One HTTP request's generations and how their events become a response."""
 
-    def __init__(self, gateway: Gateway, request: Request, kind: str, body: _Common,
-                 generations: list[Generation], logprobs: int | None) -> None:
+    def __init__(self, gateway: Gateway, kind: str, body: _Common, generations: list[Generation],
+                 logprobs: int | None) -> None:
         self.gateway = gateway
-        self.request = request
         self.kind = kind  # "completion" | "chat"
         self.body = body
         self.generations = generations
@@ -351,40 +371,29 @@ async def _respond(gateway: Gateway, request: Request, kind: str, body: _Common,
                            body.sampling(limit, logprobs), body.stop_strings(), arrival, replayable=not body.stream)
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))
     ]
-    exchange = _Exchange(gateway, request, kind, body, generations, logprobs)
+    exchange = _Exchange(gateway, kind, body, generations, logprobs)
     release = contextlib.ExitStack()
     release.enter_context(gateway.admitted())
-    try:
-        first = await anext(exchange.events)  # errors before this point still get a status code
+    handed_over = False  # to the streaming response, which then releases the queue slot and the generations
+    try:  # errors before the first event still get a status code
+        first = await _unless_disconnected(request, anext(exchange.events))
+        if body.stream:
+            response = _EventStream(exchange.stream(first, release), cleanup=exchange.events.aclose,
+                                    release=release, media_type="text/event-stream",
+                                    headers={**exchange.headers(), "Cache-Control": "no-cache"})
+            handed_over = True
+            return response
+        result = await _unless_disconnected(request, exchange.collect(first))
+    except ClientGone:  # its generations were cancelled, which aborted them at the executors
+        gateway.metrics.requests.labels(route=exchange.route, status="client_disconnected").inc()
+        return Response(status_code=499)
     except StopAsyncIteration:
-        release.close()
         raise errors.internal("the generation ended without output") from None
-    except BaseException:
-        release.close()
-        await exchange.events.aclose()
-        raise
-    if body.stream:
-        return _EventStream(exchange.stream(first, release), cleanup=exchange.events.aclose, release=release,
-                            media_type="text/event-stream", headers={**exchange.headers(), "Cache-Control": "no-cache"})
-    with release:
-        collect = asyncio.create_task(exchange.collect(first))
-        disconnect = asyncio.create_task(_until_disconnected(request))
-        try:
-            await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-            if not collect.done():
-                collect.cancel()  # the client went away: abort its generations
-                await asyncio.gather(collect, return_exceptions=True)
-                await exchange.events.aclose()
-        if collect.cancelled():
-            gateway.metrics.requests.labels(route=exchange.route, status="client_disconnected").inc()
-            return Response(status_code=499)
-        try:
-            result = collect.result()
-        except GenerationFailed as exc:
-            raise errors.APIError(502, str(exc), type="server_error", code="executor_lost") from None
-        finally:
+    except GenerationFailed as exc:
+        raise errors.APIError(502, str(exc), type="server_error", code="executor_lost") from None
+    finally:
+        if not handed_over:
+            release.close()
             await exchange.events.aclose()
     gateway.metrics.requests.labels(route=exchange.route, status="200").inc()
     return JSONResponse(result, headers=exchange.headers())

@@ -106,8 +106,8 @@ def test_requests_that_streamed_nothing_are_retried_when_their_executor_dies(sta
 def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: LocalStack) -> None:
     """Nothing of a non-streamed response has reached the client yet, so it starts over elsewhere."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-    ask = dict(model=stack.model_name, prompt=list(range(40, 60)), max_tokens=450, temperature=0,
-               extra_body={"ignore_eos": True})
+    ask = {"model": stack.model_name, "prompt": list(range(40, 60)), "max_tokens": 450, "temperature": 0,
+           "extra_body": {"ignore_eos": True}}
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(client.completions.create(**ask)))
     worker.start()
@@ -238,3 +238,20 @@ def test_executors_serving_another_model_are_refused(stack: LocalStack, tmp_path
         gateway.stop()
     # The stack's own gateway, with the right tokenizer, is not affected.
     assert health(stack.url)["status"] == "ok"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_its_first_token_aborts_its_request(stack: LocalStack, stream: bool) -> None:
+    executors = [stack.processes[name].pid for name in ("executor-0", "executor-1")]
+    body = {"model": stack.model_name, "prompt": [5, 6, 7], "max_tokens": 200, "stream": stream, "ignore_eos": True}
+    for pid in executors:
+        os.kill(pid, signal.SIGSTOP)  # the request waits for its first token
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{stack.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+        wait_for(lambda: health(stack.url)["in_flight"] == 0, 1.0, "the gateway to let go of the request")
+    finally:
+        for pid in executors:
+            os.kill(pid, signal.SIGCONT)
+    wait_until_no_live_blocks(stack)  # the executor saw the abort with (or right after) the request
+    wait_for(lambda: all(e["running"] == 0 for e in health(stack.url)["executors"]), 5, "nothing running")

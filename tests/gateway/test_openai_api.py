@@ -222,7 +222,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny-chat", "prompt": list(range(600))}, 400, "prompt", None),
     ("/v1/completions", {"model": "tiny-chat", "prompt": [1, 2, 99999]}, 400, "prompt", None),
     ("/v1/completions", {"model": "tiny-chat", "prompt": ""}, 400, "prompt", None),
-    ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "presence_penalty": 0.5}, 400, None, None),
+    ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "repetition_penalty": 1.1}, 400,
      "repetition_penalty", None),
     ("/v1/completions", {"model": "other-model", "prompt": "x"}, 404, "model", "model_not_found"),
@@ -235,7 +235,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400,
      "n", None),
     ("/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
-                              "top_logprobs": 2}, 400, None, None),
+                              "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/nowhere", {}, 404, None, "not_found"),
 ]
 
