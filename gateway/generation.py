@@ -14,6 +14,7 @@ request at the executor.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from executor import protocol as ep
 from executor.sampling import SamplingParams
 from gateway import errors
-from gateway.executors import ExecutorLink, ExecutorLost, ExecutorUnavailable
+from gateway.executors import ExecutorLink, ExecutorLost, ExecutorUnavailable, StreamItem
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Router
 from gateway.text import Detokenizer, StopMatcher, Tokenizer
@@ -131,7 +132,7 @@ class Generation:
         assert self._link is not None
         return self._link.endpoint
 
-    async def _submit(self, tried: set[str], attempt: int):
+    async def _submit(self, tried: set[str], attempt: int) -> asyncio.Queue[StreamItem]:
         while True:
             route = await self.router.choose(self.prompt, exclude=tried)
             if route is None:
