@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ class Router:
         self.load_slack = load_slack
         self._turn = itertools.count()
 
-    def healthy(self, exclude: set[str] = frozenset()) -> list[ExecutorLink]:  # type: ignore[assignment]
+    def healthy(self, exclude: AbstractSet[str] = frozenset()) -> list[ExecutorLink]:
         return [link for link in self.links if link.healthy and link.endpoint not in exclude]
 
     def _in_turn(self, links: list[ExecutorLink]) -> list[ExecutorLink]:
@@ -95,7 +96,7 @@ class Router:
         start = next(self._turn) % len(links)
         return links[start:] + links[:start]
 
-    async def choose(self, prompt: Sequence[int], exclude: set[str] = frozenset()) -> Route | None:  # type: ignore[assignment]
+    async def choose(self, prompt: Sequence[int], exclude: AbstractSet[str] = frozenset()) -> Route | None:
         """The executor for this prompt, or None if no executor is in rotation."""
         candidates = self.healthy(exclude)
         if not candidates:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ from gateway.bench import (
     stream_one,
     summarize,
 )
+from tests.blockd.conftest import free_port
 from tests.executor.conftest import TINY
 
 # ------------------------------------------------------------------------------------------------- workloads
@@ -253,9 +253,7 @@ def test_url_and_skip_routing_start_no_stack(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_an_unreachable_url_is_a_clear_error() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     result = _invoke("--url", f"http://127.0.0.1:{port}", "--skip-routing", "--requests", "1")
     assert result.exit_code == 1 and "GET /v1/models" in result.output, result.output
 

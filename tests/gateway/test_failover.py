@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,6 +17,7 @@ import pytest
 
 from executor.make_model import write_model
 from pagedkv.serve import LocalStack, free_ports
+from tests.blockd.conftest import wait_for
 from tests.executor.conftest import TINY
 from tests.gateway.test_openai_api import wait_until_no_live_blocks
 
@@ -43,13 +44,6 @@ def healthy_pools(url: str) -> set[str]:
     return {e["pool_id"] for e in health(url)["executors"] if e["healthy"]}
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -62,14 +56,16 @@ def test_a_silent_executor_leaves_the_rotation_and_rejoins(stack: LocalStack) ->
     frozen = stack.processes["executor-1"]
     os.kill(frozen.pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: healthy_pools(stack.url) == {"executor-0"}, 15, "executor-1 to leave the rotation")
+        wait_for(lambda: healthy_pools(stack.url) == {"executor-0"},
+                 timeout_s=15, what="executor-1 to leave the rotation")
         for _ in range(4):  # round-robin would alternate; only executor-0 is in rotation
             response = client.completions.with_raw_response.create(model=stack.model_name, prompt="hello",
                                                                    max_tokens=3)
             assert response.headers["x-pagedkv-executor"] == "executor-0"
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
-    wait_for(lambda: healthy_pools(stack.url) == {"executor-0", "executor-1"}, 15, "executor-1 to rejoin")
+    wait_for(lambda: healthy_pools(stack.url) == {"executor-0", "executor-1"},
+             timeout_s=15, what="executor-1 to rejoin")
     served_by = {client.completions.with_raw_response.create(model=stack.model_name, prompt="hi", max_tokens=2)
                  .headers["x-pagedkv-executor"] for _ in range(4)}
     assert served_by == {"executor-0", "executor-1"}
@@ -116,7 +112,7 @@ def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: Loca
         busy = [e["pool_id"] for e in health(stack.url)["executors"] if e["running"]]
         return busy[0] if busy else None
 
-    wait_for(lambda: generating() is not None, 30, "the request to be generating")
+    wait_for(lambda: generating() is not None, timeout_s=30, what="the request to be generating")
     stack.kill(generating())
     worker.join(timeout=120)
     (survived,) = result
@@ -169,7 +165,7 @@ class Gateway:
             except httpx.TransportError:
                 return False
 
-        wait_for(answers, 60, "the gateway to listen")
+        wait_for(answers, timeout_s=60, what="the gateway to listen")
 
     def stop(self) -> None:
         self.process.terminate()
@@ -184,14 +180,14 @@ def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: 
     body = {"model": stack.model_name, "prompt": "x", "max_tokens": 2}
     try:
         gateway.wait_listening()
-        wait_for(lambda: health(gateway.url)["status"] == "ok", 30, "executors in rotation")
+        wait_for(lambda: health(gateway.url)["status"] == "ok", timeout_s=30, what="executors in rotation")
         for pid in executors:
             os.kill(pid, signal.SIGSTOP)  # the first request stays in flight until they go on
         first: list[httpx.Response] = []
         waiting = threading.Thread(target=lambda: first.append(
             httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)))
         waiting.start()
-        wait_for(lambda: health(gateway.url)["in_flight"] == 1, 10, "the first request to be in flight")
+        wait_for(lambda: health(gateway.url)["in_flight"] == 1, timeout_s=10, what="the first request to be in flight")
         second = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
         assert second.status_code == 429
         assert second.json()["error"]["type"] == "rate_limit_error"
@@ -229,7 +225,8 @@ def test_executors_serving_another_model_are_refused(stack: LocalStack, tmp_path
     gateway = Gateway(other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log")
     try:
         gateway.wait_listening()
-        wait_for(lambda: all(e["refused"] for e in health(gateway.url)["executors"]), 30, "both to be refused")
+        wait_for(lambda: all(e["refused"] for e in health(gateway.url)["executors"]),
+                 timeout_s=30, what="both to be refused")
         state = httpx.get(f"{gateway.url}/health", timeout=10)
         assert state.status_code == 503 and "vocabulary of 512 tokens" in state.json()["reason"]
         response = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
@@ -249,9 +246,11 @@ def test_a_client_gone_before_its_first_token_aborts_its_request(stack: LocalSta
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{stack.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
-        wait_for(lambda: health(stack.url)["in_flight"] == 0, 1.0, "the gateway to let go of the request")
+        wait_for(lambda: health(stack.url)["in_flight"] == 0,
+                 timeout_s=1.0, what="the gateway to let go of the request")
     finally:
         for pid in executors:
             os.kill(pid, signal.SIGCONT)
     wait_until_no_live_blocks(stack)  # the executor saw the abort with (or right after) the request
-    wait_for(lambda: all(e["running"] == 0 for e in health(stack.url)["executors"]), 5, "nothing running")
+    wait_for(lambda: all(e["running"] == 0 for e in health(stack.url)["executors"]),
+             timeout_s=5, what="nothing running")
