@@ -56,7 +56,7 @@ def inproc_block_ops_per_s(work: Workload, live: int = 64, num_blocks: int = 163
     window: list[str] = []
     ops = 0
     started = time.perf_counter()
-    for seq_id, prompt in zip(ids, work.prompts):
+    for seq_id, prompt in zip(ids, work.prompts, strict=False):
         ops += len(pool.admit(seq_id, prompt).blocks)
         for token in one_token:
             ops += len(pool.append(seq_id, token).blocks)
@@ -95,8 +95,11 @@ def rpc_steps(endpoint: str, work: Workload, seqs_per_step: int, pool_id: str) -
         step: list[p.StepOp] = [p.Free(s) for s in finished]
         step += [p.Append(s, SAMPLED) for s in running]
         # A real executor commits when a block fills; committing every step would add only no-ops.
-        step += [p.Commit(s, PROMPT + DECODE - left) for s, left in running.items()
-                 if (PROMPT + DECODE - left) % BLOCK_SIZE == 0]
+        step += [
+            p.Commit(s, PROMPT + DECODE - left)
+            for s, left in running.items()
+            if (PROMPT + DECODE - left) % BLOCK_SIZE == 0
+        ]
         for s in running:
             running[s] -= 1
         for _ in range(admits_per_step):
@@ -110,7 +113,7 @@ def rpc_steps(endpoint: str, work: Workload, seqs_per_step: int, pool_id: str) -
         t0 = time.perf_counter()
         results = pool.step(step)
         latencies.append(time.perf_counter() - t0)
-        for op, result in zip(step, results):
+        for op, result in zip(step, results, strict=False):
             if type(result) is p.OpError:
                 raise RuntimeError(f"{op}: {result.code}: {result.message}")
             if type(op) is p.Free:
@@ -165,8 +168,10 @@ def bench_blockd(sequences: int, rpc_sequences: int, seqs_per_step: int, repeat:
     if quick:
         sequences, rpc_sequences, repeat = 300, 200, 1
     echo = click.echo
-    echo(f"workload: {PROMPT}-token prompts (half share a {SHARED}-token prefix), {DECODE} decode steps each, "
-         f"block size {BLOCK_SIZE}")  # fmt: skip
+    echo(
+        f"workload: {PROMPT}-token prompts (half share a {SHARED}-token prefix), {DECODE} decode steps each, "
+        f"block size {BLOCK_SIZE}"
+    )
 
     echo(f"[1/3] in-process core: {sequences} sequences × {repeat} runs")
     work = Workload.make(sequences)
@@ -192,8 +197,10 @@ def bench_blockd(sequences: int, rpc_sequences: int, seqs_per_step: int, repeat:
                 for phase, label in (("plain", "[2/3] rpc, no persistence"), ("persist", "[3/3] rpc, with Redis")):
                     fig = rpc_steps(endpoints[phase], rpc_work, seqs_per_step, pool_id=f"bench-{phase}-{run}")
                     figures[phase].append(fig)
-                    echo(f"{label}: run {run + 1}: {fig.steps} steps, p50 {fig.p50_us:.0f} µs, "
-                         f"p99 {fig.p99_us:.0f} µs, {fig.block_ops_per_s:,.0f} block ops/s")  # fmt: skip
+                    echo(
+                        f"{label}: run {run + 1}: {fig.steps} steps, p50 {fig.p50_us:.0f} µs, "
+                        f"p99 {fig.p99_us:.0f} µs, {fig.block_ops_per_s:,.0f} block ops/s"
+                    )
         finally:
             for daemon in daemons.values():
                 daemon.terminate()
@@ -206,24 +213,34 @@ def bench_blockd(sequences: int, rpc_sequences: int, seqs_per_step: int, repeat:
     rows = [
         ("in-process core", f"{best_inproc:,.0f}", "-", "-"),
         ("rpc step, no persistence", f"{plain.block_ops_per_s:,.0f}", f"{plain.p50_us:.0f}", f"{plain.p99_us:.0f}"),
-        ("rpc step, Redis write-behind", f"{persist.block_ops_per_s:,.0f}", f"{persist.p50_us:.0f}",
-         f"{persist.p99_us:.0f}"),
-    ]  # fmt: skip
+        (
+            "rpc step, Redis write-behind",
+            f"{persist.block_ops_per_s:,.0f}",
+            f"{persist.p50_us:.0f}",
+            f"{persist.p99_us:.0f}",
+        ),
+    ]
     echo("")
     echo(f"{'phase':<30} {'block ops/s':>14} {'p50 µs':>8} {'p99 µs':>8}")
     for name, rate, p50, p99 in rows:
         echo(f"{name:<30} {rate:>14} {p50:>8} {p99:>8}")
-    echo(f"persistence throughput ratio (with ÷ without): {ratio:.3f}   [{seqs_per_step} sequences per step, "
-         f"best of {repeat}, {os.cpu_count()} cores]")  # fmt: skip
-    echo(json.dumps({
-        "inproc_block_ops_per_s": round(best_inproc),
-        "rpc_step_p50_us": round(plain.p50_us, 1),
-        "rpc_step_p99_us": round(plain.p99_us, 1),
-        "rpc_block_ops_per_s": round(plain.block_ops_per_s),
-        "rpc_persist_step_p50_us": round(persist.p50_us, 1),
-        "rpc_persist_step_p99_us": round(persist.p99_us, 1),
-        "rpc_persist_block_ops_per_s": round(persist.block_ops_per_s),
-        "persist_throughput_ratio": round(ratio, 3),
-        "seqs_per_step": seqs_per_step,
-        "quick": quick,
-    }))  # fmt: skip
+    echo(
+        f"persistence throughput ratio (with ÷ without): {ratio:.3f}   [{seqs_per_step} sequences per step, "
+        f"best of {repeat}, {os.cpu_count()} cores]"
+    )
+    echo(
+        json.dumps(
+            {
+                "inproc_block_ops_per_s": round(best_inproc),
+                "rpc_step_p50_us": round(plain.p50_us, 1),
+                "rpc_step_p99_us": round(plain.p99_us, 1),
+                "rpc_block_ops_per_s": round(plain.block_ops_per_s),
+                "rpc_persist_step_p50_us": round(persist.p50_us, 1),
+                "rpc_persist_step_p99_us": round(persist.p99_us, 1),
+                "rpc_persist_block_ops_per_s": round(persist.block_ops_per_s),
+                "persist_throughput_ratio": round(ratio, 3),
+                "seqs_per_step": seqs_per_step,
+                "quick": quick,
+            }
+        )
+    )

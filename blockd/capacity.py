@@ -192,8 +192,10 @@ def simulate_paged(
         problems = pool.check()
         stats = pool.stats()
         if stats.tokens_held != live or stats.live_sequences != len(running):
-            problems.append(f"bookkeeping: the pool holds {stats.tokens_held} tokens in {stats.live_sequences} "
-                            f"sequences, the simulation counts {live} in {len(running)}")  # fmt: skip
+            problems.append(
+                f"bookkeeping: the pool holds {stats.tokens_held} tokens in {stats.live_sequences} "
+                f"sequences, the simulation counts {live} in {len(running)}"
+            )
         if problems:
             raise InvariantViolation(f"paged, step {step}: " + "; ".join(problems))
 
@@ -254,8 +256,10 @@ def simulate_paged(
             raise InvariantViolation(f"paged: {result.steps} steps without finishing (livelock?)")
     verify(result.steps)
     if pool.num_blocks - len(free_queue) or pool.seqs or live:
-        raise InvariantViolation(f"paged: after every request finished {pool.num_blocks - len(free_queue)} blocks "
-                                 f"are in use, {len(pool.seqs)} sequences live, {live} tokens held")  # fmt: skip
+        raise InvariantViolation(
+            f"paged: after every request finished {pool.num_blocks - len(free_queue)} blocks "
+            f"are in use, {len(pool.seqs)} sequences live, {live} tokens held"
+        )
     result.completed = done
     return result.finish(time.perf_counter() - started)
 
@@ -284,8 +288,9 @@ def simulate_reserved(
     for r in requests:
         r.generated = r.stored = r.admissions = 0
         if r.prompt_len + r.output_len > reserve(r):
-            raise InvariantViolation(f"{name}: request {r.index} needs {r.prompt_len + r.output_len} slots, "
-                                     f"reserves {reserve(r)}")  # fmt: skip
+            raise InvariantViolation(
+                f"{name}: request {r.index} needs {r.prompt_len + r.output_len} slots, reserves {reserve(r)}"
+            )
         if reserve(r) > kv_tokens:
             raise InvariantViolation(f"{name}: request {r.index} reserves more than the budget {kv_tokens}")
     while waiting or running:
@@ -349,82 +354,144 @@ def _fmt(value: float | str) -> str:
     active sequences, KV utilization (tokens stored / slots allocated or reserved) averaged over the steps where
     requests wait, preemptions and steps; the last line of stdout is one JSON object. Progress goes to stderr.""",
 )
-@click.option("--kv-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
-              help="KV budget in token slots (paged: kv-tokens // block-size blocks).")  # fmt: skip
+@click.option(
+    "--kv-tokens",
+    type=click.IntRange(min=1),
+    default=65536,
+    show_default=True,
+    help="KV budget in token slots (paged: kv-tokens // block-size blocks).",
+)
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per block.")
-@click.option("--max-len", type=click.IntRange(min=2), default=4096, show_default=True,
-              help="Maximum prompt + output length; what contiguous reservation reserves.")  # fmt: skip
+@click.option(
+    "--max-len",
+    type=click.IntRange(min=2),
+    default=4096,
+    show_default=True,
+    help="Maximum prompt + output length; what contiguous reservation reserves.",
+)
 @click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True, help="Requests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of lengths and token ids.")
-@click.option("--watermark", type=click.FloatRange(0, 0.5, max_open=True), default=0.01, show_default=True,
-              help="Fraction of the blocks admission keeps free for decoding (vLLM's default).")  # fmt: skip
-@click.option("--quick", is_flag=True,
-              help=f"A small run for tests: {QUICK_REQUESTS} requests, {QUICK_KV_TOKENS} KV tokens "
-                   "(options given explicitly win).")  # fmt: skip
+@click.option(
+    "--watermark",
+    type=click.FloatRange(0, 0.5, max_open=True),
+    default=0.01,
+    show_default=True,
+    help="Fraction of the blocks admission keeps free for decoding (vLLM's default).",
+)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help=f"A small run for tests: {QUICK_REQUESTS} requests, {QUICK_KV_TOKENS} KV tokens "
+    "(options given explicitly win).",
+)
 @click.pass_context
 def bench_capacity(
-    ctx: click.Context, kv_tokens: int, block_size: int, max_len: int, requests: int, seed: int, watermark: float,
+    ctx: click.Context,
+    kv_tokens: int,
+    block_size: int,
+    max_len: int,
+    requests: int,
+    seed: int,
+    watermark: float,
     quick: bool,
-) -> None:  # fmt: skip
+) -> None:
     if quick:
         requests = unless_given(ctx, requests, "requests", QUICK_REQUESTS)
         kv_tokens = unless_given(ctx, kv_tokens, "kv_tokens", QUICK_KV_TOKENS)
     if kv_tokens < max_len:
-        raise click.BadParameter(f"{kv_tokens} token slots hold no sequence of --max-len {max_len}; "
-                                 "give at least --max-len", param_hint="'--kv-tokens'")  # fmt: skip
+        raise click.BadParameter(
+            f"{kv_tokens} token slots hold no sequence of --max-len {max_len}; give at least --max-len",
+            param_hint="'--kv-tokens'",
+        )
     num_blocks = kv_tokens // block_size
     watermark_blocks = math.floor(watermark * num_blocks)
     if num_blocks - watermark_blocks < -(-max_len // block_size):
-        raise click.BadParameter(f"{num_blocks} blocks of {block_size} ({watermark_blocks} kept free by the "
-                                 f"watermark) cannot hold one sequence of --max-len {max_len}",
-                                 param_hint="'--kv-tokens'")  # fmt: skip
+        raise click.BadParameter(
+            f"{num_blocks} blocks of {block_size} ({watermark_blocks} kept free by the "
+            f"watermark) cannot hold one sequence of --max-len {max_len}",
+            param_hint="'--kv-tokens'",
+        )
     echo = click.echo
     lengths = sample_lengths(requests, max_len=max_len, seed=seed)
     prompts, outputs = [p for p, _ in lengths], [o for _, o in lengths]
-    echo(f"workload: {requests} requests, seed {seed}; prompt ~ lognormal(median {PROMPT_MEDIAN}, sigma "
-         f"{PROMPT_SIGMA}), output ~ lognormal(median {OUTPUT_MEDIAN}, sigma {OUTPUT_SIGMA}), "
-         f"prompt + output <= {max_len}")  # fmt: skip
-    echo(f"          prompt mean {statistics.fmean(prompts):.0f} / median {statistics.median(prompts):.0f} / max "
-         f"{max(prompts)}; output mean {statistics.fmean(outputs):.0f} / median {statistics.median(outputs):.0f} / "
-         f"max {max(outputs)}; all arrive at step 0")  # fmt: skip
-    echo(f"budget:   {kv_tokens:,} KV token slots; paged: {num_blocks:,} blocks of {block_size}, watermark "
-         f"{watermark_blocks} blocks")  # fmt: skip
+    echo(
+        f"workload: {requests} requests, seed {seed}; prompt ~ lognormal(median {PROMPT_MEDIAN}, sigma "
+        f"{PROMPT_SIGMA}), output ~ lognormal(median {OUTPUT_MEDIAN}, sigma {OUTPUT_SIGMA}), "
+        f"prompt + output <= {max_len}"
+    )
+    echo(
+        f"          prompt mean {statistics.fmean(prompts):.0f} / median {statistics.median(prompts):.0f} / max "
+        f"{max(prompts)}; output mean {statistics.fmean(outputs):.0f} / median {statistics.median(outputs):.0f} / "
+        f"max {max(outputs)}; all arrive at step 0"
+    )
+    echo(
+        f"budget:   {kv_tokens:,} KV token slots; paged: {num_blocks:,} blocks of {block_size}, watermark "
+        f"{watermark_blocks} blocks"
+    )
     progress = _stderr_progress()
     requests_ = make_requests(lengths, seed)
     click.echo("[1/3] paged (BlockPool, continuous batching, preemption by recompute)", err=True)
-    paged = simulate_paged(requests_, num_blocks=num_blocks, block_size=block_size,
-                           watermark_blocks=watermark_blocks, progress=progress)  # fmt: skip
+    paged = simulate_paged(
+        requests_, num_blocks=num_blocks, block_size=block_size, watermark_blocks=watermark_blocks, progress=progress
+    )
     click.echo(f"[2/3] contiguous ({max_len} slots reserved per request)", err=True)
-    contiguous = simulate_reserved(requests_, name="contiguous", kv_tokens=kv_tokens, reserve=lambda r: max_len,
-                                   progress=progress)  # fmt: skip
+    contiguous = simulate_reserved(
+        requests_, name="contiguous", kv_tokens=kv_tokens, reserve=lambda r: max_len, progress=progress
+    )
     click.echo("[3/3] oracle (prompt + output slots reserved per request)", err=True)
-    oracle = simulate_reserved(requests_, name="oracle", kv_tokens=kv_tokens,
-                               reserve=lambda r: r.prompt_len + r.output_len, progress=progress)  # fmt: skip
+    oracle = simulate_reserved(
+        requests_, name="oracle", kv_tokens=kv_tokens, reserve=lambda r: r.prompt_len + r.output_len, progress=progress
+    )
     results = (paged, contiguous, oracle)
     for res in results:
         if res.completed != requests:
             raise click.ClickException(f"{res.name}: {res.completed} of {requests} requests completed")
 
-    columns = ["scheduler", "max active", "mean active", "KV utilization", "budget holding tokens",
-               "preemptions", "steps", "saturated steps", "seconds"]  # fmt: skip
-    cells = [[r.name, _fmt(r.max_active), f"{r.mean_active:.1f}", f"{r.kv_utilization:.1%}", f"{r.budget_fill:.1%}",
-              _fmt(r.preemptions), _fmt(r.steps), _fmt(r.saturated_steps), f"{r.seconds:.1f}"]
-             for r in results]  # fmt: skip
+    columns = [
+        "scheduler",
+        "max active",
+        "mean active",
+        "KV utilization",
+        "budget holding tokens",
+        "preemptions",
+        "steps",
+        "saturated steps",
+        "seconds",
+    ]
+    cells = [
+        [
+            r.name,
+            _fmt(r.max_active),
+            f"{r.mean_active:.1f}",
+            f"{r.kv_utilization:.1%}",
+            f"{r.budget_fill:.1%}",
+            _fmt(r.preemptions),
+            _fmt(r.steps),
+            _fmt(r.saturated_steps),
+            f"{r.seconds:.1f}",
+        ]
+        for r in results
+    ]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     echo("")
-    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
+    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths, strict=False))))
     for row in cells:
-        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
-    echo(f"max active: over all steps; mean active, KV utilization (tokens stored / slots allocated, paged: blocks "
-         f"in use x {block_size}, or reserved) and budget holding tokens (tokens stored / {kv_tokens:,}): averaged "
-         f"over the saturated steps (requests waiting)")  # fmt: skip
-    echo(f"paged holds {paged.mean_active / contiguous.mean_active:.1f}x the sequences of contiguous reservation "
-         f"({paged.mean_active / oracle.mean_active:.2f}x oracle); recomputed {paged.recomputed_tokens:,} tokens "
-         f"after {paged.preemptions:,} preemptions ({os.cpu_count()} cores)")  # fmt: skip
+        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=False))))
+    echo(
+        f"max active: over all steps; mean active, KV utilization (tokens stored / slots allocated, paged: blocks "
+        f"in use x {block_size}, or reserved) and budget holding tokens (tokens stored / {kv_tokens:,}): averaged "
+        f"over the saturated steps (requests waiting)"
+    )
+    echo(
+        f"paged holds {paged.mean_active / contiguous.mean_active:.1f}x the sequences of contiguous reservation "
+        f"({paged.mean_active / oracle.mean_active:.2f}x oracle); recomputed {paged.recomputed_tokens:,} tokens "
+        f"after {paged.preemptions:,} preemptions ({os.cpu_count()} cores)"
+    )
     figures: dict[str, object] = {}
     for res in results:
-        figures.update({f"{res.name}_{k}": (round(v, 4) if isinstance(v, float) else v)
-                        for k, v in res.figures().items()})  # fmt: skip
+        figures.update(
+            {f"{res.name}_{k}": (round(v, 4) if isinstance(v, float) else v) for k, v in res.figures().items()}
+        )
     figures = {
         "paged_max_active": paged.max_active,
         "contiguous_max_active": contiguous.max_active,

@@ -45,8 +45,11 @@ def _pct(x: float) -> str:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=False))]
+    lines += [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False)))
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -75,19 +78,47 @@ def stats(ctx: click.Context, as_json: bool, pool_id: str | None) -> None:
         return
     rows = []
     for s in result.pools:
-        rows.append([
-            s.pool_id, str(s.blocks_total), str(s.blocks_in_use), str(s.blocks_cached_free), str(s.blocks_never_used),
-            _pct(s.kv_utilization), str(s.live_sequences), _pct(s.prefix_hit_rate_tokens),
-            _pct(s.prefix_hit_rate_blocks), str(s.counters.evictions),
-        ])  # fmt: skip
+        rows.append(
+            [
+                s.pool_id,
+                str(s.blocks_total),
+                str(s.blocks_in_use),
+                str(s.blocks_cached_free),
+                str(s.blocks_never_used),
+                _pct(s.kv_utilization),
+                str(s.live_sequences),
+                _pct(s.prefix_hit_rate_tokens),
+                _pct(s.prefix_hit_rate_blocks),
+                str(s.counters.evictions),
+            ]
+        )
     t = result.totals
-    rows.append([
-        "TOTAL", str(t.blocks_total), str(t.blocks_in_use), str(t.blocks_cached_free), str(t.blocks_never_used),
-        _pct(t.kv_utilization), str(t.live_sequences), _pct(t.prefix_hit_rate_tokens),
-        _pct(t.prefix_hit_rate_blocks), str(t.evictions),
-    ])  # fmt: skip
-    headers = ["pool", "blocks", "in use", "cached free", "never used", "kv util", "seqs", "hit tok", "hit blk",
-               "evictions"]  # fmt: skip
+    rows.append(
+        [
+            "TOTAL",
+            str(t.blocks_total),
+            str(t.blocks_in_use),
+            str(t.blocks_cached_free),
+            str(t.blocks_never_used),
+            _pct(t.kv_utilization),
+            str(t.live_sequences),
+            _pct(t.prefix_hit_rate_tokens),
+            _pct(t.prefix_hit_rate_blocks),
+            str(t.evictions),
+        ]
+    )
+    headers = [
+        "pool",
+        "blocks",
+        "in use",
+        "cached free",
+        "never used",
+        "kv util",
+        "seqs",
+        "hit tok",
+        "hit blk",
+        "evictions",
+    ]
     click.echo(_table(headers, rows))
     ps = result.persistence
     detail = f" ({ps.redis}, lag {ps.lag_s:.3f} s, flush every {ps.flush_interval_s:g} s)" if ps.enabled else ""
@@ -108,8 +139,18 @@ def pools(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _json(result)
         return
-    rows = [[i.pool_id, i.model_id, str(i.epoch), str(i.num_blocks), str(i.block_size), str(i.live_sequences),
-             f"{i.last_seen_s:.1f} s"] for i in result.pools]  # fmt: skip
+    rows = [
+        [
+            i.pool_id,
+            i.model_id,
+            str(i.epoch),
+            str(i.num_blocks),
+            str(i.block_size),
+            str(i.live_sequences),
+            f"{i.last_seen_s:.1f} s",
+        ]
+        for i in result.pools
+    ]
     click.echo(_table(["pool", "model", "epoch", "blocks", "block size", "seqs", "last seen"], rows))
     click.echo(f"\nlease timeout: {result.lease_timeout_s:g} s")
 
@@ -125,10 +166,16 @@ def seq(ctx: click.Context, seq_id: str, pool_id: str | None, as_json: bool) -> 
     if as_json:
         _json(info)
         return
-    click.echo(f"sequence {info.seq_id} in pool {info.pool_id}: {info.num_tokens} tokens, "
-               f"{len(info.blocks)} blocks, {info.committed_blocks} committed to the prefix index")
-    click.echo(_table(["#", "block", "refcount"],
-                      [[str(i), str(b), str(r)] for i, (b, r) in enumerate(zip(info.blocks, info.refcounts))]))
+    click.echo(
+        f"sequence {info.seq_id} in pool {info.pool_id}: {info.num_tokens} tokens, "
+        f"{len(info.blocks)} blocks, {info.committed_blocks} committed to the prefix index"
+    )
+    click.echo(
+        _table(
+            ["#", "block", "refcount"],
+            [[str(i), str(b), str(r)] for i, (b, r) in enumerate(zip(info.blocks, info.refcounts, strict=False))],
+        )
+    )
 
 
 @main.command()

@@ -270,14 +270,14 @@ class PoolClient:
         if type(op) is p.Append:
             seq = self.seqs[op.seq_id]
             seq.tokens += op.tokens
-            for (_, dst), gen in zip(outcome.copies, outcome.copy_generations):
+            for (_, dst), gen in zip(outcome.copies, outcome.copy_generations, strict=False):
                 seq.blocks[-1] = dst
                 gens[dst] = gen
-            for b, gen in zip(outcome.blocks, outcome.generations):
+            for b, gen in zip(outcome.blocks, outcome.generations, strict=False):
                 gens[b] = gen
             seq.blocks.extend(outcome.blocks)
         elif type(op) is p.Admit:
-            for b, gen in zip(outcome.blocks, outcome.generations):
+            for b, gen in zip(outcome.blocks, outcome.generations, strict=False):
                 gens[b] = gen
             self.seqs[op.seq_id] = MirroredSequence(
                 bytearray(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt

@@ -94,7 +94,7 @@ class EmbeddedRedis:
 
     def _lock_state_dir(self) -> None:
         """Hold the state directory for this process's lifetime (the kernel lets go if it dies)."""
-        self._lock = open(self.state_dir / "redis.lock", "w")  # noqa: SIM115 - held until stop()
+        self._lock = open(self.state_dir / "redis.lock", "w")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -110,14 +110,21 @@ class EmbeddedRedis:
         self.socket_path.unlink(missing_ok=True)
         command = [
             find_redis_server(),
-            "--dir", str(self.state_dir),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--daemonize", "no",
-            "--pidfile", str(self.pid_path),
-            "--logfile", str(self.state_dir / "redis.log"),
-        ]  # fmt: skip
+            "--dir",
+            str(self.state_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--pidfile",
+            str(self.pid_path),
+            "--logfile",
+            str(self.state_dir / "redis.log"),
+        ]
         if self.port is None:
             command += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         else:

@@ -11,7 +11,9 @@ class BlockdMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("blockd_requests", "Requests answered, by op and outcome", ["op", "outcome"], registry=r)
+        self.requests = Counter(
+            "blockd_requests", "Requests answered, by op and outcome", ["op", "outcome"], registry=r
+        )
         self.request_seconds = Histogram(
             "blockd_request_seconds",
             "Time to handle one request inside blockd (decode to encode)",
@@ -20,15 +22,17 @@ class BlockdMetrics:
             registry=r,
         )
         self.blocks_total = Gauge("blockd_pool_blocks", "Blocks in the pool", ["pool"], registry=r)
-        self.blocks_in_use = Gauge("blockd_pool_blocks_in_use", "Blocks referenced by live sequences", ["pool"], registry=r)
+        self.blocks_in_use = Gauge(
+            "blockd_pool_blocks_in_use", "Blocks referenced by live sequences", ["pool"], registry=r
+        )
         self.index_entries = Gauge("blockd_pool_index_entries", "Prefix-index entries", ["pool"], registry=r)
         self.live_sequences = Gauge("blockd_pool_live_sequences", "Live sequences", ["pool"], registry=r)
-        self.hit_tokens = Gauge("blockd_pool_prefix_hit_tokens", "Prompt tokens found cached at admit", ["pool"], registry=r)
+        self.hit_tokens = Gauge(
+            "blockd_pool_prefix_hit_tokens", "Prompt tokens found cached at admit", ["pool"], registry=r
+        )
         self.queried_tokens = Gauge("blockd_pool_prompt_tokens", "Prompt tokens admitted", ["pool"], registry=r)
         self.evictions = Gauge("blockd_pool_evictions", "Cached blocks evicted by allocation", ["pool"], registry=r)
-        self.persistence_degraded = Gauge(
-            "blockd_persistence_degraded", "1 while Redis writes are failing", registry=r
-        )
+        self.persistence_degraded = Gauge("blockd_persistence_degraded", "1 while Redis writes are failing", registry=r)
         self.persistence_lag = Gauge(
             "blockd_persistence_lag_seconds", "Age of the oldest index change not yet in Redis", registry=r
         )
@@ -49,8 +53,15 @@ class BlockdMetrics:
             self.queried_tokens.labels(pool_id).set(pool.counters.queried_tokens)
             self.evictions.labels(pool_id).set(pool.counters.evictions)
         for gone in self._known_pools - set(pools):
-            for gauge in (self.blocks_total, self.blocks_in_use, self.index_entries, self.live_sequences,
-                          self.hit_tokens, self.queried_tokens, self.evictions):
+            for gauge in (
+                self.blocks_total,
+                self.blocks_in_use,
+                self.index_entries,
+                self.live_sequences,
+                self.hit_tokens,
+                self.queried_tokens,
+                self.evictions,
+            ):
                 gauge.remove(gone)
         self._known_pools = set(pools)
         self.persistence_degraded.set(1 if persistence.state == "degraded" else 0)

@@ -124,7 +124,9 @@ class RedisPersistence(PoolEvents):
     def __init__(self, url: str, *, flush_interval_s: float = 0.1, socket_timeout_s: float = 2.0) -> None:
         self.url = url
         self.flush_interval_s = flush_interval_s
-        self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
         self._queue: queue.Queue[Batch | None] = queue.Queue()
         self._unacked: collections.deque[float] = collections.deque()  # collected_at of batches not yet written
         self._replace: set[str] = set()
@@ -161,8 +163,9 @@ class RedisPersistence(PoolEvents):
                 if time.monotonic() > deadline:
                     self._mark_degraded(exc)
                     self._unloaded = True
-                    log.warning("redis unreachable at start: serving without its index until it answers",
-                                error=str(exc))  # fmt: skip
+                    log.warning(
+                        "redis unreachable at start: serving without its index until it answers", error=str(exc)
+                    )
                     return [], {}
                 time.sleep(0.2)
 
@@ -382,7 +385,9 @@ class RedisPersistence(PoolEvents):
                 self._write_snapshot(pipe, pool_id, {b: r for b, r in persisted.items() if r is not None})
         pipe.execute()
 
-    def _write_snapshot(self, pipe: redis.client.Pipeline, pool_id: str, records: dict[int, BlockRecord | None]) -> None:
+    def _write_snapshot(
+        self, pipe: redis.client.Pipeline, pool_id: str, records: dict[int, BlockRecord | None]
+    ) -> None:
         """Replace a pool's snapshot and log by `records`, in chunks so no single encode stalls the request loop."""
         self._persisted[pool_id] = records
         self._logged[pool_id] = 0
@@ -409,9 +414,15 @@ class NoPersistence(PoolEvents):
 
     def stats(self, now: float) -> p.PersistenceStats:
         return p.PersistenceStats(
-            enabled=False, state="off", redis="", lag_s=0.0, flush_interval_s=0.0,
-            pending_batches=0, entries_written=0, full_rewrites=0,
-        )  # fmt: skip
+            enabled=False,
+            state="off",
+            redis="",
+            lag_s=0.0,
+            flush_interval_s=0.0,
+            pending_batches=0,
+            entries_written=0,
+            full_rewrites=0,
+        )
 
     def close(self) -> None:
         pass

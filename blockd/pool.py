@@ -400,7 +400,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every index entry; blocks stay where they are. Returns how many entries were dropped."""
         dropped = len(self.index)
-        for h, b in self.index.items():
+        for _h, b in self.index.items():
             self.block_hash[b] = None
             if self.journal is not None:
                 self.journal[b] = None
@@ -458,7 +458,7 @@ class BlockPool:
             self.block_hash[b] = h
             self.stamp[b] = stamp
             kept.append((stamp, h, b))
-        for stamp, _, b in sorted(kept):
+        for _, _, b in sorted(kept):
             if self.refcount[b] == 0:
                 self.free_queue.move_to_end(b)
         self._clock = max(self._clock, max((s for s, _, _ in kept), default=0))
@@ -523,11 +523,13 @@ class BlockPool:
             n = len(seq.tokens) // _TOKEN_BYTES
             expected = _ceil_div(n, self.block_size)
             if len(seq.table) != expected or not n:
-                problems.append(f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for "
-                                f"{n} tokens (expected {expected})")
+                problems.append(
+                    f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for {n} tokens (expected {expected})"
+                )
             if seq.committed > n // self.block_size:
-                problems.append(f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, "
-                                f"more than its full blocks")
+                problems.append(
+                    f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, more than its full blocks"
+                )
             for b in seq.table:
                 if not 0 <= b < self.num_blocks:
                     problems.append(f"{pid}: sequence {seq_id!r} names block {b} outside the pool")
@@ -537,7 +539,9 @@ class BlockPool:
             if self.refcount[b] != references[b]:
                 problems.append(f"{pid}: I2 block {b} has refcount {self.refcount[b]} but {references[b]} references")
             if (self.refcount[b] == 0) != (b in self.free_queue):
-                problems.append(f"{pid}: I1 block {b} refcount {self.refcount[b]}, in free queue: {b in self.free_queue}")
+                problems.append(
+                    f"{pid}: I1 block {b} refcount {self.refcount[b]}, in free queue: {b in self.free_queue}"
+                )
             h = self.block_hash[b]
             if h is not None and self.index.get(h) != b:
                 problems.append(f"{pid}: I3 block {b} carries a hash the index does not map to it")

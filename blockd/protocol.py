@@ -4,9 +4,9 @@ Transport: ZeroMQ, a ROUTER on the daemon and a DEALER per client; one frame = o
 MessagePack encoded and schema-checked by msgspec. Every request carries the protocol version `v` and a request
 id `id` that its reply echoes. A request is a map with an `op` tag naming its type.
 
-Token ids are sent packed (see PackedTokens). One scheduler step of an executor is one `step` request carrying every admit, append, commit, fork and free of
-that step; the reply holds one result per op, in order. Ops are independent: one failing (say, out of blocks)
-leaves the others applied and changes nothing itself.
+Token ids are sent packed (see PackedTokens). One scheduler step of an executor is one `step` request carrying
+every admit, append, commit, fork and free of that step; the reply holds one result per op, in order. Ops are
+independent: one failing (say, out of blocks) leaves the others applied and changes nothing itself.
 """
 
 from __future__ import annotations

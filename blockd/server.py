@@ -28,7 +28,6 @@ from pagedkv import __version__
 from pagedkv.logs import configure_logging
 from pagedkv.units import parse_size
 
-
 _TICK_S = 0.02
 
 
@@ -211,10 +210,20 @@ class BlockdServer:
     help="Where the embedded Redis keeps its data (used without --redis-url).",
 )
 @click.option("--flush-interval", type=float, default=0.1, help="Seconds between write-behind batches to Redis.")
-@click.option("--lease-timeout", type=float, default=10.0, envvar="BLOCKD_LEASE_TIMEOUT",
-              help="Seconds of silence after which an executor's pool is dropped.")
-@click.option("--metrics-port", type=int, default=0, envvar="BLOCKD_METRICS_PORT",
-              help="Serve Prometheus metrics on this port (0: off).")
+@click.option(
+    "--lease-timeout",
+    type=float,
+    default=10.0,
+    envvar="BLOCKD_LEASE_TIMEOUT",
+    help="Seconds of silence after which an executor's pool is dropped.",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=0,
+    envvar="BLOCKD_METRICS_PORT",
+    help="Serve Prometheus metrics on this port (0: off).",
+)
 @click.option("--metrics-host", default="127.0.0.1", help="Address the metrics endpoint listens on.")
 @click.option("--max-message-bytes", default="64MiB", help="Largest request accepted (bigger ones get too_large).")
 @click.option("--deployment", default="pagedkv", help="Namespace of the block hashes (the chain's root).")

@@ -65,8 +65,14 @@ class BenchRequest:
     output_len: int
 
 
-def make_workload(count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int,
-                  special_ids: set[int], seed: int) -> list[BenchRequest]:  # fmt: skip
+def make_workload(
+    count: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    special_ids: set[int],
+    seed: int,
+) -> list[BenchRequest]:
     """Seeded requests: uniform prompt and output lengths, uniform random token ids outside `special_ids`."""
     rng = random.Random(seed)
     allowed = [t for t in range(vocab_size) if t not in special_ids]
@@ -143,15 +149,31 @@ def blockd_daemon(log: Path) -> Iterator[str]:
             process.wait(timeout=20)
 
 
-def build_engine(model_dir: Path, endpoint: str, *, device: Any, dtype: Any, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int) -> Any:  # fmt: skip
+def build_engine(
+    model_dir: Path,
+    endpoint: str,
+    *,
+    device: Any,
+    dtype: Any,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> Any:
     """The engine as the executor builds it: model and KV cache here, its pool registered with blockd."""
     from executor.engine import Engine, EngineLimits
     from executor.runner import load_model
 
-    engine = Engine.assemble(load_model(model_dir, device, dtype), endpoint, pool_id="bench-throughput",
-                             num_blocks=num_blocks, block_size=block_size,
-                             limits=EngineLimits(max_num_seqs, max_num_batched_tokens), seed=0, timeout_s=10.0)
+    engine = Engine.assemble(
+        load_model(model_dir, device, dtype),
+        endpoint,
+        pool_id="bench-throughput",
+        num_blocks=num_blocks,
+        block_size=block_size,
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+        seed=0,
+        timeout_s=10.0,
+    )
     engine.pool.register()
     return engine
 
@@ -303,12 +325,18 @@ class HfRun:
                     run._pause(pause)
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-        out = self.model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new,
-                                  stopping_criteria=transformers.StoppingCriteriaList([TakeTurns()]))  # fmt: skip
+        out = self.model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            max_new_tokens=new,
+            stopping_criteria=transformers.StoppingCriteriaList([TakeTurns()]),
+        )
         generated = out[:, width:].tolist()
         if any(len(g) != new for g in generated):
-            raise click.ClickException(f"transformers generated {len(generated[0])} tokens, not {new}: "
-                                       "end-of-sequence was not switched off")  # fmt: skip
+            raise click.ClickException(
+                f"transformers generated {len(generated[0])} tokens, not {new}: end-of-sequence was not switched off"
+            )
         if self.batch_number == 1:
             result.first_tokens = generated[0][: batch[0].output_len]
         self._counted += sum(outputs)
@@ -420,40 +448,104 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     --quick: {QUICK_REQUESTS} requests, prompts and outputs in {QUICK_PROMPT_RANGE[0]}-{QUICK_PROMPT_RANGE[1]}
     tokens (options given explicitly win), for tests; the figures mean nothing.""",
 )
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Checkpoint directory (default: the generated default llama, `ensure_default_model`).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="Where both systems run (default: cuda if available, else cpu).")
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
-              help="Weights and KV cache dtype of both (default: float32 on cpu, bfloat16 on cuda).")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=DEFAULT_REQUESTS,
-              show_default=True, help="Requests in the workload.")
-@click.option("--prompt-range", type=(click.IntRange(min=1), click.IntRange(min=1)), default=DEFAULT_PROMPT_RANGE,
-              show_default=True, help="MIN MAX prompt length in tokens (uniform).")
-@click.option("--output-range", type=(click.IntRange(min=1), click.IntRange(min=1)), default=DEFAULT_OUTPUT_RANGE,
-              show_default=True, help="MIN MAX output length in tokens (uniform); exactly this many are generated.")
-@click.option("--kv-cache-memory", default=None,
-              help=f"KV budget of each system in bytes (65536, 512k, 24MiB; binary units). Default: what a static "
-                   f"batch of {DEFAULT_BUDGET_SEQS} max-length sequences of the workload needs in this model and "
-                   "dtype.")  # fmt: skip
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="pagedkv tokens per KV block.")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
-              help="pagedkv: most sequences in one step.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="pagedkv: most tokens in one step (prefill chunks and decodes); at least --max-num-seqs.")
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Timed runs of the pair (each a fresh pass over the workload); the best of each is reported.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch intra-op threads of both (default: torch's own choice, one per core).")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint directory (default: the generated default llama, `ensure_default_model`).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="Where both systems run (default: cuda if available, else cpu).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_NAMES),
+    default=None,
+    help="Weights and KV cache dtype of both (default: float32 on cpu, bfloat16 on cuda).",
+)
+@click.option(
+    "--requests",
+    "num_requests",
+    type=click.IntRange(min=1),
+    default=DEFAULT_REQUESTS,
+    show_default=True,
+    help="Requests in the workload.",
+)
+@click.option(
+    "--prompt-range",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=DEFAULT_PROMPT_RANGE,
+    show_default=True,
+    help="MIN MAX prompt length in tokens (uniform).",
+)
+@click.option(
+    "--output-range",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=DEFAULT_OUTPUT_RANGE,
+    show_default=True,
+    help="MIN MAX output length in tokens (uniform); exactly this many are generated.",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    help=f"KV budget of each system in bytes (65536, 512k, 24MiB; binary units). Default: what a static "
+    f"batch of {DEFAULT_BUDGET_SEQS} max-length sequences of the workload needs in this model and "
+    "dtype.",
+)
+@click.option(
+    "--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="pagedkv tokens per KV block."
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="pagedkv: most sequences in one step.",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="pagedkv: most tokens in one step (prefill chunks and decodes); at least --max-num-seqs.",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Timed runs of the pair (each a fresh pass over the workload); the best of each is reported.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch intra-op threads of both (default: torch's own choice, one per core).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of lengths and token ids.")
 @click.option("--quick", is_flag=True, help="A tiny run for tests (see above).")
 @click.pass_context
 def bench_throughput(
-    ctx: click.Context, model_dir: Path | None, device: str | None, dtype: str | None, num_requests: int,
-    prompt_range: tuple[int, int], output_range: tuple[int, int], kv_cache_memory: str | None, block_size: int,
-    max_num_seqs: int, max_num_batched_tokens: int, repeat: int, threads: int | None, seed: int, quick: bool,
-) -> None:  # fmt: skip
+    ctx: click.Context,
+    model_dir: Path | None,
+    device: str | None,
+    dtype: str | None,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    kv_cache_memory: str | None,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    repeat: int,
+    threads: int | None,
+    seed: int,
+    quick: bool,
+) -> None:
     import torch
 
     from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
@@ -468,8 +560,10 @@ def bench_throughput(
         if low > high:
             raise click.BadParameter(f"MIN {low} is above MAX {high}", param_hint=f"'{name}'")
     if max_num_batched_tokens < max_num_seqs:
-        raise click.BadParameter(f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs} (every decoding "
-                                 "sequence needs a token)", param_hint="'--max-num-batched-tokens'")  # fmt: skip
+        raise click.BadParameter(
+            f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs} (every decoding sequence needs a token)",
+            param_hint="'--max-num-batched-tokens'",
+        )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
@@ -488,12 +582,16 @@ def bench_throughput(
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
 
-    requests = make_workload(num_requests, prompt_range, output_range, config.vocab_size,
-                             _special_ids(model_dir, config), seed)  # fmt: skip
+    requests = make_workload(
+        num_requests, prompt_range, output_range, config.vocab_size, _special_ids(model_dir, config), seed
+    )
     max_len = max(len(r.prompt) for r in requests) + max(r.output_len for r in requests)
     if max_len > config.max_model_len:
-        raise click.BadParameter(f"the workload's longest prompt + longest output is {max_len} tokens; the model "
-                                 f"holds {config.max_model_len}", param_hint="'--prompt-range'/'--output-range'")
+        raise click.BadParameter(
+            f"the workload's longest prompt + longest output is {max_len} tokens; the model "
+            f"holds {config.max_model_len}",
+            param_hint="'--prompt-range'/'--output-range'",
+        )
     per_token = kv_bytes_per_block(config, 1, torch_dtype)
     per_block = kv_bytes_per_block(config, block_size, torch_dtype)
     if kv_cache_memory is None:
@@ -508,40 +606,60 @@ def bench_throughput(
     watermark = max(1, num_blocks // 100)  # the scheduler's default
     if hf_batch < 1 or num_blocks - watermark < -(-max_len // block_size):
         need = max(per_token * max_len, (-(-max_len // block_size) + 1) * per_block)
-        raise click.BadParameter(f"{budget:,} bytes hold no sequence of the workload's max length {max_len} "
-                                 f"({per_token:,} bytes per token); give at least {need:,}",
-                                 param_hint="'--kv-cache-memory'")  # fmt: skip
+        raise click.BadParameter(
+            f"{budget:,} bytes hold no sequence of the workload's max length {max_len} "
+            f"({per_token:,} bytes per token); give at least {need:,}",
+            param_hint="'--kv-cache-memory'",
+        )
     hf_batch = min(hf_batch, num_requests)
 
     echo = click.echo
     prompts = [len(r.prompt) for r in requests]
     outputs = [r.output_len for r in requests]
-    echo(f"model:    {model_dir} ({config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
-         f"{config.num_heads}/{config.num_kv_heads} heads of {config.head_dim}, vocab {config.vocab_size}); "
-         f"{device}, {dtype}, {torch.get_num_threads()} threads")  # fmt: skip
-    echo(f"workload: {num_requests} requests, seed {seed}; prompt uniform {prompt_range[0]}-{prompt_range[1]} "
-         f"(mean {statistics.fmean(prompts):.0f}), output uniform {output_range[0]}-{output_range[1]} (mean "
-         f"{statistics.fmean(outputs):.0f}, {sum(outputs):,} in all); greedy, ignore_eos; max_len {max_len}")
-    echo(f"KV:       {budget:,} bytes ({_mib(budget)}) each; pagedkv {num_blocks:,} blocks of {block_size} "
-         f"({num_blocks * block_size:,} token slots), transformers batches of {hf_batch} x {max_len} slots")
+    echo(
+        f"model:    {model_dir} ({config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads}/{config.num_kv_heads} heads of {config.head_dim}, vocab {config.vocab_size}); "
+        f"{device}, {dtype}, {torch.get_num_threads()} threads"
+    )
+    echo(
+        f"workload: {num_requests} requests, seed {seed}; prompt uniform {prompt_range[0]}-{prompt_range[1]} "
+        f"(mean {statistics.fmean(prompts):.0f}), output uniform {output_range[0]}-{output_range[1]} (mean "
+        f"{statistics.fmean(outputs):.0f}, {sum(outputs):,} in all); greedy, ignore_eos; max_len {max_len}"
+    )
+    echo(
+        f"KV:       {budget:,} bytes ({_mib(budget)}) each; pagedkv {num_blocks:,} blocks of {block_size} "
+        f"({num_blocks * block_size:,} token slots), transformers batches of {hf_batch} x {max_len} slots"
+    )
 
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp, blockd_daemon(Path(tmp) / "blockd.log") as ep:
         click.echo("loading both models; warm-up", err=True)
-        engine = build_engine(model_dir, ep, device=torch_device, dtype=torch_dtype, num_blocks=num_blocks,
-                              block_size=block_size, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+        engine = build_engine(
+            model_dir,
+            ep,
+            device=torch_device,
+            dtype=torch_dtype,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         hf_model, pad_id = load_hf(model_dir, torch_device, torch_dtype)
         paged_runs, hf_runs = [], []
         try:
             warm = [BenchRequest(f"w{i}", r.prompt[:16], 4) for i, r in enumerate(requests[:2])]
-            run_interleaved(PagedRun(engine, warm, "warmup"), HfRun(hf_model, pad_id, warm, min(2, hf_batch)),
-                            progress=False)  # fmt: skip
+            run_interleaved(
+                PagedRun(engine, warm, "warmup"), HfRun(hf_model, pad_id, warm, min(2, hf_batch)), progress=False
+            )
             with OtherLoad() as load:
                 for run in range(repeat):
-                    click.echo(f"[run {run + 1}/{repeat}] pagedkv ({num_blocks} blocks, every request at once) and "
-                               f"transformers (static batches of {hf_batch}), taking turns", err=True)  # fmt: skip
-                    paged_run, hf_run = run_interleaved(PagedRun(engine, requests, f"run{run}"),
-                                                        HfRun(hf_model, pad_id, requests, hf_batch))  # fmt: skip
+                    click.echo(
+                        f"[run {run + 1}/{repeat}] pagedkv ({num_blocks} blocks, every request at once) and "
+                        f"transformers (static batches of {hf_batch}), taking turns",
+                        err=True,
+                    )
+                    paged_run, hf_run = run_interleaved(
+                        PagedRun(engine, requests, f"run{run}"), HfRun(hf_model, pad_id, requests, hf_batch)
+                    )
                     paged_runs.append(paged_run)
                     hf_runs.append(hf_run)
         finally:
@@ -556,72 +674,110 @@ def bench_throughput(
     ratio = paged.tok_s / hf.tok_s
     first_len = requests[0].output_len
     match = paged.first_tokens == hf.first_tokens
-    diverge = next((i for i, (a, b) in enumerate(zip(paged.first_tokens, hf.first_tokens)) if a != b), None)
+    diverge = next(
+        (i for i, (a, b) in enumerate(zip(paged.first_tokens, hf.first_tokens, strict=False)) if a != b), None
+    )
 
-    columns = ["system", "requests", "output tokens", "seconds", "output tok/s", "max concurrent", "KV budget",
-               "forward passes", "computed tokens"]  # fmt: skip
+    columns = [
+        "system",
+        "requests",
+        "output tokens",
+        "seconds",
+        "output tok/s",
+        "max concurrent",
+        "KV budget",
+        "forward passes",
+        "computed tokens",
+    ]
     cells = [
-        [f"pagedkv ({num_blocks} blocks of {block_size})", f"{num_requests:,}", f"{paged.output_tokens:,}",
-         f"{paged.seconds:.1f}", f"{paged.tok_s:,.1f}", f"{paged.max_active:,}", _mib(budget), f"{paged.steps:,}",
-         f"{paged.computed_tokens:,}"],
-        [f"transformers (batches of {hf_batch})", f"{num_requests:,}", f"{hf.output_tokens:,}", f"{hf.seconds:.1f}",
-         f"{hf.tok_s:,.1f}", f"{hf.max_active:,}", _mib(budget), f"{hf.steps:,}", f"{hf.computed_tokens:,}"],
-    ]  # fmt: skip
+        [
+            f"pagedkv ({num_blocks} blocks of {block_size})",
+            f"{num_requests:,}",
+            f"{paged.output_tokens:,}",
+            f"{paged.seconds:.1f}",
+            f"{paged.tok_s:,.1f}",
+            f"{paged.max_active:,}",
+            _mib(budget),
+            f"{paged.steps:,}",
+            f"{paged.computed_tokens:,}",
+        ],
+        [
+            f"transformers (batches of {hf_batch})",
+            f"{num_requests:,}",
+            f"{hf.output_tokens:,}",
+            f"{hf.seconds:.1f}",
+            f"{hf.tok_s:,.1f}",
+            f"{hf.max_active:,}",
+            _mib(budget),
+            f"{hf.steps:,}",
+            f"{hf.computed_tokens:,}",
+        ],
+    ]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     echo("")
-    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
+    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths, strict=False))))
     for row in cells:
-        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=False))))
     wasted = hf.computed_tokens - hf.output_tokens
-    echo(f"ratio pagedkv / transformers: {ratio:.2f}x output tok/s; {paged.max_active / hf.max_active:.1f}x the "
-         f"sequences at once; pagedkv preempted {paged.preemptions} times; transformers computed {wasted:,} tokens "
-         f"past their requests' ends ({wasted / hf.computed_tokens:.0%}) [best of {repeat}, {os.cpu_count()} cores]")
+    echo(
+        f"ratio pagedkv / transformers: {ratio:.2f}x output tok/s; {paged.max_active / hf.max_active:.1f}x the "
+        f"sequences at once; pagedkv preempted {paged.preemptions} times; transformers computed {wasted:,} tokens "
+        f"past their requests' ends ({wasted / hf.computed_tokens:.0%}) [best of {repeat}, {os.cpu_count()} cores]"
+    )
     if load.share is not None:
-        echo(f"other processes (blockd included) used {load.share:.0%} of the machine's CPU during the timed runs"
-             + (": figures disturbed, rerun on a quieter machine" if load.share > 0.15 else ""))  # fmt: skip
+        echo(
+            f"other processes (blockd included) used {load.share:.0%} of the machine's CPU during the timed runs"
+            + (": figures disturbed, rerun on a quieter machine" if load.share > 0.15 else "")
+        )
     if match:
         echo(f"first request ({first_len} tokens): identical greedy output from both")
     else:
-        echo(f"first request ({first_len} tokens): outputs differ from token {diverge} on "
-             f"({'unexpected in float32' if dtype == 'float32' else f'{dtype} rounding differs between the two'})")
-    echo(json.dumps({
-        "pagedkv_tok_s": round(paged.tok_s, 3),
-        "hf_tok_s": round(hf.tok_s, 3),
-        "ratio": round(ratio, 4),
-        "pagedkv_max_active": paged.max_active,
-        "hf_max_active": hf.max_active,
-        "pagedkv_output_tokens": paged.output_tokens,
-        "hf_output_tokens": hf.output_tokens,
-        "pagedkv_seconds": round(paged.seconds, 3),
-        "hf_seconds": round(hf.seconds, 3),
-        "pagedkv_steps": paged.steps,
-        "pagedkv_preemptions": paged.preemptions,
-        "hf_decode_steps": hf.steps,
-        "hf_computed_tokens": hf.computed_tokens,
-        "other_cpu_share": None if load.share is None else round(load.share, 3),
-        "first_request_match": match,
-        "first_request_diverges_at": diverge,
-        "model": str(model_dir),
-        "model_id": config.model_id,
-        "device": device,
-        "dtype": dtype,
-        "threads": torch.get_num_threads(),
-        "requests": num_requests,
-        "prompt_range": list(prompt_range),
-        "output_range": list(output_range),
-        "seed": seed,
-        "kv_cache_bytes": budget,
-        "kv_bytes_per_token": per_token,
-        "block_size": block_size,
-        "num_blocks": num_blocks,
-        "hf_batch_size": hf_batch,
-        "max_len": max_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "repeat": repeat,
-        "cpu_count": os.cpu_count(),
-        "quick": quick,
-    }))  # fmt: skip
+        echo(
+            f"first request ({first_len} tokens): outputs differ from token {diverge} on "
+            f"({'unexpected in float32' if dtype == 'float32' else f'{dtype} rounding differs between the two'})"
+        )
+    echo(
+        json.dumps(
+            {
+                "pagedkv_tok_s": round(paged.tok_s, 3),
+                "hf_tok_s": round(hf.tok_s, 3),
+                "ratio": round(ratio, 4),
+                "pagedkv_max_active": paged.max_active,
+                "hf_max_active": hf.max_active,
+                "pagedkv_output_tokens": paged.output_tokens,
+                "hf_output_tokens": hf.output_tokens,
+                "pagedkv_seconds": round(paged.seconds, 3),
+                "hf_seconds": round(hf.seconds, 3),
+                "pagedkv_steps": paged.steps,
+                "pagedkv_preemptions": paged.preemptions,
+                "hf_decode_steps": hf.steps,
+                "hf_computed_tokens": hf.computed_tokens,
+                "other_cpu_share": None if load.share is None else round(load.share, 3),
+                "first_request_match": match,
+                "first_request_diverges_at": diverge,
+                "model": str(model_dir),
+                "model_id": config.model_id,
+                "device": device,
+                "dtype": dtype,
+                "threads": torch.get_num_threads(),
+                "requests": num_requests,
+                "prompt_range": list(prompt_range),
+                "output_range": list(output_range),
+                "seed": seed,
+                "kv_cache_bytes": budget,
+                "kv_bytes_per_token": per_token,
+                "block_size": block_size,
+                "num_blocks": num_blocks,
+                "hf_batch_size": hf_batch,
+                "max_len": max_len,
+                "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "repeat": repeat,
+                "cpu_count": os.cpu_count(),
+                "quick": quick,
+            }
+        )
+    )
 
 
 __all__ = ["HfRun", "PagedRun", "bench_throughput", "make_workload", "run_interleaved"]

@@ -78,14 +78,17 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
         for name in found:
             if name in SUPPORTED_ARCHITECTURES:
                 return SUPPORTED_ARCHITECTURES[name]
-        raise UnsupportedModel(f"{path}: architecture {', '.join(map(str, found))} is not supported; "
-                               f"supported: {supported}")  # fmt: skip
+        raise UnsupportedModel(
+            f"{path}: architecture {', '.join(map(str, found))} is not supported; supported: {supported}"
+        )
     # Some configs carry only model_type; accept it when it names a supported family.
     model_type = raw.get("model_type")
     if model_type in SUPPORTED_ARCHITECTURES.values():
         return str(model_type)
-    raise UnsupportedModel(f"{path}: no supported architecture (architectures={found!r}, model_type={model_type!r}); "
-                           f"supported: {supported}")  # fmt: skip
+    raise UnsupportedModel(
+        f"{path}: no supported architecture (architectures={found!r}, model_type={model_type!r}); "
+        f"supported: {supported}"
+    )
 
 
 def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
@@ -107,8 +110,9 @@ def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
         raise UnsupportedModel(f"{path}: partial rotary embeddings are not supported")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModel(f"{path}: rope type {rope_type!r} is not supported; supported: "
-                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")  # fmt: skip
+        raise UnsupportedModel(
+            f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return float(theta), None
     try:
@@ -252,5 +256,5 @@ def iter_weights(model_dir: str | Path, device: str | torch.device = "cpu") -> I
         except Exception as exc:  # safetensors raises its own error types for a truncated or foreign file
             raise CheckpointError(f"{path} cannot be read as safetensors: {exc}") from None
         with handle as f:
-            for name in f.keys():
+            for name in f:
                 yield name, f.get_tensor(name)

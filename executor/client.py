@@ -17,6 +17,8 @@ from blockd.hashing import pack_tokens
 from executor import protocol as ep
 from executor.sampling import SamplingParams
 
+DEFAULT_PARAMS = SamplingParams()  # frozen, so one shared default is safe
+
 
 class ExecutorUnavailable(ConnectionError):
     """The executor did not answer in time."""
@@ -51,10 +53,18 @@ class ExecutorClient:
     def send_raw(self, frame: bytes) -> None:
         self.socket.send(frame)
 
-    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
-               cache_salt: str | None = None) -> None:
-        self.socket.send(ep.encode(ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params,
-                                             cache_salt=cache_salt)))
+    def submit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams = DEFAULT_PARAMS,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.socket.send(
+            ep.encode(
+                ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
+            )
+        )
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         self.socket.send(ep.encode(ep.Abort(request_id=request_id, index=index)))
@@ -90,8 +100,13 @@ class ExecutorClient:
     def info(self) -> ep.Info:
         return self._query(ep.GetInfo(), ep.Info)
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
-                 request_id: str | None = None, cache_salt: str | None = None) -> list[list[ep.Delta]]:
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = DEFAULT_PARAMS,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[list[ep.Delta]]:
         """Submit one request and wait for all its choices to finish; the deltas of each choice, in order."""
         request_id = request_id or f"generate-{next(self._ids)}-{time.monotonic_ns()}"
         self.submit(request_id, prompt, params, cache_salt)

@@ -39,8 +39,9 @@ class EngineLimits:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, pool: PoolClient, limits: EngineLimits = EngineLimits(),
-                 *, seed: int | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, pool: PoolClient, limits: EngineLimits = EngineLimits(), *, seed: int | None = None
+    ) -> None:
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs a token)")
         self.runner = runner
@@ -85,15 +86,21 @@ class Engine:
     ) -> Engine:
         """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
-        pool = PoolClient(BlockdClient(blockd_endpoint, timeout_s=timeout_s), pool_id=pool_id,
-                          num_blocks=num_blocks, block_size=block_size, model_id=loaded.config.model_id,
-                          retry_for_s=retry_for_s)  # fmt: skip
+        pool = PoolClient(
+            BlockdClient(blockd_endpoint, timeout_s=timeout_s),
+            pool_id=pool_id,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            model_id=loaded.config.model_id,
+            retry_for_s=retry_for_s,
+        )
         return cls(runner, pool, limits, seed=seed)
 
     # ------------------------------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: Seq[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: Seq[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue a request, or raise RequestRejected (nothing else is affected)."""
         if request_id in self.requests:
             raise RequestRejected("duplicate_request", f"request {request_id!r} is already in progress")
@@ -121,8 +128,7 @@ class Engine:
                 "tokens for one sequence",
             )
         request = Request(request_id, params, prompt, cache_salt, time.monotonic())
-        first = Sequence(f"{request_id}#0", request, 0, list(prompt),
-                         choice_generator(params, 0, self.runner.device))
+        first = Sequence(f"{request_id}#0", request, 0, list(prompt), choice_generator(params, 0, self.runner.device))
         request.sequences.append(first)
         self.requests[request_id] = request
         self.scheduler.add(first)
@@ -145,8 +151,16 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
                 deltas.append(self._delta(seq, [], None))
         for unforked in range(len(request.sequences), request.params.n):  # choices never forked
-            deltas.append(ep.Delta(request_id=request_id, index=unforked, token_ids=[], finish_reason="abort",
-                                   prompt_tokens=len(request.prompt), cached_tokens=request.num_cached_tokens))
+            deltas.append(
+                ep.Delta(
+                    request_id=request_id,
+                    index=unforked,
+                    token_ids=[],
+                    finish_reason="abort",
+                    prompt_tokens=len(request.prompt),
+                    cached_tokens=request.num_cached_tokens,
+                )
+            )
         return deltas
 
     def _abort_choice(self, request: Request, index: int) -> list[ep.Delta]:
@@ -245,11 +259,18 @@ class Engine:
         picked = logits if len(rows) == len(sampling) else logits[torch.tensor(row_of, device=logits.device)]
         sampled = self.sampler(picked, rows)
         deltas = []
-        for (seq, new_index), row, token, logprob in zip(choices, rows, sampled.token_ids, sampled.logprobs):
+        for (seq, new_index), row, token, logprob in zip(
+            choices, rows, sampled.token_ids, sampled.logprobs, strict=False
+        ):
             if new_index is not None:
                 parent = seq
-                seq = Sequence(f"{parent.request.request_id}#{new_index}", parent.request, new_index,
-                               list(parent.request.prompt), row.generator)
+                seq = Sequence(
+                    f"{parent.request.request_id}#{new_index}",
+                    parent.request,
+                    new_index,
+                    list(parent.request.prompt),
+                    row.generator,
+                )
                 seq.num_computed = seq.num_registered = seq.committed_tokens = parent.prompt_len
                 parent.request.sequences.append(seq)
             seq.tokens.append(token)

@@ -30,8 +30,10 @@ def parse_kv_budget(spec: str | None, device: torch.device) -> KvBudget:
         value = None
     if value is not None and 0 < value <= 1:
         if device.type != "cuda":
-            raise click.BadParameter("a fraction of free memory applies to CUDA devices; give a size like 1GiB",
-                                     param_hint="--kv-cache-memory")
+            raise click.BadParameter(
+                "a fraction of free memory applies to CUDA devices; give a size like 1GiB",
+                param_hint="--kv-cache-memory",
+            )
         return KvBudget(fraction=value)
     try:
         size = parse_size(text)
@@ -42,8 +44,14 @@ def parse_kv_budget(spec: str | None, device: torch.device) -> KvBudget:
     return KvBudget(bytes=size)
 
 
-def resolve_num_blocks(num_blocks: int | None, budget: KvBudget, config: ModelConfig, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> int:
+def resolve_num_blocks(
+    num_blocks: int | None,
+    budget: KvBudget,
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
     from executor.runner import kv_bytes_per_block
 
     if num_blocks is not None:

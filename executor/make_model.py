@@ -100,16 +100,21 @@ class ModelSpec:
         """ModelSpecError for the first bad option, before anything is built or written."""
         if self.arch not in ARCHITECTURES:
             raise ModelSpecError("--arch", f"unknown architecture {self.arch!r}; choose {', '.join(ARCHITECTURES)}")
-        for option, value in (("--hidden-size", self.hidden_size), ("--layers", self.layers),
-                              ("--heads", self.heads), ("--kv-heads", self.kv_heads),
-                              ("--max-position", self.max_position)):  # fmt: skip
+        for option, value in (
+            ("--hidden-size", self.hidden_size),
+            ("--layers", self.layers),
+            ("--heads", self.heads),
+            ("--kv-heads", self.kv_heads),
+            ("--max-position", self.max_position),
+        ):
             if value < 1:
                 raise ModelSpecError(option, f"{option} must be at least 1, not {value}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise ModelSpecError("--intermediate-size", "--intermediate-size must be at least 1")
         if self.head_dim is None and self.hidden_size % self.heads:
-            raise ModelSpecError("--heads", f"{self.heads} heads do not divide --hidden-size {self.hidden_size} "
-                                            "(or give --head-dim)")  # fmt: skip
+            raise ModelSpecError(
+                "--heads", f"{self.heads} heads do not divide --hidden-size {self.hidden_size} (or give --head-dim)"
+            )
         if self.heads % self.kv_heads:
             raise ModelSpecError("--kv-heads", f"{self.kv_heads} kv heads do not divide {self.heads} heads")
         if self.resolved_head_dim < 2 or self.resolved_head_dim % 2:
@@ -117,12 +122,18 @@ class ModelSpec:
         from kernels.validate import SUPPORTED_HEAD_DIMS  # imports torch: not at module level (fast --help)
 
         if self.resolved_head_dim not in SUPPORTED_HEAD_DIMS:  # what the paged-attention kernels are built for
-            raise ModelSpecError("--head-dim", f"head dim {self.resolved_head_dim} is not one the kernels support "
-                                               f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))})")  # fmt: skip
+            raise ModelSpecError(
+                "--head-dim",
+                f"head dim {self.resolved_head_dim} is not one the kernels support "
+                f"({', '.join(map(str, SUPPORTED_HEAD_DIMS))})",
+            )
         if self.vocab_size < MIN_VOCAB:
-            raise ModelSpecError("--vocab-size", f"--vocab-size {self.vocab_size} is too small: the tokenizer "
-                                                 f"needs 256 byte tokens + {len(SPECIAL_TOKENS)} special tokens = "
-                                                 f"{MIN_VOCAB}")  # fmt: skip
+            raise ModelSpecError(
+                "--vocab-size",
+                f"--vocab-size {self.vocab_size} is too small: the tokenizer "
+                f"needs 256 byte tokens + {len(SPECIAL_TOKENS)} special tokens = "
+                f"{MIN_VOCAB}",
+            )
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ModelSpecError("--rope-scaling", f"unknown rope scaling {self.rope_scaling!r}")
         if self.rope_scaling == "llama3" and self.max_position < 16:
@@ -139,25 +150,289 @@ class ModelSpec:
 # Python versions and commits, and with them the tokenizer and every token id. A seeded generator is the same
 # everywhere. English words drawn Zipf-like give realistic merges; pseudo-words supply enough distinct
 # pairs to fill large vocabularies; code and multilingual lines cover whitespace runs and multi-byte UTF-8.
-_ENGLISH = """the of and to in a is that for it as was with be by on not he this are or his from at which but have
-an they you were her she there been one all we their has would when if so no will can more other some what about
-into than them only out time could these two may then do first any my now such like our over man me even most made
-after also did many before must through back years where much your way well down should because each just those
-people how too little state good very make world still own see men work long get here between both life being under
-never day same another know while last might us great old year off come since against go came right used take three
-request token block cache memory model layer batch server client queue prefix attention kernel tensor shape value
-key query head table page pool free allocate copy write read fast slow small large first next previous number
-string list dict error return function class module import test check run start stop send receive message reply
-because however therefore although whether during without within around above below across along among behind
-water light house city river road tree stone paper music market garden window morning evening summer winter
-simple quiet bright careful sudden gentle heavy early late open close clear dark warm cold strong weak
-""".split()
+_ENGLISH = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "been",
+    "one",
+    "all",
+    "we",
+    "their",
+    "has",
+    "would",
+    "when",
+    "if",
+    "so",
+    "no",
+    "will",
+    "can",
+    "more",
+    "other",
+    "some",
+    "what",
+    "about",
+    "into",
+    "than",
+    "them",
+    "only",
+    "out",
+    "time",
+    "could",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+    "request",
+    "token",
+    "block",
+    "cache",
+    "memory",
+    "model",
+    "layer",
+    "batch",
+    "server",
+    "client",
+    "queue",
+    "prefix",
+    "attention",
+    "kernel",
+    "tensor",
+    "shape",
+    "value",
+    "key",
+    "query",
+    "head",
+    "table",
+    "page",
+    "pool",
+    "free",
+    "allocate",
+    "copy",
+    "write",
+    "read",
+    "fast",
+    "slow",
+    "small",
+    "large",
+    "first",
+    "next",
+    "previous",
+    "number",
+    "string",
+    "list",
+    "dict",
+    "error",
+    "return",
+    "function",
+    "class",
+    "module",
+    "import",
+    "test",
+    "check",
+    "run",
+    "start",
+    "stop",
+    "send",
+    "receive",
+    "message",
+    "reply",
+    "because",
+    "however",
+    "therefore",
+    "although",
+    "whether",
+    "during",
+    "without",
+    "within",
+    "around",
+    "above",
+    "below",
+    "across",
+    "along",
+    "among",
+    "behind",
+    "water",
+    "light",
+    "house",
+    "city",
+    "river",
+    "road",
+    "tree",
+    "stone",
+    "paper",
+    "music",
+    "market",
+    "garden",
+    "window",
+    "morning",
+    "evening",
+    "summer",
+    "winter",
+    "simple",
+    "quiet",
+    "bright",
+    "careful",
+    "sudden",
+    "gentle",
+    "heavy",
+    "early",
+    "late",
+    "open",
+    "close",
+    "clear",
+    "dark",
+    "warm",
+    "cold",
+    "strong",
+    "weak",
+]
 _MULTILINGUAL = (
-    "héllo wörld", "café crème", "naïve façade", "über straße", "größer als", "señor año", "mañana por la mañana",
-    "l'été dernier à Paris", "Ærøskøbing", "Dvořák", "Łódź", "İstanbul", "Ελληνικά γράμματα", "Привет, мир",
-    "Добрый вечер", "日本語のテキスト", "東京と大阪", "こんにちは世界", "カタカナ", "中文文本", "你好，世界",
-    "한국어 문장", "안녕하세요", "مرحبا بالعالم", "שלום עולם", "नमस्ते दुनिया", "ภาษาไทย", "🙂", "🚀 launch",
-    "👍🏽", "🎉🎉", "❤️", "∑ x² ≤ ∞", "→ ← ↑ ↓", "€100 £50 ¥2000", "“quoted” ‘text’ — dash…",
+    "héllo wörld",
+    "café crème",
+    "naïve façade",
+    "über straße",
+    "größer als",
+    "señor año",
+    "mañana por la mañana",
+    "l'été dernier à Paris",
+    "Ærøskøbing",
+    "Dvořák",
+    "Łódź",
+    "İstanbul",
+    "Ελληνικά γράμματα",
+    "Привет, мир",
+    "Добрый вечер",
+    "日本語のテキスト",
+    "東京と大阪",
+    "こんにちは世界",
+    "カタカナ",
+    "中文文本",
+    "你好，世界",
+    "한국어 문장",
+    "안녕하세요",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "नमस्ते दुनिया",
+    "ภาษาไทย",
+    "🙂",
+    "🚀 launch",
+    "👍🏽",
+    "🎉🎉",
+    "❤️",
+    "∑ x² ≤ ∞",
+    "→ ← ↑ ↓",
+    "€100 £50 ¥2000",
+    "“quoted” ‘text’ — dash…",
 )
 _CONSONANTS, _VOWELS, _CODAS = "bcdfghjklmnprstvwz", "aeiou", ("", "", "n", "r", "s", "t", "l", "nd", "st", "ng")
 
@@ -166,8 +441,9 @@ def _pseudo_words(rng: random.Random, count: int) -> list[str]:
     words = []
     for _ in range(count):
         syllables = rng.choice((1, 2, 2, 3, 3, 4))
-        words.append("".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                             for _ in range(syllables)))  # fmt: skip
+        words.append(
+            "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables))
+        )
     return words
 
 
@@ -212,13 +488,17 @@ def tokenizer_corpus(seed: int, size: int = 400_000) -> list[str]:
             for _ in range(rng.randint(1, 5)):
                 a, b = english(rng, 2)
                 indent = " " * (4 * rng.randint(1, 3))
-                body.append(rng.choice((
-                    f"{indent}{a} = {b} + {rng.randint(0, 999)}",
-                    f"{indent}if {a} is not None and {b}[{rng.randint(0, 9)}] >= 0:",
-                    f"{indent}return {{\"{a}\": {b}, \"count\": {rng.randint(0, 99)}}}",
-                    f"{indent}for {a} in range(len({b})):",
-                    f"{indent}self.{a}_{b} = [{a} * 2 for {a} in {b}]  # {' '.join(english(rng, 3))}",
-                )))  # fmt: skip
+                body.append(
+                    rng.choice(
+                        (
+                            f"{indent}{a} = {b} + {rng.randint(0, 999)}",
+                            f"{indent}if {a} is not None and {b}[{rng.randint(0, 9)}] >= 0:",
+                            f'{indent}return {{"{a}": {b}, "count": {rng.randint(0, 99)}}}',
+                            f"{indent}for {a} in range(len({b})):",
+                            f"{indent}self.{a}_{b} = [{a} * 2 for {a} in {b}]  # {' '.join(english(rng, 3))}",
+                        )
+                    )
+                )
             text = "\n".join(body)
         else:  # multilingual phrases between English words
             parts = []
@@ -263,10 +543,12 @@ def _trained_tokenizer_json(vocab_size: int, seed: int, qwen2_pipeline: bool) ->
     tokenizer = Tokenizer(models.BPE())
     if qwen2_pipeline:
         tokenizer.normalizer = normalizers.NFC()
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])  # fmt: skip
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -310,8 +592,12 @@ def _write_tokenizer(out: Path, spec: ModelSpec) -> dict[str, int]:
     config["clean_up_tokenization_spaces"] = False
     config["unk_token"] = None
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
-    special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-                   "additional_special_tokens": [IM_START, IM_END]}  # fmt: skip
+    special_map = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n", "utf-8")
     if len(fast) != spec.vocab_size:
         raise RuntimeError(f"tokenizer has {len(fast)} tokens, the model {spec.vocab_size}")
@@ -330,8 +616,14 @@ def _hf_config(spec: ModelSpec, ids: dict[str, int]) -> Any:
         # Llama 3.1's factors; the original context is 1/8 of max_position so all three frequency bands
         # (kept, smoothed, scaled) occur at small head dims too.
         original = max(2, spec.max_position // 8)
-        rope = {"rope_type": "llama3", "rope_theta": spec.rope_theta, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": original}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": spec.rope_theta,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original,
+        }
     common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -355,8 +647,9 @@ def _hf_config(spec: ModelSpec, ids: dict[str, int]) -> Any:
     if spec.arch == "mistral":
         # sliding_window=None: every layer attends to the whole context (Mistral's default 4096 would window).
         return transformers.MistralConfig(**common, sliding_window=None)
-    return transformers.Qwen2Config(**common, use_sliding_window=False, sliding_window=None,
-                                    max_window_layers=spec.layers)  # fmt: skip
+    return transformers.Qwen2Config(
+        **common, use_sliding_window=False, sliding_window=None, max_window_layers=spec.layers
+    )
 
 
 def _build_model(spec: ModelSpec, ids: dict[str, int]) -> Any:
@@ -454,11 +747,23 @@ def write_model(
     a half-written model. `tie_embeddings=None` ties for qwen2 only; `initializer_range=None` aims the
     logits at a std of ~4 (see TARGET_LOGIT_STD); `max_shard_size` ("1MiB", bytes) shards the weights.
     """
-    spec = ModelSpec(arch=arch, hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
-                     heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size,
-                     max_position=max_position, rope_theta=float(rope_theta), rope_scaling=rope_scaling,
-                     tie_embeddings=tie_embeddings, dtype=dtype, seed=seed,
-                     initializer_range=initializer_range)  # fmt: skip
+    spec = ModelSpec(
+        arch=arch,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        max_position=max_position,
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        tie_embeddings=tie_embeddings,
+        dtype=dtype,
+        seed=seed,
+        initializer_range=initializer_range,
+    )
     spec.validate()
     shard_bytes = None
     if max_shard_size is not None:
@@ -493,13 +798,18 @@ def write_model(
         total = sum(p.stat().st_size for p in files)
         params = sum(p.numel() for p in model.parameters())
         say(f"wrote {out} in {time.perf_counter() - started:.1f} s")
-        say(f"  arch {spec.arch} ({ARCHITECTURES[spec.arch]}), {params:,} parameters, {spec.dtype}, "
-            f"{'tied' if spec.tied else 'untied'} embeddings")  # fmt: skip
-        say(f"  {spec.layers} layers, hidden {spec.hidden_size}, intermediate {spec.resolved_intermediate_size}, "
+        say(
+            f"  arch {spec.arch} ({ARCHITECTURES[spec.arch]}), {params:,} parameters, {spec.dtype}, "
+            f"{'tied' if spec.tied else 'untied'} embeddings"
+        )
+        say(
+            f"  {spec.layers} layers, hidden {spec.hidden_size}, intermediate {spec.resolved_intermediate_size}, "
             f"{spec.heads} heads / {spec.kv_heads} kv heads of {spec.resolved_head_dim}, "
-            f"rope {spec.rope_scaling} theta {spec.rope_theta:g}, max position {spec.max_position}")  # fmt: skip
-        say(f"  vocab {spec.vocab_size}: bos {ids[BOS]}, eos {ids[EOS]}, im_start {ids[IM_START]}, "
-            f"im_end {ids[IM_END]}")  # fmt: skip
+            f"rope {spec.rope_scaling} theta {spec.rope_theta:g}, max position {spec.max_position}"
+        )
+        say(
+            f"  vocab {spec.vocab_size}: bos {ids[BOS]}, eos {ids[EOS]}, im_start {ids[IM_START]}, im_end {ids[IM_END]}"
+        )
         for path in files:
             say(f"  {path.name:<40} {_human(path.stat().st_size):>12}")
         say(f"  {len(files)} files, {total:,} bytes ({_human(total)})")
@@ -565,36 +875,96 @@ def ensure_default_model(path: str | Path | None = None) -> Path:
 
 
 @click.command("make-model")
-@click.option("--arch", type=click.Choice(list(ARCHITECTURES)), default="llama", show_default=True,
-              help="Model family: the transformers class and config fields it is written with.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Directory to write the checkpoint into (created; must be empty unless --force).")
-@click.option("--hidden-size", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Width of the residual stream.")
-@click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
-              help="Width of the MLP; default ~2.7x hidden rounded up to a multiple of 16.")
+@click.option(
+    "--arch",
+    type=click.Choice(list(ARCHITECTURES)),
+    default="llama",
+    show_default=True,
+    help="Model family: the transformers class and config fields it is written with.",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory to write the checkpoint into (created; must be empty unless --force).",
+)
+@click.option(
+    "--hidden-size", type=click.IntRange(min=1), default=256, show_default=True, help="Width of the residual stream."
+)
+@click.option(
+    "--intermediate-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Width of the MLP; default ~2.7x hidden rounded up to a multiple of 16.",
+)
 @click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Decoder layers.")
 @click.option("--heads", type=click.IntRange(min=1), default=8, show_default=True, help="Attention (query) heads.")
-@click.option("--kv-heads", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Key/value heads (grouped-query attention); must divide --heads.")
-@click.option("--head-dim", type=click.IntRange(min=2), default=None,
-              help="Per-head width; default hidden-size / heads. Need not make heads x head-dim = hidden.")
-@click.option("--vocab-size", type=click.IntRange(min=1), default=4096, show_default=True,
-              help=f"Tokens of the trained BPE tokenizer and of the embedding (at least {MIN_VOCAB}).")
-@click.option("--max-position", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="max_position_embeddings: the longest context the model accepts.")
-@click.option("--rope-theta", type=click.FloatRange(min=0, min_open=True), default=10000.0, show_default=True,
-              help="Rotary embedding base.")
-@click.option("--rope-scaling", type=click.Choice(ROPE_SCALINGS), default="none", show_default=True,
-              help="llama3: Llama 3.1 frequency scaling (factor 8, original context max-position / 8).")
-@click.option("--tie-embeddings/--no-tie-embeddings", default=None,
-              help="Share the embedding with the LM head; default tied for qwen2, untied otherwise.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
-              help="Weight dtype as stored and as named in config.json.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of weights and tokenizer corpus: the same seed writes byte-identical files.")
-@click.option("--max-shard-size", default=None,
-              help="Shard the weights into files of at most this size (e.g. 1MiB; binary units) with an index.")
+@click.option(
+    "--kv-heads",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Key/value heads (grouped-query attention); must divide --heads.",
+)
+@click.option(
+    "--head-dim",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Per-head width; default hidden-size / heads. Need not make heads x head-dim = hidden.",
+)
+@click.option(
+    "--vocab-size",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help=f"Tokens of the trained BPE tokenizer and of the embedding (at least {MIN_VOCAB}).",
+)
+@click.option(
+    "--max-position",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="max_position_embeddings: the longest context the model accepts.",
+)
+@click.option(
+    "--rope-theta",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10000.0,
+    show_default=True,
+    help="Rotary embedding base.",
+)
+@click.option(
+    "--rope-scaling",
+    type=click.Choice(ROPE_SCALINGS),
+    default="none",
+    show_default=True,
+    help="llama3: Llama 3.1 frequency scaling (factor 8, original context max-position / 8).",
+)
+@click.option(
+    "--tie-embeddings/--no-tie-embeddings",
+    default=None,
+    help="Share the embedding with the LM head; default tied for qwen2, untied otherwise.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default="float32",
+    show_default=True,
+    help="Weight dtype as stored and as named in config.json.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of weights and tokenizer corpus: the same seed writes byte-identical files.",
+)
+@click.option(
+    "--max-shard-size",
+    default=None,
+    help="Shard the weights into files of at most this size (e.g. 1MiB; binary units) with an index.",
+)
 @click.option("--force", is_flag=True, help="Replace the model in a non-empty --out directory.")
 def make_model(out: Path, force: bool, **options: Any) -> None:
     """Write a small random-weight checkpoint (weights, config, tokenizer, chat template) into --out.

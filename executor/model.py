@@ -251,8 +251,9 @@ class PagedCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
 
-def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
-                device: torch.device) -> PagedCausalLM:
+def build_model(
+    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype, device: torch.device
+) -> PagedCausalLM:
     """Instantiate on `device` without random init, then load `weights` into it."""
     with torch.device("meta"):
         model = PagedCausalLM(config)

@@ -40,8 +40,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
     started = time.perf_counter()
     config = load_config(model_dir)
     if config.head_dim not in SUPPORTED_HEAD_DIMS:
-        raise UnsupportedModel(f"{model_dir}: head dim {config.head_dim} is not one the paged-attention kernels "
-                               f"support ({', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+        raise UnsupportedModel(
+            f"{model_dir}: head dim {config.head_dim} is not one the paged-attention kernels "
+            f"support ({', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+        )
     if dtype is None:
         dtype = DTYPES.get(config.torch_dtype, torch.float32)
         if device.type == "cpu" and dtype is torch.bfloat16:
@@ -69,8 +71,10 @@ class ModelRunner:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(c.num_layers)
         ]
 
@@ -80,9 +84,11 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            src, dst = zip(*pairs)
+            src, dst = zip(*pairs, strict=False)
             dispatch.copy_blocks(
-                [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], (list(src), list(dst)),
+                [k for k, _ in self.kv_caches],
+                [v for _, v in self.kv_caches],
+                (list(src), list(dst)),
                 backend=self.backend,
             )
 

@@ -34,7 +34,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logprobs: int | None = None  # None = none; k = the chosen token's logprob and the k most likely
 
     def validate(self, vocab_size: int) -> str | None:
-        if not 1 <= self.max_tokens:
+        if not self.max_tokens >= 1:
             return f"max_tokens must be at least 1, got {self.max_tokens}"
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
             return f"temperature must be in [0, 100], got {self.temperature}"
@@ -103,14 +103,14 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
         top_k = max(k or 0 for k in want)
-        top_values, top_ids = (logprobs.topk(top_k, dim=-1) if top_k else (logprobs[:, :0], logprobs[:, :0]))
+        top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (logprobs[:, :0], logprobs[:, :0])
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
         out: list[tuple[float, list[tuple[int, float]]] | None] = []
         for i, k in enumerate(want):
             if k is None:
                 out.append(None)
             else:
-                out.append((chosen[i], [(int(t), v) for t, v in zip(top_ids[i][:k], top_values[i][:k])]))
+                out.append((chosen[i], [(int(t), v) for t, v in zip(top_ids[i][:k], top_values[i][:k], strict=False)]))
         return Sampled(token_ids, out)
 
     @staticmethod

@@ -253,7 +253,7 @@ class Scheduler:
     def apply(self, plan: StepPlan, results: list[p.StepOpResult]) -> StepOutcome:
         """Take in blockd's answers (the pool client has already mirrored the block tables)."""
         outcome = StepOutcome()
-        for (purpose, seq), op, result in zip(plan.purposes, plan.ops, results, strict=True):
+        for (purpose, seq), _op, result in zip(plan.purposes, plan.ops, results, strict=True):
             failed = type(result) is p.OpError
             if purpose == "admit":
                 if failed:  # out of blocks after all (the estimate was stale): it stays at the head of the queue
@@ -291,7 +291,7 @@ class Scheduler:
                     outcome.copies.append((src, dst))
                 self.ledger.hold(result.blocks)
                 seq.num_registered = len(seq.tokens)
-        for seq, error in outcome.failed:
+        for seq, _error in outcome.failed:
             self.finish(seq, "error")
         return outcome
 

@@ -91,19 +91,24 @@ class ExecutorServer:
             self._reply(identity, ep.Rejected(request_id=request_id, code="invalid_request", message=str(exc)))
             return
         if message.v != ep.PROTOCOL_VERSION:
-            self._reply(identity, ep.Rejected(
-                request_id=getattr(message, "request_id", ""), code="unsupported_version",
-                message=f"protocol version {message.v} is not {ep.PROTOCOL_VERSION}"))
+            self._reply(
+                identity,
+                ep.Rejected(
+                    request_id=getattr(message, "request_id", ""),
+                    code="unsupported_version",
+                    message=f"protocol version {message.v} is not {ep.PROTOCOL_VERSION}",
+                ),
+            )
             return
         if type(message) is ep.Submit:
             try:
                 if len(message.prompt) % 4:
                     raise RequestRejected("invalid_request", "prompt must be packed uint32 token ids")
-                self.engine.add_request(message.request_id, unpack_tokens(message.prompt), message.params,
-                                        message.cache_salt)
+                self.engine.add_request(
+                    message.request_id, unpack_tokens(message.prompt), message.params, message.cache_salt
+                )
             except RequestRejected as exc:
-                self._reply(identity, ep.Rejected(request_id=message.request_id, code=exc.code,
-                                                  message=exc.message))
+                self._reply(identity, ep.Rejected(request_id=message.request_id, code=exc.code, message=exc.message))
                 return
             self.owners[message.request_id] = identity
         elif type(message) is ep.Abort:
@@ -150,13 +155,14 @@ def _device(spec: str) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise click.BadParameter(f"{spec!r} is not a device: use cpu, cuda or cuda:N", param_hint="--device")
+        raise click.BadParameter(f"{spec!r} is not a device: use cpu, cuda or cuda:N", param_hint="--device") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise click.BadParameter("CUDA was asked for but no CUDA device is available", param_hint="--device")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise click.BadParameter(
-                f"{spec}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--device")
+                f"{spec}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--device"
+            )
     elif device.type != "cpu":
         raise click.BadParameter(f"{spec!r}: use cpu, cuda or cuda:N", param_hint="--device")
     return device
@@ -166,37 +172,89 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     return f"{socket.gethostname()}-{device}-{bind.rsplit(':', 1)[-1]}".replace("/", "-")
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"],
-                                 "auto_envvar_prefix": "PAGEDKV_EXECUTOR"})
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar="PAGEDKV_EXECUTOR_MODEL",
-              help="Checkpoint directory (config.json + safetensors + tokenizer). Default: the generated "
-                   "default model (see `pagedkv make-model`), created on first use.")
+@click.command(
+    context_settings={
+        "show_default": True,
+        "help_option_names": ["-h", "--help"],
+        "auto_envvar_prefix": "PAGEDKV_EXECUTOR",
+    }
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="PAGEDKV_EXECUTOR_MODEL",
+    help="Checkpoint directory (config.json + safetensors + tokenizer). Default: the generated "
+    "default model (see `pagedkv make-model`), created on first use.",
+)
 @click.option("--device", "device_spec", default="cpu", envvar="PAGEDKV_EXECUTOR_DEVICE", help="cpu, cuda or cuda:N.")
-@click.option("--blockd", "blockd_endpoint", default=DEFAULT_BLOCKD, envvar="PAGEDKV_EXECUTOR_BLOCKD",
-              help="blockd's ZeroMQ endpoint.")
+@click.option(
+    "--blockd",
+    "blockd_endpoint",
+    default=DEFAULT_BLOCKD,
+    envvar="PAGEDKV_EXECUTOR_BLOCKD",
+    help="blockd's ZeroMQ endpoint.",
+)
 @click.option("--bind", default=ep.DEFAULT_BIND, help="Where gateways reach this executor (ZeroMQ ROUTER).")
 @click.option("--pool-id", default=None, help="This executor's pool name at blockd. Default: host-device-port.")
-@click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16",
-              help="Tokens per KV block.")
-@click.option("--num-blocks", type=click.IntRange(min=1), default=None,
-              help="KV cache size in blocks (overrides --kv-cache-memory).")
-@click.option("--kv-cache-memory", default=None,
-              help="KV cache size: bytes like 2GiB, or on CUDA a fraction of the free device memory after "
-                   "loading the model, like 0.9. Default: 256MiB on CPU, 0.9 on CUDA.")
+@click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16", help="Tokens per KV block.")
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KV cache size in blocks (overrides --kv-cache-memory).",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    help="KV cache size: bytes like 2GiB, or on CUDA a fraction of the free device memory after "
+    "loading the model, like 0.9. Default: 256MiB on CPU, 0.9 on CUDA.",
+)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, help="Most sequences in one step.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
-              help="Token budget of one step (decode tokens plus prefill chunks).")
-@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
-              help="Weights and KV dtype. auto: the checkpoint's (float32 for bfloat16 checkpoints on CPU).")
-@click.option("--kernels", type=click.Choice(["auto", "triton", "torch", "reference"]), default="auto",
-              help="Attention kernels: auto = Triton on CUDA, batched torch on CPU; reference = the tests' oracle.")
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    help="Token budget of one step (decode tokens plus prefill chunks).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", *DTYPES]),
+    default="auto",
+    help="Weights and KV dtype. auto: the checkpoint's (float32 for bfloat16 checkpoints on CPU).",
+)
+@click.option(
+    "--kernels",
+    type=click.Choice(["auto", "triton", "torch", "reference"]),
+    default="auto",
+    help="Attention kernels: auto = Triton on CUDA, batched torch on CPU; reference = the tests' oracle.",
+)
 @click.option("--seed", type=int, default=None, help="Seed of the sampler for requests without their own.")
-@click.option("--blockd-wait", type=click.FloatRange(min=0), default=60.0,
-              help="Seconds to wait for blockd at startup before giving up (exit 69).")
+@click.option(
+    "--blockd-wait",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    help="Seconds to wait for blockd at startup before giving up (exit 69).",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num_blocks, kv_cache_memory,
-         max_num_seqs, max_num_batched_tokens, dtype, kernels, seed, blockd_wait, log_level) -> None:
+def main(
+    model_dir,
+    device_spec,
+    blockd_endpoint,
+    bind,
+    pool_id,
+    block_size,
+    num_blocks,
+    kv_cache_memory,
+    max_num_seqs,
+    max_num_batched_tokens,
+    dtype,
+    kernels,
+    seed,
+    blockd_wait,
+    log_level,
+) -> None:
     """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
 
     Every option can also be set by an environment variable: PAGEDKV_EXECUTOR_ and the option's name in
@@ -221,22 +279,48 @@ def main(model_dir, device_spec, blockd_endpoint, bind, pool_id, block_size, num
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
     pool_id = pool_id or _default_pool_id(bind, device)
     # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
-    engine = Engine.assemble(loaded, blockd_endpoint, pool_id=pool_id, num_blocks=blocks, block_size=block_size_int,
-                             limits=EngineLimits(max_num_seqs, max_num_batched_tokens), backend=kernels, seed=seed,
-                             retry_for_s=2.0)  # fmt: skip
+    engine = Engine.assemble(
+        loaded,
+        blockd_endpoint,
+        pool_id=pool_id,
+        num_blocks=blocks,
+        block_size=block_size_int,
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+        backend=kernels,
+        seed=seed,
+        retry_for_s=2.0,
+    )
     runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait)
-    info = ep.Info(pool_id=pool_id, model_id=loaded.config.model_id, model_dir=str(Path(model_dir).resolve()),
-                   max_model_len=loaded.config.max_model_len, vocab_size=loaded.config.vocab_size,
-                   block_size=block_size_int, num_blocks=blocks, device=str(device),
-                   eos_token_ids=list(loaded.config.eos_token_ids))
+    info = ep.Info(
+        pool_id=pool_id,
+        model_id=loaded.config.model_id,
+        model_dir=str(Path(model_dir).resolve()),
+        max_model_len=loaded.config.max_model_len,
+        vocab_size=loaded.config.vocab_size,
+        block_size=block_size_int,
+        num_blocks=blocks,
+        device=str(device),
+        eos_token_ids=list(loaded.config.eos_token_ids),
+    )
     server = ExecutorServer(engine, bind, info)
     log.info(
-        "executor_ready", model=str(model_dir), architecture=loaded.config.architecture,
-        model_id=loaded.config.model_id, parameters=sum(p.numel() for p in loaded.model.parameters()),
-        max_model_len=loaded.config.max_model_len, dtype=str(loaded.dtype).removeprefix("torch."), device=str(device),
-        load_s=round(loaded.load_s, 2), kv_blocks=blocks, kv_tokens=blocks * block_size_int,
-        kv_bytes=runner.kv_cache_bytes, kernels=kernels, bind=bind, pool_id=pool_id, blockd=blockd_endpoint,
+        "executor_ready",
+        model=str(model_dir),
+        architecture=loaded.config.architecture,
+        model_id=loaded.config.model_id,
+        parameters=sum(p.numel() for p in loaded.model.parameters()),
+        max_model_len=loaded.config.max_model_len,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        device=str(device),
+        load_s=round(loaded.load_s, 2),
+        kv_blocks=blocks,
+        kv_tokens=blocks * block_size_int,
+        kv_bytes=runner.kv_cache_bytes,
+        kernels=kernels,
+        bind=bind,
+        pool_id=pool_id,
+        blockd=blockd_endpoint,
         pid=os.getpid(),
     )
 

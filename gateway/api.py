@@ -76,9 +76,16 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            n=self.n, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            logprobs=logprobs)  # fmt: skip
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            n=self.n,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
 
 class CompletionRequest(_Common):
@@ -127,8 +134,10 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": content or ""}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content or "",
+        }
         if self.name:
             message["name"] = self.name
         return message

@@ -64,8 +64,10 @@ class Gateway:
         self.model_name = config.served_model_name or Path(config.model_dir).resolve().name
         self.created = int(time.time())
         self.context = zmq.asyncio.Context()
-        self.links = [ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
-                      for e in config.executors]
+        self.links = [
+            ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
+            for e in config.executors
+        ]
         self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
         self.in_flight = 0
@@ -74,15 +76,22 @@ class Gateway:
     def _compatible(self, info: ExecutorInfo) -> str | None:
         """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""
         if self.tokenizer.vocab_size > info.vocab_size:
-            return (f"it serves {info.model_id} with a vocabulary of {info.vocab_size} tokens, but this gateway's "
-                    f"tokenizer ({self.config.model_dir}) has {self.tokenizer.vocab_size}: another model")
+            return (
+                f"it serves {info.model_id} with a vocabulary of {info.vocab_size} tokens, but this gateway's "
+                f"tokenizer ({self.config.model_dir}) has {self.tokenizer.vocab_size}: another model"
+            )
         return None
 
     async def start(self) -> None:
         for link in self.links:
             link.start()
-        log.info("gateway_started", model=self.model_name, executors=list(self.config.executors),
-                 routing=self.config.routing, blockd=self.config.blockd_endpoint)
+        log.info(
+            "gateway_started",
+            model=self.model_name,
+            executors=list(self.config.executors),
+            routing=self.config.routing,
+            blockd=self.config.blockd_endpoint,
+        )
 
     async def stop(self) -> None:
         for link in self.links:
@@ -114,10 +123,26 @@ class Gateway:
         if name is not None and name != self.model_name:
             raise errors.model_not_found(name, self.model_name)
 
-    def generation(self, request_id: str, prompt: list[int], params: SamplingParams, stops: list[str],
-                   arrival: float, replayable: bool) -> Generation:
-        return Generation(request_id=request_id, prompt=prompt, params=params, stops=stops, router=self.router,
-                          tokenizer=self.tokenizer, metrics=self.metrics, arrival=arrival, replayable=replayable)
+    def generation(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        arrival: float,
+        replayable: bool,
+    ) -> Generation:
+        return Generation(
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            stops=stops,
+            router=self.router,
+            tokenizer=self.tokenizer,
+            metrics=self.metrics,
+            arrival=arrival,
+            replayable=replayable,
+        )
 
 
 # -------------------------------------------------------------------------------------------------- requests
@@ -135,13 +160,17 @@ def _token_limit(gateway: Gateway, prompt: list[int], asked: int | None, param: 
         if room < 1:
             raise errors.context_length_exceeded(
                 f"This model's maximum context length is {limit} tokens. However, your {param} has "
-                f"{len(prompt)} tokens, leaving no room for the completion.", param)
+                f"{len(prompt)} tokens, leaving no room for the completion.",
+                param,
+            )
         return room
     if asked > room:
         raise errors.context_length_exceeded(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{len(prompt) + asked} tokens ({len(prompt)} in the {param}, {asked} for the completion). Please "
-            "reduce the length of the prompt or the completion.", param)
+            "reduce the length of the prompt or the completion.",
+            param,
+        )
     return asked
 
 
@@ -184,7 +213,7 @@ async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int,
             async for event in generation.events():
                 await queue.put((position, event))
             await queue.put((position, None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        except BaseException as exc:
             await queue.put((position, exc))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
@@ -234,8 +263,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class _Exchange:
     """One HTTP request's generations and how their events become a response."""
 
-    def __init__(self, gateway: Gateway, kind: str, body: _Common, generations: list[Generation],
-                 logprobs: int | None) -> None:
+    def __init__(
+        self, gateway: Gateway, kind: str, body: _Common, generations: list[Generation], logprobs: int | None
+    ) -> None:
         self.gateway = gateway
         self.kind = kind  # "completion" | "chat"
         self.body = body
@@ -243,14 +273,17 @@ class _Exchange:
         self.logprobs = logprobs
         self.n = body.n
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        self.envelope = responses.Envelope(f"{prefix}-{generations[0].request_id}", int(time.time()),
-                                           gateway.model_name)
+        self.envelope = responses.Envelope(
+            f"{prefix}-{generations[0].request_id}", int(time.time()), gateway.model_name
+        )
         self.events = _merged(generations)
         self.route = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
 
     def headers(self) -> dict[str, str]:
-        return {"x-request-id": self.generations[0].request_id,
-                "x-pagedkv-executor": ",".join(g.executor or "" for g in self.generations)}
+        return {
+            "x-request-id": self.generations[0].request_id,
+            "x-pagedkv-executor": ",".join(g.executor or "" for g in self.generations),
+        }
 
     def choice_index(self, position: int, event: ChoiceEvent) -> int:
         return position * self.n + event.index
@@ -264,8 +297,9 @@ class _Exchange:
             try:
                 if self.kind == "chat":
                     for index in range(len(self.generations) * self.n):
-                        yield responses.sse(responses.chat_chunk(self.envelope, index,
-                                                                 {"role": "assistant", "content": ""}, None, None))
+                        yield responses.sse(
+                            responses.chat_chunk(self.envelope, index, {"role": "assistant", "content": ""}, None, None)
+                        )
                 yield self._chunk(*first, offsets)
                 async for position, event in self.events:
                     yield self._chunk(position, event, offsets)
@@ -275,8 +309,11 @@ class _Exchange:
                     yield responses.sse(responses.usage_chunk(self.envelope, object_name, usage))
             except (GenerationFailed, APIError) as exc:
                 status = "error"
-                error = exc if isinstance(exc, APIError) else errors.APIError(
-                    502, str(exc), type="server_error", code="executor_lost")
+                error = (
+                    exc
+                    if isinstance(exc, APIError)
+                    else errors.APIError(502, str(exc), type="server_error", code="executor_lost")
+                )
                 log.warning("stream_failed", request_id=self.envelope.id, error=error.message)
                 yield responses.error_event(error)
             except asyncio.CancelledError:
@@ -296,8 +333,9 @@ class _Exchange:
                 accumulated.add(self.gateway.tokenizer, event.logprobs, offsets.get(index, 0))
                 logprobs = accumulated.body()
             offsets[index] = offsets.get(index, 0) + len(event.text)
-            return responses.sse(responses.completion_chunk(self.envelope, index, event.text, logprobs,
-                                                            event.finish_reason))
+            return responses.sse(
+                responses.completion_chunk(self.envelope, index, event.text, logprobs, event.finish_reason)
+            )
         delta = {"content": event.text} if event.text else {}
         logprobs_list = None
         if self.logprobs is not None:
@@ -324,8 +362,7 @@ class _Exchange:
             if self.logprobs is not None and self.kind == "completion":
                 completion_logprobs[index].add(self.gateway.tokenizer, event.logprobs, len(texts[index]))
             elif self.logprobs is not None:
-                chat_logprobs[index] += responses.chat_logprobs(self.gateway.tokenizer, event.logprobs,
-                                                                self.logprobs)
+                chat_logprobs[index] += responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs)
             texts[index] += event.text
             finish[index] = event.finish_reason or finish[index]
 
@@ -334,13 +371,25 @@ class _Exchange:
             take(position, event)
         usage = responses.total_usage([g.usage for g in self.generations])
         if self.kind == "completion":
-            choices = [{"index": i, "text": texts[i], "finish_reason": finish[i],
-                        "logprobs": completion_logprobs[i].body() if self.logprobs is not None else None}
-                       for i in range(count)]
+            choices = [
+                {
+                    "index": i,
+                    "text": texts[i],
+                    "finish_reason": finish[i],
+                    "logprobs": completion_logprobs[i].body() if self.logprobs is not None else None,
+                }
+                for i in range(count)
+            ]
             return responses.completion_body(self.envelope, choices, usage)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "finish_reason": finish[i],
-                    "logprobs": {"content": chat_logprobs[i]} if self.logprobs is not None else None}
-                   for i in range(count)]
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
+                "finish_reason": finish[i],
+                "logprobs": {"content": chat_logprobs[i]} if self.logprobs is not None else None,
+            }
+            for i in range(count)
+        ]
         return responses.chat_body(self.envelope, choices, usage)
 
 
@@ -348,8 +397,14 @@ class _EventStream(StreamingResponse):
     """A streaming response that aborts its generations and leaves the queue even if its body never starts
     (a client gone before the first byte): the body's own cleanup would never run then."""
 
-    def __init__(self, content: AsyncIterator[str], *, cleanup: Callable[[], Awaitable[None]],
-                 release: contextlib.ExitStack, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        *,
+        cleanup: Callable[[], Awaitable[None]],
+        release: contextlib.ExitStack,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(content, **kwargs)
         self._cleanup = cleanup
         self._release = release
@@ -362,14 +417,27 @@ class _EventStream(StreamingResponse):
             self._release.close()
 
 
-async def _respond(gateway: Gateway, request: Request, kind: str, body: _Common,
-                   prompts: list[list[int]], max_tokens: list[int], logprobs: int | None) -> Response:
+async def _respond(
+    gateway: Gateway,
+    request: Request,
+    kind: str,
+    body: _Common,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    logprobs: int | None,
+) -> Response:
     arrival = time.monotonic()
     request_id = uuid.uuid4().hex
     generations = [
-        gateway.generation(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt,
-                           body.sampling(limit, logprobs), body.stop_strings(), arrival, replayable=not body.stream)
-        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))
+        gateway.generation(
+            request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            prompt,
+            body.sampling(limit, logprobs),
+            body.stop_strings(),
+            arrival,
+            replayable=not body.stream,
+        )
+        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]
     exchange = _Exchange(gateway, kind, body, generations, logprobs)
     release = contextlib.ExitStack()
@@ -378,9 +446,13 @@ async def _respond(gateway: Gateway, request: Request, kind: str, body: _Common,
     try:  # errors before the first event still get a status code
         first = await _unless_disconnected(request, anext(exchange.events))
         if body.stream:
-            response = _EventStream(exchange.stream(first, release), cleanup=exchange.events.aclose,
-                                    release=release, media_type="text/event-stream",
-                                    headers={**exchange.headers(), "Cache-Control": "no-cache"})
+            response = _EventStream(
+                exchange.stream(first, release),
+                cleanup=exchange.events.aclose,
+                release=release,
+                media_type="text/event-stream",
+                headers={**exchange.headers(), "Cache-Control": "no-cache"},
+            )
             handed_over = True
             return response
         result = await _unless_disconnected(request, exchange.collect(first))
@@ -450,16 +522,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gateway.check_model(body.model)
         _check_stop_token_ids(gateway, body)
         try:
-            prompt = gateway.tokenizer.encode_chat([m.for_template() for m in body.messages],
-                                                   body.add_generation_prompt)
+            prompt = gateway.tokenizer.encode_chat(
+                [m.for_template() for m in body.messages], body.add_generation_prompt
+            )
         except PromptError as exc:
             raise errors.invalid_request(str(exc), param="messages") from None
         limit = _token_limit(gateway, prompt, body.token_limit, "messages")
         return await _respond(gateway, request, "chat", body, [prompt], [limit], body.logprobs_k)
 
     def model_card() -> dict[str, Any]:
-        return {"id": gateway.model_name, "object": "model", "created": gateway.created, "owned_by": "pagedkv",
-                "max_model_len": gateway.max_model_len}
+        return {
+            "id": gateway.model_name,
+            "object": "model",
+            "created": gateway.created,
+            "owned_by": "pagedkv",
+            "max_model_len": gateway.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -473,10 +551,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = any(link.healthy for link in gateway.links)
-        body = {"status": "ok" if healthy else "unavailable", "model": gateway.model_name,
-                "routing": config.routing, "in_flight": gateway.in_flight,
-                "prefix_lookup": None if gateway.lookup is None else gateway.lookup.reachable,
-                "executors": [link.describe() for link in gateway.links]}
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "model": gateway.model_name,
+            "routing": config.routing,
+            "in_flight": gateway.in_flight,
+            "prefix_lookup": None if gateway.lookup is None else gateway.lookup.reachable,
+            "executors": [link.describe() for link in gateway.links],
+        }
         if not healthy:
             body["reason"] = gateway.why_unavailable()
         return JSONResponse(body, status_code=200 if healthy else 503)
@@ -494,6 +576,12 @@ def run_gateway(config: GatewayConfig, *, host: str, port: int, log_level: str =
     listener = socket.create_server((host, port), reuse_port=False)  # bound here, so port 0 can be reported
     bound_port = listener.getsockname()[1]
     log.info("gateway_listening", url=f"http://{host}:{bound_port}", model=app.state.gateway.model_name)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning" if log_level == "info" else log_level,
-                                           access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning" if log_level == "info" else log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    )
     server.run(sockets=[listener])

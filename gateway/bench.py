@@ -109,8 +109,9 @@ def _tokens(rng: random.Random, count: int, first: int | None = None) -> list[in
     return ids
 
 
-def make_load_workload(count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                       seed: int) -> list[ServeRequest]:  # fmt: skip
+def make_load_workload(
+    count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> list[ServeRequest]:
     """Seeded requests: prompt and output lengths uniform in their ranges, uniform random token ids."""
     rng = random.Random(f"load:{seed}")
     requests = []
@@ -120,8 +121,9 @@ def make_load_workload(count: int, prompt_range: tuple[int, int], output_range: 
     return requests
 
 
-def make_prefix_workload(groups: int, group_size: int, prefix_tokens: int, suffix_tokens: int, output_tokens: int,
-                         seed: int) -> PrefixWorkload:  # fmt: skip
+def make_prefix_workload(
+    groups: int, group_size: int, prefix_tokens: int, suffix_tokens: int, output_tokens: int, seed: int
+) -> PrefixWorkload:
     """Seeded groups sharing a prefix each; distinct first tokens keep groups' prefixes and a group's suffixes
     from sharing anything by chance (see the module docstring)."""
     span = TOKEN_IDS[1] - TOKEN_IDS[0]
@@ -133,8 +135,9 @@ def make_prefix_workload(groups: int, group_size: int, prefix_tokens: int, suffi
     leaders, followers = [], []
     for g, prefix in enumerate(prefixes):
         suffix_firsts = rng.sample(range(*TOKEN_IDS), group_size)
-        members = [ServeRequest(prefix + _tokens(rng, suffix_tokens, first), output_tokens, g)
-                   for first in suffix_firsts]  # fmt: skip
+        members = [
+            ServeRequest(prefix + _tokens(rng, suffix_tokens, first), output_tokens, g) for first in suffix_firsts
+        ]
         leaders.append(members[0])
         followers += members[1:]
     rng.shuffle(followers)
@@ -165,7 +168,7 @@ class RequestResult:
 
     @property
     def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -213,15 +216,23 @@ class Summary:
     def figures(self, prefix: str) -> dict[str, Any]:
         """Every figure, keys prefixed (`load_`, `prefix_routed_`, ...), for the JSON line."""
         values = {
-            "requests": self.requests, "completed": self.completed, "errors": self.errors,
-            "seconds": round(self.seconds, 3), "requests_per_s": round(self.requests_per_s, 4),
+            "requests": self.requests,
+            "completed": self.completed,
+            "errors": self.errors,
+            "seconds": round(self.seconds, 3),
+            "requests_per_s": round(self.requests_per_s, 4),
             "output_tokens": self.output_tokens,
-            "output_tok_s": round(self.output_tok_s, 3), "ttft_p50_ms": self.ttft_p50_ms,
-            "ttft_p99_ms": self.ttft_p99_ms, "itl_p50_ms": self.itl_p50_ms, "itl_p99_ms": self.itl_p99_ms,
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "cached_fraction": round(self.cached_fraction, 4), "short_outputs": self.short_outputs,
+            "output_tok_s": round(self.output_tok_s, 3),
+            "ttft_p50_ms": self.ttft_p50_ms,
+            "ttft_p99_ms": self.ttft_p99_ms,
+            "itl_p50_ms": self.itl_p50_ms,
+            "itl_p99_ms": self.itl_p99_ms,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_fraction": round(self.cached_fraction, 4),
+            "short_outputs": self.short_outputs,
             "first_error": self.first_error,
-        }  # fmt: skip
+        }
         return {prefix + k: v for k, v in values.items()}
 
 
@@ -232,14 +243,20 @@ def summarize(results: Sequence[RequestResult], seconds: float) -> Summary:
     gaps = [g for r in ok for g in r.gaps]
     errors = [r.error for r in results if r.error is not None]
     return Summary(
-        requests=len(results), completed=len(ok), errors=len(errors), seconds=seconds,
-        output_tokens=sum(r.completion_tokens for r in ok), prompt_tokens=sum(r.prompt_tokens for r in ok),
+        requests=len(results),
+        completed=len(ok),
+        errors=len(errors),
+        seconds=seconds,
+        output_tokens=sum(r.completion_tokens for r in ok),
+        prompt_tokens=sum(r.prompt_tokens for r in ok),
         cached_tokens=sum(r.cached_tokens for r in ok),
         short_outputs=sum(r.completion_tokens < r.max_tokens for r in ok),
-        ttft_p50_ms=_ms(percentile(ttfts, 50)), ttft_p99_ms=_ms(percentile(ttfts, 99)),
-        itl_p50_ms=_ms(percentile(gaps, 50)), itl_p99_ms=_ms(percentile(gaps, 99)),
+        ttft_p50_ms=_ms(percentile(ttfts, 50)),
+        ttft_p99_ms=_ms(percentile(ttfts, 99)),
+        itl_p50_ms=_ms(percentile(gaps, 50)),
+        itl_p99_ms=_ms(percentile(gaps, 99)),
         first_error=errors[0] if errors else None,
-    )  # fmt: skip
+    )
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -262,8 +279,14 @@ async def stream_one(client: Any, model: str, request: ServeRequest) -> RequestR
     started = time.perf_counter()
     try:
         stream = await client.completions.create(
-            model=model, prompt=request.prompt, max_tokens=request.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+            model=model,
+            prompt=request.prompt,
+            max_tokens=request.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 result.chunk_times.append(time.perf_counter() - started)
@@ -280,8 +303,9 @@ async def stream_one(client: Any, model: str, request: ServeRequest) -> RequestR
     return result
 
 
-async def run_requests(client: Any, model: str, requests: Sequence[ServeRequest], clients: int,
-                       on_done: Callable[[], None] = lambda: None) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_requests(
+    client: Any, model: str, requests: Sequence[ServeRequest], clients: int, on_done: Callable[[], None] = lambda: None
+) -> tuple[list[RequestResult], float]:
     """Every request in order, `clients` at a time (each worker takes the next one as soon as it is free);
     the results in request order and the wall time from the first sending to the last end."""
     results: list[RequestResult | None] = [None] * len(requests)
@@ -333,8 +357,9 @@ async def _warm_up(client: Any, model: str, seed: int, clients: int) -> None:
         raise click.ClickException(f"a warm-up request failed: {failed}")
 
 
-async def measure_load(base_url: str, model: str | None, requests: Sequence[ServeRequest], clients: int,
-                       seed: int) -> tuple[str, Summary]:  # fmt: skip
+async def measure_load(
+    base_url: str, model: str | None, requests: Sequence[ServeRequest], clients: int, seed: int
+) -> tuple[str, Summary]:
     """Part 1 against the stack at `base_url` (model from /v1/models unless given): the model and the figures."""
     async with _client(base_url) as client:
         model = model or await _served_model(client)
@@ -344,20 +369,23 @@ async def measure_load(base_url: str, model: str | None, requests: Sequence[Serv
     return model, summarize(results, seconds)
 
 
-async def measure_routing(base_url: str, model: str, workload: PrefixWorkload, clients: int, seed: int,
-                          policy: str) -> Summary:  # fmt: skip
+async def measure_routing(
+    base_url: str, model: str, workload: PrefixWorkload, clients: int, seed: int, policy: str
+) -> Summary:
     """Part 2 against one fresh stack: warm-up, the leaders to the end, then the followers (measured)."""
     async with _client(base_url) as client:
         await _warm_up(client, model, seed, clients)
         with _bar(policy, len(workload.leaders) + len(workload.followers)) as bar:
             leaders, _ = await run_requests(client, model, workload.leaders, clients, lambda: bar.update(1))
-            followers, seconds = await run_requests(client, model, workload.followers, clients,
-                                                    lambda: bar.update(1))  # fmt: skip
+            followers, seconds = await run_requests(client, model, workload.followers, clients, lambda: bar.update(1))
     summary = summarize(followers, seconds)
     # A failed leader leaves its group uncached under either policy: it counts as an error of the run.
     leader_errors = [r.error for r in leaders if r.error is not None]
-    return dataclasses.replace(summary, errors=summary.errors + len(leader_errors),
-                               first_error=summary.first_error or (leader_errors[0] if leader_errors else None))
+    return dataclasses.replace(
+        summary,
+        errors=summary.errors + len(leader_errors),
+        first_error=summary.first_error or (leader_errors[0] if leader_errors else None),
+    )
 
 
 # ------------------------------------------------------------------------------------------------- stacks
@@ -378,8 +406,15 @@ def own_stack(options: StackOptions, routing: str) -> Iterator[Any]:
 
     click.echo(f"starting a stack: {options.executors} executors on {options.device}, {routing} routing", err=True)
     try:
-        with LocalStack(model_dir=options.model_dir, executors=options.executors, device=options.device, port=0,
-                        routing=routing, kv_cache_memory=options.kv_cache_memory, persistence=False) as stack:
+        with LocalStack(
+            model_dir=options.model_dir,
+            executors=options.executors,
+            device=options.device,
+            port=0,
+            routing=routing,
+            kv_cache_memory=options.kv_cache_memory,
+            persistence=False,
+        ) as stack:
             yield stack
     except StackFailed as exc:
         raise click.ClickException(f"the {routing} stack failed: {exc}") from exc
@@ -408,26 +443,65 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
+        return "  ".join(
+            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=False))
+        )
 
     return [line(columns), *(line(row) for row in cells)]
 
 
 def _load_table(s: Summary) -> list[str]:
-    columns = ["requests", "errors", "seconds", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-               "ITL p50 ms", "ITL p99 ms", "cached", "short outputs"]  # fmt: skip
-    return table(columns, [[s.requests, s.errors, s.seconds, s.requests_per_s, s.output_tok_s, s.ttft_p50_ms,
-                            s.ttft_p99_ms, s.itl_p50_ms, s.itl_p99_ms, f"{s.cached_fraction:.1%}",
-                            s.short_outputs]])  # fmt: skip
+    columns = [
+        "requests",
+        "errors",
+        "seconds",
+        "req/s",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "cached",
+        "short outputs",
+    ]
+    return table(
+        columns,
+        [
+            [
+                s.requests,
+                s.errors,
+                s.seconds,
+                s.requests_per_s,
+                s.output_tok_s,
+                s.ttft_p50_ms,
+                s.ttft_p99_ms,
+                s.itl_p50_ms,
+                s.itl_p99_ms,
+                f"{s.cached_fraction:.1%}",
+                s.short_outputs,
+            ]
+        ],
+    )
 
 
 def _routing_table(prefix: Summary, rr: Summary, ratios: dict[str, float | None]) -> list[str]:
     columns = ["routing", "followers", "errors", "TTFT p50 ms", "TTFT p99 ms", "cached fraction", "seconds"]
-    rows = [[name, s.requests, s.errors, s.ttft_p50_ms, s.ttft_p99_ms, f"{s.cached_fraction:.1%}", s.seconds]
-            for name, s in (("prefix", prefix), ("round-robin", rr))]  # fmt: skip
+    rows = [
+        [name, s.requests, s.errors, s.ttft_p50_ms, s.ttft_p99_ms, f"{s.cached_fraction:.1%}", s.seconds]
+        for name, s in (("prefix", prefix), ("round-robin", rr))
+    ]
     cached = ratios["routing_cached_fraction_ratio"]
-    rows.append(["ratio", "", "", _ratio_cell(ratios["routing_ttft_p50_ratio"], "rr/prefix"),
-                 _ratio_cell(ratios["routing_ttft_p99_ratio"], "rr/prefix"), _ratio_cell(cached, "prefix/rr"), ""])
+    rows.append(
+        [
+            "ratio",
+            "",
+            "",
+            _ratio_cell(ratios["routing_ttft_p50_ratio"], "rr/prefix"),
+            _ratio_cell(ratios["routing_ttft_p99_ratio"], "rr/prefix"),
+            _ratio_cell(cached, "prefix/rr"),
+            "",
+        ]
+    )
     return table(columns, rows)
 
 
@@ -472,46 +546,134 @@ def _check_range(name: str, value: tuple[int, int]) -> None:
     {QUICK_PREFIX_TOKENS}, suffix {QUICK_SUFFIX_TOKENS}, routing output {QUICK_ROUTING_OUTPUT} (options given
     explicitly win).""",
 )
-@click.option("--url", default=None, help="Measure the serving load against the stack running at this URL "
-              "(http://127.0.0.1:8000); default: start one here.")  # fmt: skip
-@click.option("--executors", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Executors of each stack started here.")
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Checkpoint directory of the stacks started here (default: the generated default model).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the executors of the stacks started here run.")
-@click.option("--kv-cache-memory", default=None,
-              help="KV cache of each executor started here (256MiB; binary units). Default: the executor's.")
-@click.option("--clients", type=click.IntRange(min=1), default=DEFAULT_CLIENTS, show_default=True,
-              help="Requests in flight at once.")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=DEFAULT_REQUESTS,
-              show_default=True, help="Requests of the serving load.")
-@click.option("--prompt-range", type=(click.IntRange(min=1), click.IntRange(min=1)), default=DEFAULT_PROMPT_RANGE,
-              show_default=True, help="MIN MAX prompt length in tokens (uniform).")
-@click.option("--output-range", type=(click.IntRange(min=1), click.IntRange(min=1)), default=DEFAULT_OUTPUT_RANGE,
-              show_default=True, help="MIN MAX max_tokens (uniform); ignore_eos makes it the output length.")
-@click.option("--prefix-groups", type=click.IntRange(1, TOKEN_IDS[1] - TOKEN_IDS[0]), default=DEFAULT_PREFIX_GROUPS,
-              show_default=True, help="Routing: groups sharing a prefix.")
-@click.option("--group-size", type=click.IntRange(2, TOKEN_IDS[1] - TOKEN_IDS[0]), default=DEFAULT_GROUP_SIZE,
-              show_default=True, help="Routing: requests per group (the first one warms the prefix up).")
-@click.option("--prefix-tokens", type=click.IntRange(min=1), default=DEFAULT_PREFIX_TOKENS, show_default=True,
-              help="Routing: length of each group's shared prefix.")
-@click.option("--suffix-tokens", type=click.IntRange(min=1), default=DEFAULT_SUFFIX_TOKENS, show_default=True,
-              help="Routing: length of each request's own suffix.")
-@click.option("--routing-output", type=click.IntRange(min=1), default=DEFAULT_ROUTING_OUTPUT, show_default=True,
-              help="Routing: max_tokens of every request.")
+@click.option(
+    "--url",
+    default=None,
+    help="Measure the serving load against the stack running at this URL "
+    "(http://127.0.0.1:8000); default: start one here.",
+)
+@click.option(
+    "--executors",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Executors of each stack started here.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint directory of the stacks started here (default: the generated default model).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the executors of the stacks started here run.",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    help="KV cache of each executor started here (256MiB; binary units). Default: the executor's.",
+)
+@click.option(
+    "--clients",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CLIENTS,
+    show_default=True,
+    help="Requests in flight at once.",
+)
+@click.option(
+    "--requests",
+    "num_requests",
+    type=click.IntRange(min=1),
+    default=DEFAULT_REQUESTS,
+    show_default=True,
+    help="Requests of the serving load.",
+)
+@click.option(
+    "--prompt-range",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=DEFAULT_PROMPT_RANGE,
+    show_default=True,
+    help="MIN MAX prompt length in tokens (uniform).",
+)
+@click.option(
+    "--output-range",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=DEFAULT_OUTPUT_RANGE,
+    show_default=True,
+    help="MIN MAX max_tokens (uniform); ignore_eos makes it the output length.",
+)
+@click.option(
+    "--prefix-groups",
+    type=click.IntRange(1, TOKEN_IDS[1] - TOKEN_IDS[0]),
+    default=DEFAULT_PREFIX_GROUPS,
+    show_default=True,
+    help="Routing: groups sharing a prefix.",
+)
+@click.option(
+    "--group-size",
+    type=click.IntRange(2, TOKEN_IDS[1] - TOKEN_IDS[0]),
+    default=DEFAULT_GROUP_SIZE,
+    show_default=True,
+    help="Routing: requests per group (the first one warms the prefix up).",
+)
+@click.option(
+    "--prefix-tokens",
+    type=click.IntRange(min=1),
+    default=DEFAULT_PREFIX_TOKENS,
+    show_default=True,
+    help="Routing: length of each group's shared prefix.",
+)
+@click.option(
+    "--suffix-tokens",
+    type=click.IntRange(min=1),
+    default=DEFAULT_SUFFIX_TOKENS,
+    show_default=True,
+    help="Routing: length of each request's own suffix.",
+)
+@click.option(
+    "--routing-output",
+    type=click.IntRange(min=1),
+    default=DEFAULT_ROUTING_OUTPUT,
+    show_default=True,
+    help="Routing: max_tokens of every request.",
+)
 @click.option("--skip-routing", is_flag=True, help="Measure the serving load only.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every length and token id.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the JSON object to this file.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the JSON object to this file.",
+)
 @click.option("--quick", is_flag=True, help="A small run for tests (see above).")
 @click.pass_context
 def bench_serve(
-    ctx: click.Context, url: str | None, executors: int, model_dir: Path | None, device: str,
-    kv_cache_memory: str | None, clients: int, num_requests: int, prompt_range: tuple[int, int],
-    output_range: tuple[int, int], prefix_groups: int, group_size: int, prefix_tokens: int, suffix_tokens: int,
-    routing_output: int, skip_routing: bool, seed: int, json_path: Path | None, quick: bool,
-) -> None:  # fmt: skip
+    ctx: click.Context,
+    url: str | None,
+    executors: int,
+    model_dir: Path | None,
+    device: str,
+    kv_cache_memory: str | None,
+    clients: int,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    prefix_groups: int,
+    group_size: int,
+    prefix_tokens: int,
+    suffix_tokens: int,
+    routing_output: int,
+    skip_routing: bool,
+    seed: int,
+    json_path: Path | None,
+    quick: bool,
+) -> None:
     if quick:
         clients = unless_given(ctx, clients, "clients", QUICK_CLIENTS)
         num_requests = unless_given(ctx, num_requests, "num_requests", QUICK_REQUESTS)
@@ -533,10 +695,12 @@ def bench_serve(
     echo = click.echo
 
     requests = make_load_workload(num_requests, prompt_range, output_range, seed)
-    echo(f"load:     {num_requests} requests, {clients} clients, seed {seed}; prompt uniform {prompt_range[0]}-"
-         f"{prompt_range[1]} tokens, output {output_range[0]}-{output_range[1]} (ignore_eos, "
-         f"{sum(r.max_tokens for r in requests):,} in all); "
-         + (f"against {url}" if url else f"own stack of {executors} executors on {device}"))  # fmt: skip
+    echo(
+        f"load:     {num_requests} requests, {clients} clients, seed {seed}; prompt uniform {prompt_range[0]}-"
+        f"{prompt_range[1]} tokens, output {output_range[0]}-{output_range[1]} (ignore_eos, "
+        f"{sum(r.max_tokens for r in requests):,} in all); "
+        + (f"against {url}" if url else f"own stack of {executors} executors on {device}")
+    )
     if url:
         model, load = asyncio.run(measure_load(_base_url(url), None, requests, clients, seed))
     else:
@@ -551,37 +715,66 @@ def bench_serve(
     figures: dict[str, Any] = load.figures("load_")
 
     if not skip_routing:
-        figures.update(_routing_part(options, prefix_groups, group_size, prefix_tokens, suffix_tokens,
-                                     routing_output, clients, seed))  # fmt: skip
-    figures.update({
-        "url": url, "model": model, "executors": None if url else executors, "routing_executors": executors,
-        "device": device, "kv_cache_memory": kv_cache_memory, "clients": clients, "requests": num_requests,
-        "prompt_range": list(prompt_range), "output_range": list(output_range), "skip_routing": skip_routing,
-        "prefix_groups": prefix_groups, "group_size": group_size, "prefix_tokens": prefix_tokens,
-        "suffix_tokens": suffix_tokens, "routing_output": routing_output, "seed": seed, "quick": quick,
-        "cpu_count": os.cpu_count(),
-    })  # fmt: skip
+        figures.update(
+            _routing_part(
+                options, prefix_groups, group_size, prefix_tokens, suffix_tokens, routing_output, clients, seed
+            )
+        )
+    figures.update(
+        {
+            "url": url,
+            "model": model,
+            "executors": None if url else executors,
+            "routing_executors": executors,
+            "device": device,
+            "kv_cache_memory": kv_cache_memory,
+            "clients": clients,
+            "requests": num_requests,
+            "prompt_range": list(prompt_range),
+            "output_range": list(output_range),
+            "skip_routing": skip_routing,
+            "prefix_groups": prefix_groups,
+            "group_size": group_size,
+            "prefix_tokens": prefix_tokens,
+            "suffix_tokens": suffix_tokens,
+            "routing_output": routing_output,
+            "seed": seed,
+            "quick": quick,
+            "cpu_count": os.cpu_count(),
+        }
+    )
     line = json.dumps(figures)
     if json_path is not None:
         json_path.write_text(line + "\n", "utf-8")
     echo(line)
 
 
-def _routing_part(options: StackOptions, groups: int, group_size: int, prefix_tokens: int, suffix_tokens: int,
-                  output_tokens: int, clients: int, seed: int) -> dict[str, Any]:  # fmt: skip
+def _routing_part(
+    options: StackOptions,
+    groups: int,
+    group_size: int,
+    prefix_tokens: int,
+    suffix_tokens: int,
+    output_tokens: int,
+    clients: int,
+    seed: int,
+) -> dict[str, Any]:
     """Part 2: the same prefix workload on a fresh stack per policy; prints the table, returns the figures."""
     echo = click.echo
     workload = make_prefix_workload(groups, group_size, prefix_tokens, suffix_tokens, output_tokens, seed)
     echo("")
-    echo(f"routing:  {groups} groups x {group_size} requests, prefix {prefix_tokens} + suffix {suffix_tokens} "
-         f"tokens, {output_tokens} output; {clients} clients; fresh stacks of {options.executors} executors")
+    echo(
+        f"routing:  {groups} groups x {group_size} requests, prefix {prefix_tokens} + suffix {suffix_tokens} "
+        f"tokens, {output_tokens} output; {clients} clients; fresh stacks of {options.executors} executors"
+    )
     if options.executors < 2:
         click.echo("warning: with 1 executor both policies send everything to it", err=True)
     summaries: dict[str, Summary] = {}
     for policy in COMPARED_POLICIES:
         with own_stack(options, policy) as stack:
-            summaries[policy] = asyncio.run(measure_routing(stack.base_url, stack.model_name, workload, clients,
-                                                            seed, policy))  # fmt: skip
+            summaries[policy] = asyncio.run(
+                measure_routing(stack.base_url, stack.model_name, workload, clients, seed, policy)
+            )
     prefix, rr = summaries["prefix"], summaries["round-robin"]
     ratios = routing_ratios(prefix, rr)
     echo("")
@@ -590,11 +783,25 @@ def _routing_part(options: StackOptions, groups: int, group_size: int, prefix_to
     for policy, s in summaries.items():
         if s.first_error:
             echo(f"first error ({policy}): {s.first_error}")
-    echo(f"measured: the {len(workload.followers)} followers (the leaders ran first, unmeasured); the cached "
-         f"fraction is at most prefix / prompt = {prefix_tokens / (prefix_tokens + suffix_tokens):.1%} (less "
-         "when the prefix does not fill whole KV blocks)")
+    echo(
+        f"measured: the {len(workload.followers)} followers (the leaders ran first, unmeasured); the cached "
+        f"fraction is at most prefix / prompt = {prefix_tokens / (prefix_tokens + suffix_tokens):.1%} (less "
+        "when the prefix does not fill whole KV blocks)"
+    )
     return {**prefix.figures("prefix_routed_"), **rr.figures("round_robin_"), **ratios}
 
 
-__all__ = ["PrefixWorkload", "RequestResult", "ServeRequest", "Summary", "bench_serve", "make_load_workload",
-           "make_prefix_workload", "percentile", "routing_ratios", "run_requests", "stream_one", "summarize"]
+__all__ = [
+    "PrefixWorkload",
+    "RequestResult",
+    "ServeRequest",
+    "Summary",
+    "bench_serve",
+    "make_load_workload",
+    "make_prefix_workload",
+    "percentile",
+    "routing_ratios",
+    "run_requests",
+    "stream_one",
+    "summarize",
+]

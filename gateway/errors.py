@@ -6,8 +6,9 @@ from typing import Any
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str, code: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, type: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -28,8 +29,13 @@ def context_length_exceeded(message: str, param: str = "messages") -> APIError:
 
 
 def model_not_found(name: str, served: str) -> APIError:
-    return APIError(404, f"The model {name!r} does not exist; this gateway serves {served!r}.",
-                    type="invalid_request_error", param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model {name!r} does not exist; this gateway serves {served!r}.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def not_found(path: str) -> APIError:
@@ -37,8 +43,12 @@ def not_found(path: str) -> APIError:
 
 
 def queue_full(limit: int) -> APIError:
-    return APIError(429, f"The gateway already has {limit} requests in flight; retry shortly.",
-                    type="rate_limit_error", code="queue_full")
+    return APIError(
+        429,
+        f"The gateway already has {limit} requests in flight; retry shortly.",
+        type="rate_limit_error",
+        code="queue_full",
+    )
 
 
 def no_executor(detail: str) -> APIError:

@@ -46,9 +46,15 @@ class ExecutorUnavailable(ConnectionError):
 
 
 class ExecutorLink:
-    def __init__(self, endpoint: str, context: zmq.asyncio.Context, *, timeout_s: float = 5.0,
-                 poll_interval_s: float | None = None,
-                 compatible: Callable[[ep.Info], str | None] = lambda info: None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        context: zmq.asyncio.Context,
+        *,
+        timeout_s: float = 5.0,
+        poll_interval_s: float | None = None,
+        compatible: Callable[[ep.Info], str | None] = lambda info: None,
+    ) -> None:
         self.endpoint = endpoint
         self.compatible = compatible  # why this gateway cannot use an executor (another model), or None
         self.refused: str | None = None

@@ -68,9 +68,19 @@ class _Choice:
 
 
 class Generation:
-    def __init__(self, *, request_id: str, prompt: Sequence[int], params: SamplingParams, stops: Sequence[str],
-                 router: Router, tokenizer: Tokenizer, metrics: GatewayMetrics, arrival: float | None = None,
-                 replayable: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        stops: Sequence[str],
+        router: Router,
+        tokenizer: Tokenizer,
+        metrics: GatewayMetrics,
+        arrival: float | None = None,
+        replayable: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
         self.params = params
@@ -98,8 +108,11 @@ class Generation:
                 retry = False
                 while not self._done:
                     item = await queue.get()
-                    if isinstance(item, ExecutorLost) or (type(item) is ep.Delta and item.finish_reason == "abort"
-                                                          and not self._choices[item.index].finished):
+                    if isinstance(item, ExecutorLost) or (
+                        type(item) is ep.Delta
+                        and item.finish_reason == "abort"
+                        and not self._choices[item.index].finished
+                    ):
                         reason = item.reason if isinstance(item, ExecutorLost) else "it aborted the request"
                         if yielded and not self.replayable:
                             raise GenerationFailed(f"the executor serving this request was lost ({reason})")
@@ -147,8 +160,7 @@ class Generation:
                 continue
             self._link, self._submitted_id = link, submitted_id
             self.executor = link.pool_id
-            self._choices = [_Choice(self.tokenizer.detokenizer(self.prompt), self.stops)
-                             for _ in range(self.params.n)]
+            self._choices = [_Choice(self.tokenizer.detokenizer(self.prompt), self.stops) for _ in range(self.params.n)]
             self.usage = Usage(prompt_tokens=len(self.prompt))
             self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
             return queue

@@ -22,15 +22,19 @@ class _ExecutorCollector(Collector):
         self.links = links
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        healthy = GaugeMetricFamily("pagedkv_executor_healthy", "1 while the executor is in rotation",
-                                    labels=["executor"])
-        waiting = GaugeMetricFamily("pagedkv_executor_waiting_requests", "Requests queued at the executor",
-                                    labels=["executor"])
-        running = GaugeMetricFamily("pagedkv_executor_running_requests", "Requests being generated",
-                                    labels=["executor"])
+        healthy = GaugeMetricFamily(
+            "pagedkv_executor_healthy", "1 while the executor is in rotation", labels=["executor"]
+        )
+        waiting = GaugeMetricFamily(
+            "pagedkv_executor_waiting_requests", "Requests queued at the executor", labels=["executor"]
+        )
+        running = GaugeMetricFamily(
+            "pagedkv_executor_running_requests", "Requests being generated", labels=["executor"]
+        )
         free = GaugeMetricFamily("pagedkv_executor_free_blocks", "Free KV blocks", labels=["executor"])
-        utilization = GaugeMetricFamily("pagedkv_executor_kv_utilization", "KV blocks held by live sequences",
-                                        labels=["executor"])
+        utilization = GaugeMetricFamily(
+            "pagedkv_executor_kv_utilization", "KV blocks held by live sequences", labels=["executor"]
+        )
         for link in self.links:
             name = [link.endpoint]
             healthy.add_metric(name, 1.0 if link.healthy else 0.0)
@@ -46,29 +50,47 @@ class GatewayMetrics:
     def __init__(self, links: Sequence[ExecutorLink], in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pagedkv_gateway_requests", "Finished HTTP requests by route and status",
-                                ["route", "status"], registry=r)
-        self.ttft = Histogram("pagedkv_gateway_time_to_first_token_seconds",
-                              "From request arrival to the first generated token", buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pagedkv_gateway_inter_token_latency_seconds",
-                             "Between successive tokens of one choice", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedkv_gateway_request_duration_seconds", "From arrival to the last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "pagedkv_gateway_requests", "Finished HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "pagedkv_gateway_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedkv_gateway_inter_token_latency_seconds",
+            "Between successive tokens of one choice",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedkv_gateway_request_duration_seconds",
+            "From arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.generated_tokens = Counter("pagedkv_gateway_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("pagedkv_gateway_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
-        self.cached_tokens = Counter("pagedkv_gateway_cached_prompt_tokens",
-                                     "Prompt tokens the prefix cache supplied", registry=r)
-        self.routed = Counter("pagedkv_gateway_routed_requests", "Requests sent to each executor",
-                              ["executor", "policy"], registry=r)
-        self.retries = Counter("pagedkv_gateway_retried_requests",
-                               "Requests resubmitted elsewhere because their executor was lost", registry=r)
-        self.queue_depth = Gauge("pagedkv_gateway_requests_in_flight", "Requests in flight at the gateway",
-                                 registry=r)
+        self.prompt_tokens = Counter("pagedkv_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(
+            "pagedkv_gateway_cached_prompt_tokens", "Prompt tokens the prefix cache supplied", registry=r
+        )
+        self.routed = Counter(
+            "pagedkv_gateway_routed_requests", "Requests sent to each executor", ["executor", "policy"], registry=r
+        )
+        self.retries = Counter(
+            "pagedkv_gateway_retried_requests",
+            "Requests resubmitted elsewhere because their executor was lost",
+            registry=r,
+        )
+        self.queue_depth = Gauge("pagedkv_gateway_requests_in_flight", "Requests in flight at the gateway", registry=r)
         self.queue_depth.set_function(lambda: in_flight())
-        hit_rate = Gauge("pagedkv_gateway_prefix_cache_hit_rate",
-                         "Fraction of prompt tokens the prefix cache supplied, since start", registry=r)
+        hit_rate = Gauge(
+            "pagedkv_gateway_prefix_cache_hit_rate",
+            "Fraction of prompt tokens the prefix cache supplied, since start",
+            registry=r,
+        )
         hit_rate.set_function(self._hit_rate)
         r.register(_ExecutorCollector(links))
 

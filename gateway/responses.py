@@ -44,8 +44,11 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def total_usage(usages: Sequence[Usage]) -> Usage:
-    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
-                 sum(u.cached_tokens for u in usages))
+    return Usage(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- logprobs
@@ -76,14 +79,21 @@ class CompletionLogprobs:
                 pass  # the offset moves once the character is whole
 
     def body(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
-                "text_offset": self.text_offset}
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], top: int) -> list[dict[str, Any]]:
     def one(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": tokenizer.token_text(token_id), "logprob": logprob,
-                "bytes": list(tokenizer.token_bytes(token_id))}
+        return {
+            "token": tokenizer.token_text(token_id),
+            "logprob": logprob,
+            "bytes": list(tokenizer.token_bytes(token_id)),
+        }
 
     return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top[:top]]} for e in entries]
 
@@ -91,33 +101,68 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], top:
 # ---------------------------------------------------------------------------------------------- completions
 
 
-def completion_chunk(env: Envelope, index: int, text: str, logprobs: dict[str, Any] | None,
-                     finish_reason: str | None) -> dict[str, Any]:
-    return {"id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def completion_chunk(
+    env: Envelope, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "object": "text_completion",
+        "created": env.created,
+        "model": env.model,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
 
 
 def completion_body(env: Envelope, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
-    return {"id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
-            "choices": choices, "usage": usage_body(usage)}
+    return {
+        "id": env.id,
+        "object": "text_completion",
+        "created": env.created,
+        "model": env.model,
+        "choices": choices,
+        "usage": usage_body(usage),
+    }
 
 
 def usage_chunk(env: Envelope, object_name: str, usage: Usage) -> dict[str, Any]:
-    return {"id": env.id, "object": object_name, "created": env.created, "model": env.model, "choices": [],
-            "usage": usage_body(usage)}
+    return {
+        "id": env.id,
+        "object": object_name,
+        "created": env.created,
+        "model": env.model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- chat
 
 
-def chat_chunk(env: Envelope, index: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None,
-               finish_reason: str | None) -> dict[str, Any]:
-    return {"id": env.id, "object": "chat.completion.chunk", "created": env.created, "model": env.model,
-            "choices": [{"index": index, "delta": delta,
-                         "logprobs": None if logprobs is None else {"content": logprobs},
-                         "finish_reason": finish_reason}]}
+def chat_chunk(
+    env: Envelope, index: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "object": "chat.completion.chunk",
+        "created": env.created,
+        "model": env.model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if logprobs is None else {"content": logprobs},
+                "finish_reason": finish_reason,
+            }
+        ],
+    }
 
 
 def chat_body(env: Envelope, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
-    return {"id": env.id, "object": "chat.completion", "created": env.created, "model": env.model,
-            "choices": choices, "usage": usage_body(usage)}
+    return {
+        "id": env.id,
+        "object": "chat.completion",
+        "created": env.created,
+        "model": env.model,
+        "choices": choices,
+        "usage": usage_body(usage),
+    }

@@ -62,8 +62,9 @@ class PrefixLookup:
             result = await asyncio.get_running_loop().run_in_executor(self._thread, self._client.lookup, tokens)
         except (BlockdUnavailable, BlockdError) as exc:
             if self.reachable:
-                log.warning("prefix_lookup_failed", error=str(exc), fallback="least-loaded",
-                            retry_after_s=self.retry_after_s)
+                log.warning(
+                    "prefix_lookup_failed", error=str(exc), fallback="least-loaded", retry_after_s=self.retry_after_s
+                )
             self.reachable = False
             self._next_try = time.monotonic() + self.retry_after_s
             return {}
@@ -78,8 +79,9 @@ class PrefixLookup:
 
 
 class Router:
-    def __init__(self, links: Sequence[ExecutorLink], policy: str, lookup: PrefixLookup | None,
-                 load_slack: int = 8) -> None:
+    def __init__(
+        self, links: Sequence[ExecutorLink], policy: str, lookup: PrefixLookup | None, load_slack: int = 8
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; use one of {', '.join(POLICIES)}")
         self.links = list(links)

@@ -24,37 +24,99 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     return endpoints
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"],
-                                 "auto_envvar_prefix": "PAGEDKV_GATEWAY"})
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar="PAGEDKV_GATEWAY_MODEL",
-              help="The model's directory, for its tokenizer and chat template (the executors load its weights). "
-                   "Default: the generated default model, created on first use.")
-@click.option("--executors", default=DEFAULT_EXECUTOR, callback=_endpoints, envvar="PAGEDKV_GATEWAY_EXECUTORS",
-              help="Comma-separated ZeroMQ endpoints of the executors.")
-@click.option("--blockd", "blockd_endpoint", default=DEFAULT_BLOCKD, envvar="PAGEDKV_GATEWAY_BLOCKD",
-              help="blockd's ZeroMQ endpoint (asked which executor holds a prompt's prefix).")
+@click.command(
+    context_settings={
+        "show_default": True,
+        "help_option_names": ["-h", "--help"],
+        "auto_envvar_prefix": "PAGEDKV_GATEWAY",
+    }
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="PAGEDKV_GATEWAY_MODEL",
+    help="The model's directory, for its tokenizer and chat template (the executors load its weights). "
+    "Default: the generated default model, created on first use.",
+)
+@click.option(
+    "--executors",
+    default=DEFAULT_EXECUTOR,
+    callback=_endpoints,
+    envvar="PAGEDKV_GATEWAY_EXECUTORS",
+    help="Comma-separated ZeroMQ endpoints of the executors.",
+)
+@click.option(
+    "--blockd",
+    "blockd_endpoint",
+    default=DEFAULT_BLOCKD,
+    envvar="PAGEDKV_GATEWAY_BLOCKD",
+    help="blockd's ZeroMQ endpoint (asked which executor holds a prompt's prefix).",
+)
 @click.option("--host", default="127.0.0.1", envvar="PAGEDKV_GATEWAY_HOST", help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, envvar="PAGEDKV_GATEWAY_PORT",
-              help="HTTP port (0: any free port, printed at startup).")
-@click.option("--routing", type=click.Choice(ROUTING_POLICIES), default="prefix", envvar="PAGEDKV_GATEWAY_ROUTING",
-              help="prefix: the executor holding the longest cached prefix unless it is much busier than the "
-                   "least loaded; least-loaded; round-robin.")
-@click.option("--load-slack", type=click.IntRange(min=0), default=8, envvar="PAGEDKV_GATEWAY_LOAD_SLACK",
-              help="prefix routing: how many more requests in flight than the least-loaded executor a prefix "
-                   "holder may have and still be chosen.")
-@click.option("--served-model-name", default=None, envvar="PAGEDKV_GATEWAY_SERVED_MODEL_NAME",
-              help="The model name clients ask for. Default: the model directory's name.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=512, envvar="PAGEDKV_GATEWAY_MAX_QUEUE",
-              help="Requests in flight at once; beyond it requests get 429.")
-@click.option("--executor-timeout", type=click.FloatRange(min=0.1), default=5.0,
-              envvar="PAGEDKV_GATEWAY_EXECUTOR_TIMEOUT",
-              help="Seconds an executor may stay silent before it is taken out of rotation.")
-@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
-              envvar="PAGEDKV_GATEWAY_LOG_LEVEL")
-def main(model_dir: Path | None, executors: tuple[str, ...], blockd_endpoint: str, host: str, port: int,
-         routing: str, load_slack: int, served_model_name: str | None, max_queue: int, executor_timeout: float,
-         log_level: str) -> None:
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    envvar="PAGEDKV_GATEWAY_PORT",
+    help="HTTP port (0: any free port, printed at startup).",
+)
+@click.option(
+    "--routing",
+    type=click.Choice(ROUTING_POLICIES),
+    default="prefix",
+    envvar="PAGEDKV_GATEWAY_ROUTING",
+    help="prefix: the executor holding the longest cached prefix unless it is much busier than the "
+    "least loaded; least-loaded; round-robin.",
+)
+@click.option(
+    "--load-slack",
+    type=click.IntRange(min=0),
+    default=8,
+    envvar="PAGEDKV_GATEWAY_LOAD_SLACK",
+    help="prefix routing: how many more requests in flight than the least-loaded executor a prefix "
+    "holder may have and still be chosen.",
+)
+@click.option(
+    "--served-model-name",
+    default=None,
+    envvar="PAGEDKV_GATEWAY_SERVED_MODEL_NAME",
+    help="The model name clients ask for. Default: the model directory's name.",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=512,
+    envvar="PAGEDKV_GATEWAY_MAX_QUEUE",
+    help="Requests in flight at once; beyond it requests get 429.",
+)
+@click.option(
+    "--executor-timeout",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    envvar="PAGEDKV_GATEWAY_EXECUTOR_TIMEOUT",
+    help="Seconds an executor may stay silent before it is taken out of rotation.",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    envvar="PAGEDKV_GATEWAY_LOG_LEVEL",
+)
+def main(
+    model_dir: Path | None,
+    executors: tuple[str, ...],
+    blockd_endpoint: str,
+    host: str,
+    port: int,
+    routing: str,
+    load_slack: int,
+    served_model_name: str | None,
+    max_queue: int,
+    executor_timeout: float,
+    log_level: str,
+) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) in front of executors.
 
     Every option can also be set by an environment variable: PAGEDKV_GATEWAY_ and the option's name in capitals
@@ -67,9 +129,15 @@ def main(model_dir: Path | None, executors: tuple[str, ...], blockd_endpoint: st
 
         model_dir = ensure_default_model()
     config = GatewayConfig(
-        model_dir=model_dir, executors=executors, blockd_endpoint=blockd_endpoint, routing=routing,
-        load_slack=load_slack, served_model_name=served_model_name, max_queue=max_queue,
-        executor_timeout_s=executor_timeout)  # fmt: skip
+        model_dir=model_dir,
+        executors=executors,
+        blockd_endpoint=blockd_endpoint,
+        routing=routing,
+        load_slack=load_slack,
+        served_model_name=served_model_name,
+        max_queue=max_queue,
+        executor_timeout_s=executor_timeout,
+    )
     run_gateway(config, host=host, port=port, log_level=log_level)
 
 

@@ -89,7 +89,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = list(prompt[-self.CONTEXT_TOKENS:])
+        self._ids: list[int] = list(prompt[-self.CONTEXT_TOKENS :])
         self._released = len(self._ids)  # tokens whose text has been released
         self._window = max(0, self._released - self.CONTEXT_TOKENS)
 
@@ -99,27 +99,28 @@ class Detokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """The text that the new tokens complete (possibly empty)."""
         self._ids.extend(token_ids)
-        before = self._decode(self._ids[self._window:self._released])
-        text = self._decode(self._ids[self._window:])
+        before = self._decode(self._ids[self._window : self._released])
+        text = self._decode(self._ids[self._window :])
         if text.endswith(_REPLACEMENT) or not _extends(text, before):
             return ""  # mid-character: wait for the token that completes it
         self._window = max(self._window, len(self._ids) - self.CONTEXT_TOKENS)
         self._released = len(self._ids)
-        return text[len(before):]
+        return text[len(before) :]
 
     def flush(self) -> str:
         """At the end of the output: whatever is left, an incomplete character included."""
-        before = self._decode(self._ids[self._window:self._released])
-        text = self._decode(self._ids[self._window:])
+        before = self._decode(self._ids[self._window : self._released])
+        text = self._decode(self._ids[self._window :])
         self._released = len(self._ids)
-        return text[len(before):] if _extends(text, before) else ""
+        return text[len(before) :] if _extends(text, before) else ""
 
 
 def _extends(text: str, before: str) -> bool:
     """Whether `text` continues `before`. A prompt of token ids can end mid-character: its context then decodes
     to U+FFFD at the end, which the output completes (that character stays the prompt's)."""
-    return text.startswith(before) or (before.endswith(_REPLACEMENT) and len(text) >= len(before)
-                                       and text.startswith(before[:-1]))
+    return text.startswith(before) or (
+        before.endswith(_REPLACEMENT) and len(text) >= len(before) and text.startswith(before[:-1])
+    )
 
 
 class StopMatcher:
@@ -141,10 +142,10 @@ class StopMatcher:
         if hits:
             self.stopped = True
             self._held = ""
-            return buffer[:min(hits)[0]]
+            return buffer[: min(hits)[0]]
         keep = self._longest_partial_stop(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep]
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:
         """The output ended without a stop string: release what was held."""

@@ -11,10 +11,10 @@ from kernels.validate import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_
 
 __all__ = [
     "BACKEND_ENV",
-    "Backend",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
+    "Backend",
     "choose_num_splits",
     "copy_blocks",
     "paged_attention",

@@ -50,9 +50,15 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
 
 
 def make_paged(
-    kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, block_size: int, device: torch.device,
-    num_heads: int, num_kv_heads: int, head_dim: int,
-) -> dict[str, Any]:  # fmt: skip
+    kv_lens: list[int],
+    q_lens: list[int],
+    dtype: torch.dtype,
+    block_size: int,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> dict[str, Any]:
     """Random q and K/V caches whose blocks are handed out in permuted order, plus the metadata."""
     n_blocks = [math.ceil(kv / block_size) for kv in kv_lens]
     total = sum(n_blocks)
@@ -92,9 +98,18 @@ def _fits(nbytes: int, device: torch.device) -> bool:
 
 
 def bench_decode(
-    batch: int, context: int, *, dtype: torch.dtype, block_size: int, device: torch.device, timer: Timer,
-    copy_bw: float, num_heads: int, num_kv_heads: int, head_dim: int,
-) -> dict[str, Any]:  # fmt: skip
+    batch: int,
+    context: int,
+    *,
+    dtype: torch.dtype,
+    block_size: int,
+    device: torch.device,
+    timer: Timer,
+    copy_bw: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> dict[str, Any]:
     """One decode step: `batch` sequences, one query token each, `context` tokens of KV each."""
     elem = torch.empty((), dtype=dtype).element_size()
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * elem
@@ -120,18 +135,33 @@ def bench_decode(
     )
     bw = kv_bytes / (ms * 1e-3)
     return {
-        **row, "num_splits": splits, "ms": ms, "gbps": bw / 1e9, "bw_fraction": bw / copy_bw,
-        "sdpa_ms": sdpa_ms, "vs_sdpa": sdpa_ms / ms, "max_abs_err": max_err,
-    }  # fmt: skip
+        **row,
+        "num_splits": splits,
+        "ms": ms,
+        "gbps": bw / 1e9,
+        "bw_fraction": bw / copy_bw,
+        "sdpa_ms": sdpa_ms,
+        "vs_sdpa": sdpa_ms / ms,
+        "max_abs_err": max_err,
+    }
 
 
 def bench_prefill(
-    num_seqs: int, seq_len: int, *, dtype: torch.dtype, block_size: int, device: torch.device, timer: Timer,
-    num_heads: int, num_kv_heads: int, head_dim: int,
-) -> dict[str, Any]:  # fmt: skip
+    num_seqs: int,
+    seq_len: int,
+    *,
+    dtype: torch.dtype,
+    block_size: int,
+    device: torch.device,
+    timer: Timer,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> dict[str, Any]:
     """Causal prefill of `num_seqs` fresh sequences of `seq_len` tokens (their K/V already in the cache)."""
-    p = make_paged([seq_len] * num_seqs, [seq_len] * num_seqs, dtype, block_size, device, num_heads,
-                   num_kv_heads, head_dim)  # fmt: skip
+    p = make_paged(
+        [seq_len] * num_seqs, [seq_len] * num_seqs, dtype, block_size, device, num_heads, num_kv_heads, head_dim
+    )
     scale = head_dim**-0.5
     out = torch.empty_like(p["q"])
     ms = timer(lambda: paged_attention(**p, scale=scale, out=out, backend="triton"))
@@ -155,10 +185,15 @@ def bench_prefill(
     sdpa_ms = timer(lambda: sdpa(gqa))
     max_err = (out.float() - expected.transpose(1, 2).reshape(out.shape).float()).abs().max().item()
     return {
-        "num_seqs": num_seqs, "seq_len": seq_len, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-        "sdpa_ms": sdpa_ms, "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12, "vs_sdpa": sdpa_ms / ms,
+        "num_seqs": num_seqs,
+        "seq_len": seq_len,
+        "ms": ms,
+        "tflops": flops / (ms * 1e-3) / 1e12,
+        "sdpa_ms": sdpa_ms,
+        "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
+        "vs_sdpa": sdpa_ms / ms,
         "max_abs_err": max_err,
-    }  # fmt: skip
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -168,9 +203,9 @@ def _fmt(value: Any) -> str:
 def _table(rows: list[dict[str, Any]], columns: list[str], echo: Callable[[str], None]) -> None:
     cells = [[_fmt(r[c]) if c in r else ("skip" if "skipped" in r else "-") for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    echo("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    echo("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=False)))
     for row in cells:
-        echo("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+        echo("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=False)))
 
 
 def run_benchmarks(
@@ -194,8 +229,9 @@ def run_benchmarks(
     decode = []
     for batch, context in decode_grid:
         echo(f"decode batch={batch} context={context} ...")
-        row = bench_decode(batch, context, dtype=dtype, block_size=block_size, device=device, timer=timer,
-                           copy_bw=copy_bw, **heads)  # fmt: skip
+        row = bench_decode(
+            batch, context, dtype=dtype, block_size=block_size, device=device, timer=timer, copy_bw=copy_bw, **heads
+        )
         if "skipped" in row:
             echo(f"  skipped: {row['skipped']}")
         decode.append(row)
@@ -204,18 +240,28 @@ def run_benchmarks(
     prefill = []
     for num_seqs, seq_len in prefill_cases:
         echo(f"prefill seqs={num_seqs} len={seq_len} ...")
-        prefill.append(bench_prefill(num_seqs, seq_len, dtype=dtype, block_size=block_size, device=device,
-                                     timer=timer, **heads))  # fmt: skip
+        prefill.append(
+            bench_prefill(num_seqs, seq_len, dtype=dtype, block_size=block_size, device=device, timer=timer, **heads)
+        )
     echo("\ndecode (bw_fraction: K/V bytes read per second / copy bandwidth; vs_sdpa > 1: paged faster)")
-    _table(decode, ["batch", "context", "num_splits", "ms", "gbps", "bw_fraction", "sdpa_ms", "vs_sdpa",
-                    "max_abs_err"], echo)  # fmt: skip
+    _table(
+        decode,
+        ["batch", "context", "num_splits", "ms", "gbps", "bw_fraction", "sdpa_ms", "vs_sdpa", "max_abs_err"],
+        echo,
+    )
     echo("\nprefill (causal)")
     _table(prefill, ["num_seqs", "seq_len", "ms", "tflops", "sdpa_tflops", "vs_sdpa", "max_abs_err"], echo)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return {
-        "cuda": device.type == "cuda", "device": name, "dtype": str(dtype).removeprefix("torch."),
-        "block_size": block_size, **heads, "copy_gbps": copy_bw / 1e9, "decode": decode, "prefill": prefill,
-    }  # fmt: skip
+        "cuda": device.type == "cuda",
+        "device": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": block_size,
+        **heads,
+        "copy_gbps": copy_bw / 1e9,
+        "decode": decode,
+        "prefill": prefill,
+    }
 
 
 @click.command("kernels")

@@ -41,20 +41,56 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
     ):
         cfg = ta.attention_config(num_tokens, num_seqs, group, head_dim, _BYTES[dtype])
         p = _PTR[dtype]
-        sig = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p, block_tables_ptr="*i32", query_start_ptr="*i32",
-                   seq_lens_ptr="*i32", part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32",
-                   qk_scale_log2="fp32", num_seqs="i32", num_heads="i32", search_steps="i32", num_splits="i32",
-                   stride_q_tok="i32", stride_q_head="i32", stride_o_tok="i32", stride_o_head="i32",
-                   stride_block="i32", stride_token="i32", stride_head="i32", stride_bt_seq="i32")  # fmt: skip
-        consts = dict(BLOCK_SIZE=block_size, GROUP=group, GROUP_P=cfg.group_p, BLOCK_Q=cfg.block_q,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_P=cfg.head_p,
-                      IEEE_DOT=dtype == "float32")  # fmt: skip
+        sig = dict(
+            q_ptr=p,
+            k_cache_ptr=p,
+            v_cache_ptr=p,
+            out_ptr=p,
+            block_tables_ptr="*i32",
+            query_start_ptr="*i32",
+            seq_lens_ptr="*i32",
+            part_m_ptr="*fp32",
+            part_l_ptr="*fp32",
+            part_acc_ptr="*fp32",
+            qk_scale_log2="fp32",
+            num_seqs="i32",
+            num_heads="i32",
+            search_steps="i32",
+            num_splits="i32",
+            stride_q_tok="i32",
+            stride_q_head="i32",
+            stride_o_tok="i32",
+            stride_o_head="i32",
+            stride_block="i32",
+            stride_token="i32",
+            stride_head="i32",
+            stride_bt_seq="i32",
+        )
+        consts = dict(
+            BLOCK_SIZE=block_size,
+            GROUP=group,
+            GROUP_P=cfg.group_p,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            HEAD_DIM=head_dim,
+            HEAD_P=cfg.head_p,
+            IEEE_DOT=dtype == "float32",
+        )
         label = f"attention {dtype} d={head_dim} group={group} bs={block_size} tokens={num_tokens} seqs={num_seqs}"
         yield label, ta._paged_attention_kernel, sig, consts, cfg.num_warps, cfg.num_stages
     for dtype, head_dim, splits in (("bfloat16", 128, 32), ("float16", 80, 2), ("float32", 256, 64)):
-        sig = dict(out_ptr=_PTR[dtype], part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32",
-                   query_start_ptr="*i32", num_heads="i32", num_splits="i32", stride_o_tok="i32",
-                   stride_o_head="i32")  # fmt: skip
+        sig = dict(
+            out_ptr=_PTR[dtype],
+            part_m_ptr="*fp32",
+            part_l_ptr="*fp32",
+            part_acc_ptr="*fp32",
+            query_start_ptr="*i32",
+            num_heads="i32",
+            num_splits="i32",
+            stride_o_tok="i32",
+            stride_o_head="i32",
+        )
         consts = dict(HEAD_DIM=head_dim, HEAD_P=next_power_of_two(head_dim), SPLITS_P=next_power_of_two(splits))
         yield f"reduce {dtype} d={head_dim} splits={splits}", ta._reduce_splits_kernel, sig, consts, 4, 3
 
@@ -62,15 +98,35 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
 def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
     from kernels import triton_cache as tc
 
-    for dtype, head_dim, heads, block_size, slot in (("bfloat16", 128, 8, 16, "i64"), ("float16", 80, 2, 8, "i32"),
-                                                     ("float32", 256, 32, 64, "i64")):  # fmt: skip
+    for dtype, head_dim, heads, block_size, slot in (
+        ("bfloat16", 128, 8, 16, "i64"),
+        ("float16", 80, 2, 8, "i32"),
+        ("float32", 256, 32, 64, "i64"),
+    ):
         p = _PTR[dtype]
-        sig = dict(key_ptr=p, value_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_mapping_ptr="*" + slot,
-                   num_slots="i64", num_kv_heads="i32", stride_k_tok="i32", stride_k_head="i32", stride_v_tok="i32",
-                   stride_v_head="i32", stride_block="i32", stride_token="i32", stride_head="i32")  # fmt: skip
+        sig = dict(
+            key_ptr=p,
+            value_ptr=p,
+            k_cache_ptr=p,
+            v_cache_ptr=p,
+            slot_mapping_ptr="*" + slot,
+            num_slots="i64",
+            num_kv_heads="i32",
+            stride_k_tok="i32",
+            stride_k_head="i32",
+            stride_v_tok="i32",
+            stride_v_head="i32",
+            stride_block="i32",
+            stride_token="i32",
+            stride_head="i32",
+        )
         head_p = next_power_of_two(head_dim)
-        consts = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=head_p,
-                      BLOCK_H=min(next_power_of_two(heads), max(1, 4096 // head_p)))  # fmt: skip
+        consts = dict(
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+            HEAD_P=head_p,
+            BLOCK_H=min(next_power_of_two(heads), max(1, 4096 // head_p)),
+        )
         yield f"write_kv {dtype} d={head_dim} heads={heads} slots={slot}", tc._write_kv_kernel, sig, consts, 4, 3
     for dtype in ("bfloat16", "float32"):
         sig = dict(cache_addrs_ptr="*i64", mapping_ptr="*i64", typed_ptr=_PTR[dtype], block_numel="i32")
@@ -94,7 +150,7 @@ def compile_all(arch: int, echo=click.echo) -> bool:
         try:
             compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
             echo(f"ok    {label}: shared memory {compiled.metadata.shared} B")
-        except Exception as exc:  # noqa: BLE001 - report every failing kernel, not just the first
+        except Exception as exc:
             ok = False
             echo(f"FAIL  {label}: {type(exc).__name__}: {str(exc)[:2000]}")
     return ok
@@ -106,8 +162,8 @@ def main(arch: int) -> None:
     """Compile every kernel for sm_<arch> without a GPU."""
     os.environ.pop("TRITON_INTERPRET", None)  # before the kernel modules are imported (lazily, below)
     try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
         import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as exc:
         click.echo(f"no Triton NVIDIA toolchain: {exc}")
         sys.exit(3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -49,7 +49,7 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length, max_splits))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cuda_num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

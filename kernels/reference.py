@@ -33,9 +33,7 @@ def write_kv(
     flat_v[slots[keep]] = value[keep]
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int) -> torch.Tensor:
     """One sequence's first `kv_len` tokens of a paged cache, as a contiguous `[kv_len, num_kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     num_blocks = -(-kv_len // block_size)

@@ -17,8 +17,13 @@ import torch.nn.functional as F
 from kernels import reference
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     slots = slot_mapping.to(torch.int64)
     if slots.numel() and int(slots.min()) < 0:  # padding slots: the reference skips them
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -85,8 +90,7 @@ def _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, sc
     v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(dtype)
     token_rows = torch.tensor([starts[i] for i in rows], device=device)
     qs = q[token_rows].to(dtype).unsqueeze(2)  # [R, h, 1, d]
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[:, None, None, :], scale=scale,
-                                       enable_gqa=True)  # fmt: skip
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
     out[token_rows] = o.squeeze(2).to(out.dtype)
 
 

@@ -92,10 +92,7 @@ def _attend_tile(
     else:
         load_mask = d_mask[None, :]
     k = tl.load(k_cache_ptr + offsets, mask=load_mask, other=0.0)
-    if IEEE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE_DOT else tl.dot(q, tl.trans(k))
     s = s * qk_scale_log2
     if MASKED:
         s = tl.where(kv_valid[None, :] & (kv[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -201,13 +198,49 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
     for kv_start in range(lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kv_start, hi, k_cache_ptr, v_cache_ptr, block_table_row_ptr, head_offset,
-            stride_block, stride_token, qk_scale_log2, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, False, IEEE_DOT,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            kv_start,
+            hi,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row_ptr,
+            head_offset,
+            stride_block,
+            stride_token,
+            qk_scale_log2,
+            offs_d,
+            d_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            IEEE_DOT,
         )
     for kv_start in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kv_start, hi, k_cache_ptr, v_cache_ptr, block_table_row_ptr, head_offset,
-            stride_block, stride_token, qk_scale_log2, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True, IEEE_DOT,
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            kv_start,
+            hi,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row_ptr,
+            head_offset,
+            stride_block,
+            stride_token,
+            qk_scale_log2,
+            offs_d,
+            d_mask,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            IEEE_DOT,
         )
 
     if use_split:
@@ -252,10 +285,10 @@ def _reduce_splits_kernel(
     s_valid = offs_s < num_splits
     rows = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + rows, mask=s_valid, other=float("-inf"))
-    l = tl.load(part_l_ptr + rows, mask=s_valid, other=0.0)
+    row_sum = tl.load(part_l_ptr + rows, mask=s_valid, other=0.0)
     m_max = tl.max(m, 0)  # finite: split 0 always holds at least one token
     w = tl.exp2(m - m_max)  # empty splits carry max -inf and weigh 0
-    denom = tl.sum(w * l, 0)
+    denom = tl.sum(w * row_sum, 0)
     offs_d = tl.arange(0, HEAD_P)
     acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_P + offs_d[None, :], mask=s_valid[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / denom
@@ -325,20 +358,55 @@ def paged_attention(
 
     grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, key_cache, value_cache, out,
-        block_tables, query_start_loc, seq_lens,
-        part_m, part_l, part_acc,
-        scale * LOG2_E, num_seqs, num_heads, num_seqs.bit_length(), num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_P=cfg.group_p, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_P=cfg.head_p, IEEE_DOT=key_cache.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        q,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        part_m,
+        part_l,
+        part_acc,
+        scale * LOG2_E,
+        num_seqs,
+        num_heads,
+        num_seqs.bit_length(),
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_P=cfg.group_p,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim,
+        HEAD_P=cfg.head_p,
+        IEEE_DOT=key_cache.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
-            out, part_m, part_l, part_acc, query_start_loc, num_heads, num_splits,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_P=cfg.head_p, SPLITS_P=next_power_of_two(num_splits), num_warps=4,
-        )  # fmt: skip
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            query_start_loc,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_P=cfg.head_p,
+            SPLITS_P=next_power_of_two(num_splits),
+            num_warps=4,
+        )
     return out

@@ -94,12 +94,26 @@ def write_kv(
     block_h = min(next_power_of_two(num_kv_heads), max(1, _WRITE_TILE_ELEMS // head_p))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        num_blocks * block_size, num_kv_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=head_p, BLOCK_H=block_h, num_warps=4,
-    )  # fmt: skip
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_blocks * block_size,
+        num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_P=head_p,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
 
 
 # (device, base addresses) -> address table on that device. Caches are allocated once per process,

@@ -238,7 +238,7 @@ def check_copy_blocks(
     if len(key_caches) != len(value_caches) or not key_caches:
         raise ValueError(f"need one key and one value cache per layer; got {len(key_caches)} and {len(value_caches)}")
     cache = check_cache_pair(key_caches[0], value_caches[0], "[0]")
-    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+    for i, (k, v) in enumerate(zip(key_caches, value_caches, strict=False)):
         other = check_cache_pair(k, v, f"[{i}]")
         if other != cache or k.shape != key_caches[0].shape:
             raise ValueError(f"layer {i} cache {tuple(k.shape)} {k.dtype} differs from layer 0's; layers must match")
@@ -259,7 +259,7 @@ def check_copy_blocks(
         if not all(isinstance(b, int) and not isinstance(b, bool) for b in src + dst):
             raise TypeError("block_mapping lists must hold Python ints")
         _check_mapping_values(src, dst, cache.num_blocks)  # host lists: checking is free
-        mapping = torch.tensor(list(zip(src, dst)), dtype=torch.int64).reshape(-1, 2).to(cache.device)
+        mapping = torch.tensor(list(zip(src, dst, strict=False)), dtype=torch.int64).reshape(-1, 2).to(cache.device)
     else:
         raise TypeError("block_mapping must be an [n, 2] int64 tensor or a (src_ids, dst_ids) tuple of two lists")
     if isinstance(block_mapping, torch.Tensor) and mapping.device.type == "cpu":

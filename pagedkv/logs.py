@@ -14,9 +14,7 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
     renderer = (
-        structlog.dev.ConsoleRenderer(colors=False)
-        if sys.stderr.isatty()
-        else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=False) if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[

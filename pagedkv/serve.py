@@ -7,6 +7,7 @@ gateway, executors, blockd) and is told by the kernel to stop if this process di
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -39,8 +40,9 @@ _PR_SET_PDEATHSIG = 1
 class StackFailed(RuntimeError):
     """The stack could not start, or a child died. `component` names the child (None: not one child's fault)."""
 
-    def __init__(self, message: str, *, component: str | None = None, returncode: int | None = None,
-                 log_tail: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, message: str, *, component: str | None = None, returncode: int | None = None, log_tail: str = ""
+    ) -> None:
         super().__init__(message)
         self.component = component
         self.returncode = returncode
@@ -71,8 +73,10 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
-                            "there? choose another --port, or 0 for any free one)") from None  # fmt: skip
+            raise PortInUse(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
+                "there? choose another --port, or 0 for any free one)"
+            ) from None
 
 
 def _describe_exit(code: int) -> str:
@@ -234,8 +238,9 @@ class LocalStack:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def start(self) -> None:
@@ -270,14 +275,25 @@ class LocalStack:
             self._owns_state_dir = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._blockd_port, *self._executor_ports = free_ports(1 + self.executors)
-        self._progress(f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; "
-                       f"logs in {self.log_dir}")  # fmt: skip
+        self._progress(
+            f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; logs in {self.log_dir}"
+        )
 
         blockd = ["--endpoint", self.blockd_endpoint, "--state-dir", str(self.state_dir / "blockd")]
         self._spawn("blockd", "blockd.server", blockd if self.persistence else [*blockd, "--no-persistence"])
         for i, endpoint in enumerate(self.executor_endpoints):
-            args = ["--model", str(model_dir), "--device", f"cuda:{i}" if self.device == "cuda" else "cpu",
-                    "--blockd", self.blockd_endpoint, "--bind", endpoint, "--pool-id", f"executor-{i}"]
+            args = [
+                "--model",
+                str(model_dir),
+                "--device",
+                f"cuda:{i}" if self.device == "cuda" else "cpu",
+                "--blockd",
+                self.blockd_endpoint,
+                "--bind",
+                endpoint,
+                "--pool-id",
+                f"executor-{i}",
+            ]
             if self.kv_cache_memory is not None:
                 args += ["--kv-cache-memory", self.kv_cache_memory]
             self._spawn(f"executor-{i}", "executor.server", [*args, *self.executor_args])
@@ -289,9 +305,21 @@ class LocalStack:
             probes[f"executor-{i}"] = lambda endpoint=endpoint: self._probe_executor(endpoint)
         self._wait_ready(probes, deadline)
 
-        gateway = ["--model", str(model_dir), "--executors", ",".join(self.executor_endpoints),
-                   "--blockd", self.blockd_endpoint, "--host", self.host, "--port", str(self.port),
-                   "--routing", self.routing, *self.gateway_args]  # fmt: skip
+        gateway = [
+            "--model",
+            str(model_dir),
+            "--executors",
+            ",".join(self.executor_endpoints),
+            "--blockd",
+            self.blockd_endpoint,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--routing",
+            self.routing,
+            *self.gateway_args,
+        ]
         self._spawn("gateway", "gateway.server", gateway)
         self._wait_ready({"gateway": self._probe_gateway}, deadline)
 
@@ -300,8 +328,10 @@ class LocalStack:
 
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if available < self.executors:
-            raise StackFailed(f"{self.executors} executor(s) on cuda need as many CUDA devices (one each), but "
-                              f"this machine has {available}")  # fmt: skip
+            raise StackFailed(
+                f"{self.executors} executor(s) on cuda need as many CUDA devices (one each), but "
+                f"this machine has {available}"
+            )
 
     def _model(self) -> Path:
         if self._given_model_dir is not None:
@@ -322,9 +352,14 @@ class LocalStack:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.executors))
         with open(self.log_path(name), "ab") as log:
             self._processes[name] = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent)  # noqa: PLW1509 - only a prctl before exec, as blockd's Redis
+                [sys.executable, "-m", module, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def _wait_ready(self, probes: dict[str, Callable[[], str | None]], deadline: float) -> None:
         """Poll each probe (None: not ready; a string: ready, with what to say) until all are ready."""
@@ -342,12 +377,16 @@ class LocalStack:
                 return
             now = time.monotonic()
             if now > deadline:
-                tails = "\n".join(f"--- {name} ({self.log_path(name)}) ---\n{_tail(self.log_path(name))}"
-                                  for name in waiting)  # fmt: skip
+                tails = "\n".join(
+                    f"--- {name} ({self.log_path(name)}) ---\n{_tail(self.log_path(name))}" for name in waiting
+                )
                 detail = f"; gateway /health said: {self._last_health}" if "gateway" in waiting else ""
-                raise StackFailed(f"the stack was not ready within {self.startup_timeout_s:g} s: still waiting for "
-                                  f"{', '.join(waiting)}{detail}\n{tails}", component=next(iter(waiting)),
-                                  log_tail=tails)  # fmt: skip
+                raise StackFailed(
+                    f"the stack was not ready within {self.startup_timeout_s:g} s: still waiting for "
+                    f"{', '.join(waiting)}{detail}\n{tails}",
+                    component=next(iter(waiting)),
+                    log_tail=tails,
+                )
             if now >= next_note:
                 next_note = now + _WAITING_NOTE_S
                 self._progress(f"still waiting for {', '.join(waiting)} ({now - started:.0f} s)")
@@ -395,8 +434,12 @@ class LocalStack:
             code = process.poll()
             if code is not None:
                 tail = _tail(self.log_path(name))
-                raise StackFailed(f"{name} {_describe_exit(code)}; the last lines of {self.log_path(name)}:\n{tail}",
-                                  component=name, returncode=code, log_tail=tail)  # fmt: skip
+                raise StackFailed(
+                    f"{name} {_describe_exit(code)}; the last lines of {self.log_path(name)}:\n{tail}",
+                    component=name,
+                    returncode=code,
+                    log_tail=tail,
+                )
 
     def kill(self, name: str) -> None:
         """SIGKILL one child (as a crash would): blockd, executor-N or gateway."""
@@ -432,10 +475,8 @@ class LocalStack:
                 process.kill()
                 process.wait()
             # Anything the child left behind in its process group (it leads one) goes with it.
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -446,43 +487,84 @@ class _Interrupted(Exception):
 
 
 def _curl_example(stack: LocalStack) -> str:
-    payload = json.dumps({"model": stack.model_name, "messages": [{"role": "user", "content": "Hello!"}],
-                          "max_tokens": 32})  # fmt: skip
-    return (f"curl {stack.base_url}/chat/completions -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(payload)}")  # fmt: skip
+    payload = json.dumps(
+        {"model": stack.model_name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    )
+    return f"curl {stack.base_url}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(payload)}"
 
 
 @click.command("serve", context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Checkpoint directory (config.json, safetensors, tokenizer). Default: the generated default "
-                   "model (see `pagedkv make-model`), created on first use.")
-@click.option("--executors", type=click.IntRange(min=1), default=1,
-              help="Executor processes; on cuda one per device (cuda:0, cuda:1, ...).")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint directory (config.json, safetensors, tokenizer). Default: the generated default "
+    "model (see `pagedkv make-model`), created on first use.",
+)
+@click.option(
+    "--executors",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Executor processes; on cuda one per device (cuda:0, cuda:1, ...).",
+)
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", help="Where the executors run the model.")
 @click.option("--host", default="127.0.0.1", help="Address the HTTP API listens on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="HTTP port (0: any free port).")
-@click.option("--routing", type=click.Choice(ROUTING_POLICIES), default="prefix",
-              help="How the gateway picks an executor: prefix (the one holding the longest cached prefix), "
-                   "least-loaded or round-robin.")
-@click.option("--kv-cache-memory", default=None,
-              help="KV cache of each executor: bytes like 2GiB, or on cuda a fraction of free memory like 0.9. "
-                   "Default: the executor's (256MiB on cpu, 0.9 on cuda).")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where blockd keeps its prefix index (embedded Redis) and the logs, kept after exit. "
-                   "Default: a temporary directory, removed on exit.")
-@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where each process logs (blockd.log, executor-N.log, gateway.log). Default: <state-dir>/logs.")
-def serve(model_dir: Path | None, executors: int, device: str, host: str, port: int, routing: str,
-          kv_cache_memory: str | None, state_dir: Path | None, log_dir: Path | None) -> None:
+@click.option(
+    "--routing",
+    type=click.Choice(ROUTING_POLICIES),
+    default="prefix",
+    help="How the gateway picks an executor: prefix (the one holding the longest cached prefix), "
+    "least-loaded or round-robin.",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    help="KV cache of each executor: bytes like 2GiB, or on cuda a fraction of free memory like 0.9. "
+    "Default: the executor's (256MiB on cpu, 0.9 on cuda).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where blockd keeps its prefix index (embedded Redis) and the logs, kept after exit. "
+    "Default: a temporary directory, removed on exit.",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where each process logs (blockd.log, executor-N.log, gateway.log). Default: <state-dir>/logs.",
+)
+def serve(
+    model_dir: Path | None,
+    executors: int,
+    device: str,
+    host: str,
+    port: int,
+    routing: str,
+    kv_cache_memory: str | None,
+    state_dir: Path | None,
+    log_dir: Path | None,
+) -> None:
     """Run a whole local stack: blockd, executors and the OpenAI-compatible gateway, until Ctrl-C.
 
     Prints the URL, the model name and a curl example once everything is healthy. Ctrl-C (or SIGTERM) stops
     every process cleanly and exits 0; if a process dies while serving, the rest are stopped and the exit
     status is 1.
     """
-    stack = LocalStack(model_dir=model_dir, executors=executors, device=device, host=host, port=port,
-                       routing=routing, kv_cache_memory=kv_cache_memory, state_dir=state_dir,
-                       log_dir=log_dir)  # fmt: skip
+    stack = LocalStack(
+        model_dir=model_dir,
+        executors=executors,
+        device=device,
+        host=host,
+        port=port,
+        routing=routing,
+        kv_cache_memory=kv_cache_memory,
+        state_dir=state_dir,
+        log_dir=log_dir,
+    )
 
     def interrupted(_signum: int, _frame: FrameType | None) -> None:
         # Once: a second Ctrl-C must not cut the orderly shutdown short.
@@ -496,14 +578,16 @@ def serve(model_dir: Path | None, executors: int, device: str, host: str, port: 
             stack.start()
             temporary = state_dir is None and log_dir is None
             pids = " ".join(f"{name}={process.pid}" for name, process in stack.processes.items())
-            click.echo(f"\npagedkv is serving {stack.model_name} with {executors} executor(s) on {device}\n\n"
-                       f"  url        {stack.url}\n"
-                       f"  api        {stack.base_url}\n"
-                       f"  model      {stack.model_name}\n"
-                       f"  logs       {stack.log_dir}{' (removed on exit)' if temporary else ''}\n"
-                       f"  processes  {pids}\n\n"
-                       f"Try:\n  {_curl_example(stack)}\n\n"
-                       "Ctrl-C stops everything.")  # fmt: skip
+            click.echo(
+                f"\npagedkv is serving {stack.model_name} with {executors} executor(s) on {device}\n\n"
+                f"  url        {stack.url}\n"
+                f"  api        {stack.base_url}\n"
+                f"  model      {stack.model_name}\n"
+                f"  logs       {stack.log_dir}{' (removed on exit)' if temporary else ''}\n"
+                f"  processes  {pids}\n\n"
+                f"Try:\n  {_curl_example(stack)}\n\n"
+                "Ctrl-C stops everything."
+            )
             while True:
                 stack.check()
                 time.sleep(0.5)

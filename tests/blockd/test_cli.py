@@ -26,7 +26,7 @@ def test_stats_pools_seq_check_reset_against_a_live_daemon(redis_process, start_
     ex.admit("done", list(range(17)))
     ex.commit("done", 17)
     ex.free("done")
-    ex.admit("live", list(range(17)) + [5, 6])  # 4 cached blocks reused, one new
+    ex.admit("live", [*list(range(17)), 5, 6])  # 4 cached blocks reused, one new
     ex.append("live", [1, 2])  # 21 tokens in 6 blocks: 3 empty slots in the last one
 
     stats = cli(daemon.endpoint, "stats", "--json")
@@ -92,8 +92,13 @@ def test_bench_blockd_quick_prints_tables_and_a_json_last_line():
     lines = result.stdout.strip().splitlines()
     assert any("in-process core" in line for line in lines)
     figures = json.loads(lines[-1])
-    for key in ("inproc_block_ops_per_s", "rpc_step_p50_us", "rpc_step_p99_us", "rpc_block_ops_per_s",
-                "persist_throughput_ratio"):  # fmt: skip
+    for key in (
+        "inproc_block_ops_per_s",
+        "rpc_step_p50_us",
+        "rpc_step_p99_us",
+        "rpc_block_ops_per_s",
+        "persist_throughput_ratio",
+    ):
         assert figures[key] > 0, key
 
 
@@ -164,6 +169,8 @@ def test_a_second_blockd_on_the_same_state_dir_refuses_to_start(start_blockd, tm
     start_blockd("--state-dir", str(state))
     result = subprocess.run(
         [str(BIN / "blockd"), "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--state-dir", str(state)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and "in use by another process" in result.stderr

@@ -18,9 +18,14 @@ BS = 4
 
 def pool_client(daemon, pool_id: str = "ex0", num_blocks: int = 64, epoch: int | None = None) -> PoolClient:
     client = PoolClient(
-        daemon.client(timeout_s=1.0), pool_id=pool_id, num_blocks=num_blocks, block_size=BS, model_id="tiny",
-        epoch=epoch, retry_for_s=20.0,
-    )  # fmt: skip
+        daemon.client(timeout_s=1.0),
+        pool_id=pool_id,
+        num_blocks=num_blocks,
+        block_size=BS,
+        model_id="tiny",
+        epoch=epoch,
+        retry_for_s=20.0,
+    )
     client.register()
     return client
 
@@ -48,22 +53,24 @@ def test_operations_over_the_wire(redis_process, start_blockd):
     assert ex.commit("a", 12) == 3
     ex.fork("a", "a.1")
     cow = ex.append("a.1", [9])  # the shared last block is partly filled: copy-on-write
-    (src, dst), = cow.copies
+    ((src, dst),) = cow.copies
     assert src == grown.blocks[0] and dst not in ex.seqs["a"].blocks
 
     with daemon.client() as operator:
         info = operator.sequence("a")
         assert info.refcounts == [2, 2, 2, 1]  # the first three blocks are shared with the fork
-        assert operator.lookup(ex.seqs["a"].token_ids()[:12] + [99]) == {"ex0": 12}
+        assert operator.lookup([*ex.seqs["a"].token_ids()[:12], 99]) == {"ex0": 12}
 
     # One step mixing every kind of op, one of them failing: the others apply, the failing one changes nothing.
-    results = ex.step([
-        p.Admit("b", pack_tokens(ex.seqs["a"].token_ids()[:13])),
-        p.Append("a", pack_tokens([5])),
-        p.Free("nope"),
-        p.Commit("a.1", 14),
-        p.Free("a"),
-    ])  # fmt: skip
+    results = ex.step(
+        [
+            p.Admit("b", pack_tokens(ex.seqs["a"].token_ids()[:13])),
+            p.Append("a", pack_tokens([5])),
+            p.Free("nope"),
+            p.Commit("a.1", 14),
+            p.Free("a"),
+        ]
+    )
     assert type(results[0]) is p.AdmitResult and results[0].num_cached_tokens == 12
     assert type(results[1]) is p.AppendResult
     assert type(results[2]) is p.OpError and results[2].code == ErrorCode.UNKNOWN_SEQUENCE
@@ -116,9 +123,9 @@ def test_kill9_restart_keeps_prefixes_and_resyncs_refcounts(redis_process, start
             now = operator.sequence(seq_id)
             assert now.blocks[: len(old.blocks)] == old.blocks
         assert operator.sequence("live").refcounts[:5] == [2, 2, 2, 2, 2]
-        assert operator.lookup(cached + [1]) == {"ex0": 32}  # the cached-free prefix survived the crash
+        assert operator.lookup([*cached, 1]) == {"ex0": 32}  # the cached-free prefix survived the crash
         assert operator.check() == []
-    again = ex.admit("again", cached + [1])
+    again = ex.admit("again", [*cached, 1])
     assert again.num_cached_tokens == 32
 
 
@@ -232,15 +239,29 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "x", "tokens": [1, 5]}]}),), ErrorCode.INVALID_REQUEST),
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "", "tokens": b"\0" * 4}]}),), ErrorCode.INVALID_REQUEST),
         ((enc({"v": 1, "id": 3, "op": "register", "pool_id": "ex0"}),), ErrorCode.INVALID_REQUEST),
-        ((enc({**step, "ops": [{"type": "append", "seq_id": "a", "tokens": bytes(80000)}]}),),
-         ErrorCode.TOO_LARGE),
+        ((enc({**step, "ops": [{"type": "append", "seq_id": "a", "tokens": bytes(80000)}]}),), ErrorCode.TOO_LARGE),
         ((enc({**step, "pool_id": "ghost", "ops": []}),), ErrorCode.UNKNOWN_POOL),
         ((b"two", b"frames"), ErrorCode.BAD_MESSAGE),
-        ((enc({"v": 1, "id": 4, "op": "register", "pool_id": "ex0", "num_blocks": 65, "block_size": BS,
-               "model_id": "tiny", "epoch": ex.epoch}),), ErrorCode.POOL_MISMATCH),
+        (
+            (
+                enc(
+                    {
+                        "v": 1,
+                        "id": 4,
+                        "op": "register",
+                        "pool_id": "ex0",
+                        "num_blocks": 65,
+                        "block_size": BS,
+                        "model_id": "tiny",
+                        "epoch": ex.epoch,
+                    }
+                ),
+            ),
+            ErrorCode.POOL_MISMATCH,
+        ),
         ((enc({"v": 1, "id": 5, "op": "reset_prefix_cache", "pool_id": "ghost"}),), ErrorCode.UNKNOWN_POOL),
         ((enc({"v": 1, "id": 6, "op": "seq", "seq_id": "ghost"}),), ErrorCode.UNKNOWN_SEQUENCE),
-    ]  # fmt: skip
+    ]
     for frames, code in cases:
         reply = ask(*frames)
         assert not reply.ok and reply.error is not None, frames
@@ -249,8 +270,12 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
     assert ask(enc({"v": 1, "id": 77, "op": "launch_missiles"})).id == 77  # the id is echoed when readable
 
     per_op = ex.step([p.Free("ghost"), p.Append("ghost", pack_tokens([1])), p.Commit("a", 999), p.Fork("ghost", "g2")])
-    assert [r.code for r in per_op] == [ErrorCode.UNKNOWN_SEQUENCE, ErrorCode.UNKNOWN_SEQUENCE,
-                                        ErrorCode.INVALID_REQUEST, ErrorCode.UNKNOWN_SEQUENCE]  # fmt: skip
+    assert [r.code for r in per_op] == [
+        ErrorCode.UNKNOWN_SEQUENCE,
+        ErrorCode.UNKNOWN_SEQUENCE,
+        ErrorCode.INVALID_REQUEST,
+        ErrorCode.UNKNOWN_SEQUENCE,
+    ]
     # Packed token ids that are not whole uint32s: the op fails, the sequence is untouched.
     (odd,) = ex.step([p.Append("a", b"\x01\x02\x03")])
     assert odd.code == ErrorCode.INVALID_REQUEST and "multiple of 4" in odd.message

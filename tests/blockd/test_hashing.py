@@ -67,7 +67,7 @@ def test_hash_is_identical_in_another_process(hashseed: str) -> None:
 @pytest.mark.parametrize(("tokens", "bs", "model", "salt"), CASES)
 def test_hash_follows_the_documented_formula(tokens: list[int], bs: int, model: str, salt: str | None) -> None:
     root = blake2b(b"pagedkv-root\0pagedkv", digest_size=16).digest()
-    assert ROOT == root
+    assert root == ROOT
     extra = extra_key(model, salt)
     assert chain_hashes(tokens, bs, root, extra) == reference_chain(tokens, bs, root, extra)
     assert all(len(h) == HASH_BYTES == 16 for h in chain_hashes(tokens, bs, root, extra))
@@ -81,7 +81,7 @@ def test_hashes_chain() -> None:
     changed0 = chain_hashes([99, *tokens[1:]], 4, ROOT, EXTRA)
     assert all(a != b for a, b in zip(base, changed0, strict=True))
     # Changing block 2 keeps blocks 0-1 and changes 2-3.
-    changed2 = chain_hashes(tokens[:9] + [99] + tokens[10:], 4, ROOT, EXTRA)
+    changed2 = chain_hashes([*tokens[:9], 99, *tokens[10:]], 4, ROOT, EXTRA)
     assert changed2[:2] == base[:2]
     assert changed2[2] != base[2] and changed2[3] != base[3]
     # The same block content at another position (another parent) hashes differently.

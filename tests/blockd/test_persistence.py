@@ -14,10 +14,10 @@ import pytest
 from blockd import persistence
 from blockd import protocol as p
 from blockd.manager import BlockManager
-from blockd.pool import BlockPool
-from tests.blockd.pool_state import index_view
 from blockd.persistence import RedisPersistence, load, log_key, snapshot_key
+from blockd.pool import BlockPool
 from tests.blockd.conftest import wait_for
+from tests.blockd.pool_state import index_view
 
 
 def blocks_and_generations(index: dict) -> dict:
@@ -99,8 +99,11 @@ def test_a_restarted_store_continues_the_log_it_found(store, redis_process):
         restarted.restore(specs, entries)
         second.start()
         generations = manager.pools["p"].generation
-        restarted.register(p.Register(v=1, id=2, pool_id="p", num_blocks=48, block_size=2, model_id="m", epoch=3,
-                                      generations=generations))  # fmt: skip
+        restarted.register(
+            p.Register(
+                v=1, id=2, pool_id="p", num_blocks=48, block_size=2, model_id="m", epoch=3, generations=generations
+            )
+        )
         assert index_view(restarted.pools["p"]).keys() == expected.keys()
         churn(restarted, rng, 60)
         assert second.flush_now(restarted)

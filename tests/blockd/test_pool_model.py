@@ -64,8 +64,16 @@ class Model:
         self.seqs: dict[str, ModelSeq] = {}
         self.freed: set[str] = set()
         self.counters = dict(
-            queried_tokens=0, hit_tokens=0, queried_blocks=0, hit_blocks=0, granted_blocks=0, freed_blocks=0,
-            evictions=0, copies_on_write=0, admits=0, admit_failures=0,
+            queried_tokens=0,
+            hit_tokens=0,
+            queried_blocks=0,
+            hit_blocks=0,
+            granted_blocks=0,
+            freed_blocks=0,
+            evictions=0,
+            copies_on_write=0,
+            admits=0,
+            admit_failures=0,
         )
         # The full-block content each block's KV actually holds (None: unknown/partial); survives freeing.
         self.content: list[Key | None] = [None] * num_blocks
@@ -282,9 +290,18 @@ class PoolMachine(RuleBasedStateMachine):
 
     OPS: tuple[tuple[str, int], ...] = (
         # Hypothesis favours the first choice: a prompt sharing a prefix with an earlier one (prefix hits).
-        ("admit_sharing_prefix", 22), ("admit", 14), ("free", 16), ("append", 12), ("commit_all_computed", 10),
-        ("commit", 6), ("fork", 8), ("lookup", 3), ("on_dead_sequence", 3), ("reset_prefix_cache", 2),
-        ("persist", 4), ("restart", 4),
+        ("admit_sharing_prefix", 22),
+        ("admit", 14),
+        ("free", 16),
+        ("append", 12),
+        ("commit_all_computed", 10),
+        ("commit", 6),
+        ("fork", 8),
+        ("lookup", 3),
+        ("on_dead_sequence", 3),
+        ("reset_prefix_cache", 2),
+        ("persist", 4),
+        ("restart", 4),
     )
     NEEDS_LIVE = frozenset({"append", "commit_all_computed", "commit", "free", "fork"})
 
@@ -292,7 +309,7 @@ class PoolMachine(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         weighted = [name for name, weight in self.OPS for _ in range(weight)]
         name = data.draw(st.sampled_from(weighted), label="op")
-        if name in self.NEEDS_LIVE and not self.model.seqs or name == "admit_sharing_prefix" and not self.history:
+        if (name in self.NEEDS_LIVE and not self.model.seqs) or (name == "admit_sharing_prefix" and not self.history):
             name = "admit"
         getattr(self, "op_" + name)(data)
 
@@ -387,7 +404,9 @@ class PoolMachine(RuleBasedStateMachine):
         for sid in self.live():
             n = len(self.model.seqs[sid].tokens)
             got, want = self.both(
-                f"commit({sid!r}, {n})", lambda: self.pool.commit(sid, n), lambda: self.model.commit(sid, n)
+                f"commit({sid!r}, {n})",
+                lambda sid=sid, n=n: self.pool.commit(sid, n),
+                lambda sid=sid, n=n: self.model.commit(sid, n),
             )
             assert got == want
         self.persisted.append(self.pool.block_records())  # a write-behind flush that may go stale later
@@ -452,7 +471,7 @@ class PoolMachine(RuleBasedStateMachine):
         self._lookup(tokens, salt)
 
     def op_on_dead_sequence(self, data: st.DataObject) -> None:
-        dead = [s for s in SEQ_IDS + ["never-admitted"] if s not in self.model.seqs]
+        dead = [s for s in [*SEQ_IDS, "never-admitted"] if s not in self.model.seqs]
         self._op_on_dead(data.draw(st.sampled_from(dead)), data)
 
     def op_reset_prefix_cache(self, data: st.DataObject) -> None:

@@ -459,7 +459,7 @@ def test_interpolation_follows_compose_rules() -> None:
     for text in ("${UNSET}", "$UNSET", "${UNSET:?needed}", "${EMPTY:?needed}"):
         with pytest.raises(InterpolationError):
             interpolate(text, env)
-    with pytest.raises(InterpolationError, match="not in .env.example"):
+    with pytest.raises(InterpolationError, match=r"not in \.env\.example"):
         defaults_env(references("${MODEL_DIR:?required} ${NOT_LISTED}"), {"MODEL_DIR": "/m"})
 
 

@@ -29,9 +29,17 @@ def make_engine(
     pool_id: str = "test-pool",
     seed: int | None = 0,
 ) -> Engine:
-    engine = Engine.assemble(_loaded(model_dir), blockd_endpoint, pool_id=pool_id, num_blocks=num_blocks,
-                             block_size=block_size, limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
-                             backend=backend, seed=seed, retry_for_s=20.0)  # type: ignore[arg-type]
+    engine = Engine.assemble(
+        _loaded(model_dir),
+        blockd_endpoint,
+        pool_id=pool_id,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+        backend=backend,
+        seed=seed,
+        retry_for_s=20.0,
+    )  # type: ignore[arg-type]
     engine.pool.register()
     return engine
 
@@ -107,9 +115,13 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     """transformers' own greedy generate: the oracle. It stops after an end-of-sequence token, like the engine."""
     model = hf_model(model_dir)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_greedy_ignoring_eos(model, prompt, n):
@@ -120,7 +132,7 @@ def hf_greedy_ignoring_eos(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def hf_logprobs(model_dir: Path, prompt: list[int], generated: list[int]) -> torch.Tensor:

@@ -40,8 +40,14 @@ def test_quick_run_compares_the_same_work(tiny_models: dict[str, Path]) -> None:
 
 def _output_lens(figures: dict) -> list[int]:
     """The workload's output lengths, rebuilt from the settings the JSON reports."""
-    requests = make_workload(figures["requests"], tuple(figures["prompt_range"]), tuple(figures["output_range"]),
-                             vocab_size=512, special_ids=set(), seed=figures["seed"])  # fmt: skip
+    requests = make_workload(
+        figures["requests"],
+        tuple(figures["prompt_range"]),
+        tuple(figures["output_range"]),
+        vocab_size=512,
+        special_ids=set(),
+        seed=figures["seed"],
+    )
     return [r.output_len for r in requests]
 
 

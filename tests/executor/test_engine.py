@@ -52,7 +52,7 @@ def test_llama3_rope_scaling_matches_transformers(llama3_model, blockd):
 def test_prefix_hit_skips_cached_tokens_and_keeps_output(tiny_models, blockd):
     model = tiny_models["llama"]
     shared = random_prompts([70], vocab=512, seed=3)[0]
-    first, second = shared + [11, 12, 13], shared + [21, 22]
+    first, second = [*shared, 11, 12, 13], [*shared, 21, 22]
     engine = make_engine(model, blockd.endpoint)
     results = drive(engine, {0: [("first", first, GREEDY)]})
     assert results["first"][0].cached_tokens == 0
@@ -109,8 +109,9 @@ def test_seeded_request_does_not_depend_on_its_batch(tiny_models, blockd):
     params = SamplingParams(max_tokens=10, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
     alone = drive(make_engine(model, blockd.endpoint, pool_id="alone"), {0: [("x", prompt, params)]})
     crowd_engine = make_engine(model, blockd.endpoint, pool_id="crowd")
-    crowded = drive(crowd_engine, {0: [("noise", other, SamplingParams(max_tokens=10, temperature=1.0)),
-                                       ("x", prompt, params)]})
+    crowded = drive(
+        crowd_engine, {0: [("noise", other, SamplingParams(max_tokens=10, temperature=1.0)), ("x", prompt, params)]}
+    )
     assert alone["x"][0].tokens == crowded["x"][0].tokens
 
 
@@ -126,7 +127,7 @@ def test_logprobs_match_transformers(tiny_models, blockd):
         assert math.isclose(entry.logprob, reference[position, entry.token_id].item(), abs_tol=1e-4)
         top_values, top_ids = reference[position].topk(3)
         assert [t for t, _ in entry.top] == top_ids.tolist()
-        assert all(math.isclose(v, r, abs_tol=1e-4) for (_, v), r in zip(entry.top, top_values.tolist()))
+        assert all(math.isclose(v, r, abs_tol=1e-4) for (_, v), r in zip(entry.top, top_values.tolist(), strict=False))
 
 
 def test_stop_token_ids_and_max_tokens_finish_requests(tiny_models, blockd):
@@ -244,8 +245,9 @@ def test_a_wrong_free_block_estimate_never_fails_a_request(tiny_models, blockd):
     original_apply = engine.scheduler.apply
 
     def apply(plan, results):
-        refused.extend(r for (kind, _), r in zip(plan.purposes, results) if kind == "append" and
-                       type(r) is OpError)
+        refused.extend(
+            r for (kind, _), r in zip(plan.purposes, results, strict=False) if kind == "append" and type(r) is OpError
+        )
         return original_apply(plan, results)
 
     engine.scheduler.apply = apply
@@ -266,5 +268,9 @@ def test_loading_in_half_precision_keeps_ties_and_float32_rotary_tables(tiny_mod
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.rotary.cos.dtype is torch.float32
     reference = load_model(tiny_models["qwen2"], torch.device("cpu"), torch.float32).model
-    torch.testing.assert_close(model.model.layers[0].self_attn.qkv_proj.bias.float(),
-                               reference.model.layers[0].self_attn.qkv_proj.bias, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        model.model.layers[0].self_attn.qkv_proj.bias.float(),
+        reference.model.layers[0].self_attn.qkv_proj.bias,
+        atol=1e-2,
+        rtol=1e-2,
+    )

@@ -15,13 +15,15 @@ from hypothesis import strategies as st
 from executor.sampling import SamplingParams
 from tests.executor.harness import check_sequence_invariants, make_engine
 
-request = st.fixed_dictionaries({
-    "prompt_len": st.integers(1, 90),
-    "max_tokens": st.integers(1, 20),
-    "n": st.integers(1, 3),
-    "temperature": st.sampled_from([0.0, 0.0, 1.0]),
-    "seed": st.one_of(st.none(), st.integers(0, 2**32)),
-})
+request = st.fixed_dictionaries(
+    {
+        "prompt_len": st.integers(1, 90),
+        "max_tokens": st.integers(1, 20),
+        "n": st.integers(1, 3),
+        "temperature": st.sampled_from([0.0, 0.0, 1.0]),
+        "seed": st.one_of(st.none(), st.integers(0, 2**32)),
+    }
+)
 action = st.one_of(
     st.tuples(st.just("submit"), request),
     st.tuples(st.just("abort"), st.integers(0, 20)),
@@ -34,8 +36,14 @@ _pools = itertools.count()
 @given(actions=st.lists(action, min_size=1, max_size=25), num_blocks=st.integers(12, 40))
 def test_engine_invariants_hold_under_any_schedule(tiny_models, blockd, actions, num_blocks):
     pool_id = f"prop-{next(_pools)}"
-    engine = make_engine(tiny_models["llama"], blockd.endpoint, num_blocks=num_blocks, max_num_seqs=6,
-                         max_num_batched_tokens=48, pool_id=pool_id)
+    engine = make_engine(
+        tiny_models["llama"],
+        blockd.endpoint,
+        num_blocks=num_blocks,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        pool_id=pool_id,
+    )
     admin = blockd.client()
     submitted: dict[str, int] = {}
     finished: dict[tuple[str, int], int] = {}
@@ -57,10 +65,16 @@ def test_engine_invariants_hold_under_any_schedule(tiny_models, blockd, actions,
     for kind, arg in actions:
         if kind == "submit":
             request_id = f"r{len(submitted)}"
-            params = SamplingParams(max_tokens=arg["max_tokens"], n=arg["n"], temperature=arg["temperature"],
-                                    seed=arg["seed"], ignore_eos=True)
-            engine.add_request(request_id, [(7 * i + len(submitted)) % 500 + 4 for i in range(arg["prompt_len"])],
-                               params)
+            params = SamplingParams(
+                max_tokens=arg["max_tokens"],
+                n=arg["n"],
+                temperature=arg["temperature"],
+                seed=arg["seed"],
+                ignore_eos=True,
+            )
+            engine.add_request(
+                request_id, [(7 * i + len(submitted)) % 500 + 4 for i in range(arg["prompt_len"])], params
+            )
             submitted[request_id] = arg["n"]
         elif kind == "abort" and submitted:
             for delta in engine.abort(f"r{arg % len(submitted)}"):

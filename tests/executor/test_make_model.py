@@ -52,8 +52,9 @@ def test_transformers_loads_every_weight_and_the_logits_are_peaked(tiny_models: 
     prompts = torch.randint(4, 512, (4, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(prompts).logits
-        generated = model.generate(prompts[:2, :8], max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                   pad_token_id=1)[:, 8:]  # fmt: skip
+        generated = model.generate(
+            prompts[:2, :8], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=1
+        )[:, 8:]
     # Downstream greedy comparisons need well separated top-1/top-2 logits and a non-degenerate continuation.
     top2 = logits.topk(2, dim=-1).values
     assert logits.std(dim=-1).mean() > 2.0
@@ -76,8 +77,12 @@ def test_tokenizer_round_trips_and_has_the_model_vocab(tiny_models: dict[str, Pa
         # what the raw tokenizer.json does is what transformers does (a gateway may use either)
         assert Tokenizer.from_file(str(tiny_models[arch] / "tokenizer.json")).encode(text).ids == ids
     assert len(tokenizer(TEXT)["input_ids"]) < len(TEXT.encode())  # merges were learned
-    assert tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]) \
-        == [0, 1, 2, 3]  # fmt: skip
+    assert tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]) == [
+        0,
+        1,
+        2,
+        3,
+    ]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
 
 
@@ -113,8 +118,10 @@ def test_tokenizer_training_is_the_same_in_another_process() -> None:
     from executor.make_model import _trained_tokenizer_json
 
     here = hashlib.sha256(_trained_tokenizer_json.__wrapped__(512, 0, False).encode()).hexdigest()
-    code = ("import hashlib; from executor.make_model import _trained_tokenizer_json as t; "
-            "print(hashlib.sha256(t(512, 0, False).encode()).hexdigest())")  # fmt: skip
+    code = (
+        "import hashlib; from executor.make_model import _trained_tokenizer_json as t; "
+        "print(hashlib.sha256(t(512, 0, False).encode()).hexdigest())"
+    )
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert here == there
 
@@ -142,7 +149,11 @@ def test_load_config_reads_each_architecture(
     hidden = tiny_options["hidden_size"]
     intermediate = 16 * math.ceil(2.7 * hidden / 16)  # make-model's default
     assert (llama.architecture, llama.vocab_size, llama.hidden_size, llama.intermediate_size) == (
-        "llama", 512, hidden, intermediate)  # fmt: skip
+        "llama",
+        512,
+        hidden,
+        intermediate,
+    )
     assert (llama.num_layers, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (2, 4, 2, hidden // 4)
     assert (llama.rope_theta, llama.rope_scaling, llama.max_model_len) == (10000.0, None, 512)
     assert (llama.bos_token_id, llama.eos_token_ids, llama.torch_dtype) == (0, (1, 3), "float32")  # 3: im_end
@@ -151,9 +162,12 @@ def test_load_config_reads_each_architecture(
     assert "lm_head.weight" not in weights(tiny_models["qwen2"])
     assert mistral.architecture == "mistral" and mistral.max_model_len == 512  # no sliding window
     assert load_config(llama3_model).rope_scaling == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
-    }  # fmt: skip
+    }
 
 
 def test_model_id_is_stable_and_follows_the_weights(
@@ -183,30 +197,50 @@ def copy_with_config(src: Path, dst: Path, **changes: Any) -> Path:
 
 def test_transformers4_spelling_and_sliding_windows(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     old = copy_with_config(
-        tiny_models["llama"], tmp_path / "old", rope_parameters=None, dtype=None, torch_dtype="bfloat16",
-        rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8, "low_freq_factor": 1,
-                                           "high_freq_factor": 4, "original_max_position_embeddings": 8192},
-    )  # fmt: skip
+        tiny_models["llama"],
+        tmp_path / "old",
+        rope_parameters=None,
+        dtype=None,
+        torch_dtype="bfloat16",
+        rope_theta=500000.0,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8,
+            "low_freq_factor": 1,
+            "high_freq_factor": 4,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     config = load_config(old)
     assert (config.rope_theta, config.torch_dtype) == (500000.0, "bfloat16")
     assert config.rope_scaling is not None and config.rope_scaling["original_max_position_embeddings"] == 8192
     windowed = copy_with_config(tiny_models["mistral"], tmp_path / "windowed", sliding_window=128)
     assert load_config(windowed).max_model_len == 128
-    qwen = copy_with_config(tiny_models["qwen2"], tmp_path / "qwen", sliding_window=128, layer_types=None,
-                            use_sliding_window=True, max_window_layers=1)  # fmt: skip
+    qwen = copy_with_config(
+        tiny_models["qwen2"],
+        tmp_path / "qwen",
+        sliding_window=128,
+        layer_types=None,
+        use_sliding_window=True,
+        max_window_layers=1,
+    )
     assert load_config(qwen).max_model_len == 128
     unused = copy_with_config(tiny_models["qwen2"], tmp_path / "unused", sliding_window=128)  # layer_types: full
     assert load_config(unused).max_model_len == 512
 
 
 def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    gpt2 = copy_with_config(tiny_models["llama"], tmp_path / "gpt2", architectures=["GPT2LMHeadModel"],
-                            model_type="gpt2")  # fmt: skip
+    gpt2 = copy_with_config(
+        tiny_models["llama"], tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2"
+    )
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel") as caught:
         load_config(gpt2)
     assert all(name in str(caught.value) for name in SUPPORTED_ARCHITECTURES)
-    yarn = copy_with_config(tiny_models["llama"], tmp_path / "yarn",
-                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})  # fmt: skip
+    yarn = copy_with_config(
+        tiny_models["llama"],
+        tmp_path / "yarn",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+    )
     with pytest.raises(UnsupportedModel, match="yarn"):
         load_config(yarn)
 
@@ -216,14 +250,14 @@ def test_missing_or_broken_files_raise_checkpoint_error(tiny_models: dict[str, P
         load_config(tmp_path)
     no_weights = shutil.copytree(tiny_models["llama"], tmp_path / "no-weights")
     (no_weights / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load_config(no_weights)
     bad_index = shutil.copytree(tiny_models["llama"], tmp_path / "bad-index")
     (bad_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
-    with pytest.raises(CheckpointError, match="gone.safetensors"):
+    with pytest.raises(CheckpointError, match=r"gone\.safetensors"):
         weight_files(bad_index)
     (bad_index / "model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="index.json"):
+    with pytest.raises(CheckpointError, match=r"index\.json"):
         list(iter_weights(bad_index))
 
 
@@ -236,8 +270,26 @@ def test_cli_help_and_a_run(tmp_path: Path) -> None:
     assert result.exit_code == 0
     assert all(flag in result.output for flag in ("--arch", "--max-shard-size", "--seed", "--force"))
     out = tmp_path / "m"
-    args = ["--arch", "qwen2", "--out", str(out), "--hidden-size", "64", "--layers", "1", "--heads", "2",
-            "--kv-heads", "1", "--vocab-size", "300", "--max-position", "64", "--dtype", "bfloat16"]  # fmt: skip
+    args = [
+        "--arch",
+        "qwen2",
+        "--out",
+        str(out),
+        "--hidden-size",
+        "64",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--vocab-size",
+        "300",
+        "--max-position",
+        "64",
+        "--dtype",
+        "bfloat16",
+    ]
     result = runner.invoke(make_model, args)
     assert result.exit_code == 0, result.output
     assert "qwen2" in result.output and "parameters" in result.output and "tokenizer.json" in result.output

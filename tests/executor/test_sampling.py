@@ -97,5 +97,9 @@ def test_bad_parameters_are_named(params, fragment):
 
 
 def test_good_parameters_pass():
-    assert SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=-5, n=3, logprobs=5,
-                          stop_token_ids=(1, 2)).validate(vocab_size=100) is None
+    assert (
+        SamplingParams(
+            max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=-5, n=3, logprobs=5, stop_token_ids=(1, 2)
+        ).validate(vocab_size=100)
+        is None
+    )

@@ -25,10 +25,25 @@ class ExecutorProcess:
     def __init__(self, model: Path, blockd_endpoint: str, log_path: Path, *args: str) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "executor.server", "--model", str(model), "--blockd", blockd_endpoint,
-                   "--bind", self.endpoint, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", *args]
-        self.process = subprocess.Popen(command, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        command = [
+            sys.executable,
+            "-m",
+            "executor.server",
+            "--model",
+            str(model),
+            "--blockd",
+            blockd_endpoint,
+            "--bind",
+            self.endpoint,
+            "--max-num-batched-tokens",
+            "64",
+            "--max-num-seqs",
+            "8",
+            *args,
+        ]
+        self.process = subprocess.Popen(
+            command, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
 
     def wait_ready(self, timeout_s: float = 60.0) -> ep.Info:
         deadline = time.monotonic() + timeout_s
@@ -122,8 +137,7 @@ def test_n_2_over_the_wire_every_choice_finishes_and_one_can_be_aborted(tiny_mod
         # Greedy choices finish in the same step: both final deltas must still be sent.
         choices = client.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, n=2, ignore_eos=True))
         assert [d[-1].finish_reason for d in choices] == ["length", "length"]
-        assert tokens_of(choices[0]) == tokens_of(choices[1]) == hf_greedy_ignoring_eos(tiny_models["llama"],
-                                                                                         prompt, 5)
+        assert tokens_of(choices[0]) == tokens_of(choices[1]) == hf_greedy_ignoring_eos(tiny_models["llama"], prompt, 5)
         client.submit("pair", prompt, SamplingParams(max_tokens=300, temperature=1.0, seed=5, n=2, ignore_eos=True))
         seen: dict[int, list[ep.Delta]] = {0: [], 1: []}
         while not (seen[0] and seen[1]):
@@ -149,8 +163,9 @@ def test_bad_messages_get_clear_errors_and_serving_continues(tiny_models, blockd
             "wrong version": msgspec.msgpack.encode({"type": "get_load", "v": 99}),
             "bad field": msgspec.msgpack.encode({"type": "submit", "v": 1, "request_id": "x", "prompt": 5}),
             "odd prompt bytes": ep.encode(ep.Submit(request_id="odd", prompt=b"\x01\x02\x03")),
-            "unknown param": msgspec.msgpack.encode({"type": "submit", "v": 1, "request_id": "u",
-                                                     "prompt": b"\x01\x00\x00\x00", "params": {"tempo": 1}}),
+            "unknown param": msgspec.msgpack.encode(
+                {"type": "submit", "v": 1, "request_id": "u", "prompt": b"\x01\x00\x00\x00", "params": {"tempo": 1}}
+            ),
         }
         for what, frame in bad_frames.items():
             client.send_raw(frame)
@@ -177,8 +192,7 @@ def _next_rejection(client: ExecutorClient) -> ep.Rejected:
             return message
 
 
-def test_blockd_killed_and_restarted_mid_generation_requests_finish_identically(tiny_models, blockd,
-                                                                                start_executor):
+def test_blockd_killed_and_restarted_mid_generation_requests_finish_identically(tiny_models, blockd, start_executor):
     """While blockd is away the executor keeps answering: load says so, a new request is queued, an abort waits
     for the pending step. When blockd is back every request finishes with transformers' output."""
     model = tiny_models["mistral"]
@@ -196,8 +210,11 @@ def test_blockd_killed_and_restarted_mid_generation_requests_finish_identically(
         while sum(map(len, streams.values())) < 12:
             take(client.receive())
         blockd.kill9()
-        load = wait_for(lambda: (r := client.load()).blockd_reachable is False and r, timeout_s=30,
-                        what="the executor to notice blockd is gone")
+        load = wait_for(
+            lambda: (r := client.load()).blockd_reachable is False and r,
+            timeout_s=30,
+            what="the executor to notice blockd is gone",
+        )
         assert load.running + load.waiting == 3
         client.submit("k3", prompts[3], params)  # taken in while blockd is away
         client.submit("k4", prompts[4], params)
@@ -235,10 +252,21 @@ def test_sigterm_aborts_in_flight_requests_returns_blocks_and_unregisters(tiny_m
 
 
 def test_cli_help_and_startup_errors(tiny_models, tmp_path):
-    help_text = subprocess.run([sys.executable, "-m", "executor.server", "--help"], capture_output=True,
-                               text=True, timeout=60).stdout
-    for flag in ("--model", "--device", "--blockd", "--bind", "--block-size", "--num-blocks", "--kv-cache-memory",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--dtype"):
+    help_text = subprocess.run(
+        [sys.executable, "-m", "executor.server", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for flag in (
+        "--model",
+        "--device",
+        "--blockd",
+        "--bind",
+        "--block-size",
+        "--num-blocks",
+        "--kv-cache-memory",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--dtype",
+    ):
         assert flag in help_text
     base = [sys.executable, "-m", "executor.server", "--model", str(tiny_models["llama"])]
     cases = [
@@ -254,8 +282,9 @@ def test_cli_help_and_startup_errors(tiny_models, tmp_path):
         assert done.returncode == code, (args, done.stdout, done.stderr)
         assert message in done.stdout + done.stderr, args
     # Every option also reads PAGEDKV_EXECUTOR_<OPTION> (compose and other deployments configure it so).
-    done = subprocess.run(base, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PAGEDKV_EXECUTOR_DEVICE": "tpu"})
+    done = subprocess.run(
+        base, capture_output=True, text=True, timeout=120, env={**os.environ, "PAGEDKV_EXECUTOR_DEVICE": "tpu"}
+    )
     assert done.returncode == 2 and "--device" in done.stderr
 
 
@@ -268,4 +297,3 @@ def test_two_executors_share_one_blockd_with_separate_pools(tiny_models, blockd,
     pools = {p.pool_id: p.num_blocks for p in blockd.client().pools().pools}
     assert pools == {"one": 40, "two": 30}
     assert blockd.client().lookup(prompt) == {"one": 32, "two": 32}  # both cached the prompt's full blocks
-

@@ -47,17 +47,18 @@ def completion(**fields: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize("model, body", [(CompletionRequest, completion(frobnicate=1)),
-                                         (ChatCompletionRequest, chat(frobnicate=True))])
+@pytest.mark.parametrize(
+    "model, body", [(CompletionRequest, completion(frobnicate=1)), (ChatCompletionRequest, chat(frobnicate=True))]
+)
 def test_unknown_field_is_named(model: type[BaseModel], body: dict[str, Any]) -> None:
     assert refusal(model, body) == ("Unrecognized request argument supplied: frobnicate", "frobnicate")
 
 
 def test_unknown_nested_field_is_named_with_its_path() -> None:
-    message, param = refusal(CompletionRequest, completion(stream=True, stream_options={"include_usage": True,
-                                                                                         "bogus": 1}))
-    assert (message, param) == ("Unrecognized request argument supplied: stream_options.bogus",
-                                "stream_options.bogus")
+    message, param = refusal(
+        CompletionRequest, completion(stream=True, stream_options={"include_usage": True, "bogus": 1})
+    )
+    assert (message, param) == ("Unrecognized request argument supplied: stream_options.bogus", "stream_options.bogus")
     message, param = refusal(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "extra": 1}]})
     assert param == "messages.0.extra" and message.startswith("Unrecognized request argument supplied")
 
@@ -76,8 +77,19 @@ def test_temperature_out_of_range(temperature: float) -> None:
     assert message.startswith("temperature: "), message
 
 
-@pytest.mark.parametrize("field, value", [("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("n", 65), ("top_k", -1),
-                                          ("max_tokens", 0), ("seed", 2**63), ("logprobs", MAX_LOGPROBS + 1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("n", 0),
+        ("n", 65),
+        ("top_k", -1),
+        ("max_tokens", 0),
+        ("seed", 2**63),
+        ("logprobs", MAX_LOGPROBS + 1),
+    ],
+)
 def test_out_of_range_fields_are_named(field: str, value: Any) -> None:
     message, param = refusal(CompletionRequest, completion(**{field: value}))
     assert param == field and message.startswith(f"{field}: "), (message, param)
@@ -103,29 +115,36 @@ def test_penalties_are_refused_unless_zero(field: str) -> None:
     assert getattr(ChatCompletionRequest.model_validate(chat(**{field: 0})), field) == 0.0
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"42": 5.0}}, "logit_bias"),
-    ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
-    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
-    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS}"),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"42": 5.0}}, "logit_bias"),
+        ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS}"),
+    ],
+)
 def test_unsupported_chat_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, _ = refusal(ChatCompletionRequest, chat(**fields))
     assert words in message, message
 
 
 def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
-    body = ChatCompletionRequest.model_validate(chat(tools=[], tool_choice="none", response_format={"type": "text"},
-                                                     logit_bias={}, stop=["x"] * MAX_STOP_STRINGS))
+    body = ChatCompletionRequest.model_validate(
+        chat(
+            tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={}, stop=["x"] * MAX_STOP_STRINGS
+        )
+    )
     assert len(body.stop_strings()) == MAX_STOP_STRINGS
     assert CompletionRequest.model_validate(completion(n=2, best_of=2)).n == 2
 
 
-@pytest.mark.parametrize("fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
-                                           ({"suffix": "end"}, "suffix")])
+@pytest.mark.parametrize(
+    "fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")]
+)
 def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, _ = refusal(CompletionRequest, completion(**fields))
     assert words in message and "not supported" in message
@@ -148,14 +167,17 @@ def test_require_json_object() -> None:
 # ------------------------------------------------------------------------------------------------ prompts
 
 
-@pytest.mark.parametrize("prompt, expected", [
-    ("hello", ["hello"]),
-    ("", [""]),
-    ([1, 2, 3], [[1, 2, 3]]),
-    (["a", "b"], ["a", "b"]),
-    ([[1, 2], [3]], [[1, 2], [3]]),
-    ([], []),
-])
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("hello", ["hello"]),
+        ("", [""]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+        ([], []),
+    ],
+)
 def test_prompts(prompt: Any, expected: list[Any]) -> None:
     assert CompletionRequest.model_validate({"prompt": prompt}).prompts() == expected
 
@@ -172,8 +194,9 @@ def test_stop_strings() -> None:
 
 
 def test_chat_message_for_template() -> None:
-    parts = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Hello, "},
-                                                                     {"type": "text", "text": "world"}]})
+    parts = ChatMessage.model_validate(
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}
+    )
     assert parts.for_template() == {"role": "user", "content": "Hello, world"}
     dev = ChatMessage.model_validate({"role": "developer", "content": "Be brief.", "name": "ops"})
     assert dev.for_template() == {"role": "system", "content": "Be brief.", "name": "ops"}
@@ -186,12 +209,31 @@ def test_chat_message_for_template() -> None:
 
 
 def test_completion_sampling_maps_every_field() -> None:
-    body = CompletionRequest.model_validate(completion(
-        max_tokens=7, temperature=0.3, top_p=0.9, top_k=40, seed=123, n=3, stop_token_ids=[5, 6], ignore_eos=True,
-        logprobs=2))
+    body = CompletionRequest.model_validate(
+        completion(
+            max_tokens=7,
+            temperature=0.3,
+            top_p=0.9,
+            top_k=40,
+            seed=123,
+            n=3,
+            stop_token_ids=[5, 6],
+            ignore_eos=True,
+            logprobs=2,
+        )
+    )
     params = body.sampling(body.max_tokens or 0, body.logprobs)
-    assert params == SamplingParams(max_tokens=7, temperature=0.3, top_p=0.9, top_k=40, seed=123, n=3,
-                                    stop_token_ids=(5, 6), ignore_eos=True, logprobs=2)
+    assert params == SamplingParams(
+        max_tokens=7,
+        temperature=0.3,
+        top_p=0.9,
+        top_k=40,
+        seed=123,
+        n=3,
+        stop_token_ids=(5, 6),
+        ignore_eos=True,
+        logprobs=2,
+    )
     assert params.validate(vocab_size=512) is None
 
 
@@ -224,8 +266,11 @@ def test_chat_logprobs_k_and_sampling() -> None:
 
 def test_usage_body() -> None:
     assert responses.usage_body(Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=8)) == {
-        "prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
-        "prompt_tokens_details": {"cached_tokens": 8}}
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
     total = responses.total_usage([Usage(3, 1, 0), Usage(5, 2, 4)])
     assert total == Usage(8, 3, 4)
     assert responses.total_usage([]) == Usage()
@@ -239,8 +284,9 @@ def test_sse_framing() -> None:
     assert responses.DONE == "data: [DONE]\n\n"
     event = responses.error_event(invalid_request("bad", param="stop"))
     assert event.startswith("data: ") and event.endswith("\n\n")
-    assert json.loads(event[6:]) == {"error": {"message": "bad", "type": "invalid_request_error", "param": "stop",
-                                               "code": None}}
+    assert json.loads(event[6:]) == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "stop", "code": None}
+    }
 
 
 ENV = responses.Envelope(id="cmpl-1", created=1700000000, model="tiny")
@@ -248,8 +294,13 @@ ENV = responses.Envelope(id="cmpl-1", created=1700000000, model="tiny")
 
 def test_completion_chunk_and_body() -> None:
     chunk = responses.completion_chunk(ENV, 1, "hi", None, "stop")
-    assert chunk == {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-                     "choices": [{"index": 1, "text": "hi", "logprobs": None, "finish_reason": "stop"}]}
+    assert chunk == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "tiny",
+        "choices": [{"index": 1, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
+    }
     body = responses.completion_body(ENV, chunk["choices"], Usage(2, 1, 0))
     assert body["object"] == "text_completion" and body["usage"]["total_tokens"] == 3
     usage = responses.usage_chunk(ENV, "text_completion", Usage(2, 1, 0))
@@ -308,7 +359,6 @@ def test_chat_logprobs(tokenizer: Tokenizer) -> None:
     assert len(out) == len(ids)
     assert b"".join(bytes(e["bytes"]) for e in out) == "é!".encode(), "bytes add up to the text, split or not"
     assert all(len(e["top_logprobs"]) == 2 for e in out), "only the `top` best alternatives"
-    assert out[0]["top_logprobs"][1] == {"token": "<|im_start|>", "logprob": -1.0,
-                                         "bytes": list(b"<|im_start|>")}
+    assert out[0]["top_logprobs"][1] == {"token": "<|im_start|>", "logprob": -1.0, "bytes": list(b"<|im_start|>")}
     assert out[-1]["token"] == "!" and out[-1]["logprob"] == -0.25
     assert responses.chat_logprobs(tokenizer, entries, top=0)[0]["top_logprobs"] == []

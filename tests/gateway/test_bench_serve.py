@@ -103,16 +103,30 @@ def test_summary_of_nothing_has_no_latencies() -> None:
 def test_routing_ratios() -> None:
     prefix = _summary(ttft_p50_ms=10.0, ttft_p99_ms=20.0, prompt_tokens=100, cached_tokens=80)
     rr = _summary(ttft_p50_ms=25.0, ttft_p99_ms=30.0, prompt_tokens=100, cached_tokens=40)
-    assert routing_ratios(prefix, rr) == {"routing_ttft_p50_ratio": 2.5, "routing_ttft_p99_ratio": 1.5,
-                                          "routing_cached_fraction_ratio": 2.0}  # fmt: skip
+    assert routing_ratios(prefix, rr) == {
+        "routing_ttft_p50_ratio": 2.5,
+        "routing_ttft_p99_ratio": 1.5,
+        "routing_cached_fraction_ratio": 2.0,
+    }
     nothing_cached = _summary(ttft_p50_ms=None, ttft_p99_ms=None, prompt_tokens=100, cached_tokens=0)
     assert set(routing_ratios(prefix, nothing_cached).values()) == {None}
 
 
 def _summary(**overrides: Any) -> Summary:
-    values: dict[str, Any] = {"requests": 4, "completed": 4, "errors": 0, "seconds": 1.0, "output_tokens": 8,
-                              "prompt_tokens": 100, "cached_tokens": 0, "short_outputs": 0, "ttft_p50_ms": 10.0,
-                              "ttft_p99_ms": 20.0, "itl_p50_ms": 1.0, "itl_p99_ms": 2.0}  # fmt: skip
+    values: dict[str, Any] = {
+        "requests": 4,
+        "completed": 4,
+        "errors": 0,
+        "seconds": 1.0,
+        "output_tokens": 8,
+        "prompt_tokens": 100,
+        "cached_tokens": 0,
+        "short_outputs": 0,
+        "ttft_p50_ms": 10.0,
+        "ttft_p99_ms": 20.0,
+        "itl_p50_ms": 1.0,
+        "itl_p99_ms": 2.0,
+    }
     return Summary(**{**values, **overrides})
 
 
@@ -125,8 +139,12 @@ def _chunk(text: str) -> SimpleNamespace:
 
 def _usage_chunk(prompt: int, completion: int, cached: int | None) -> SimpleNamespace:
     details = None if cached is None else {"cached_tokens": cached}
-    usage = CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                            prompt_tokens_details=details)  # fmt: skip
+    usage = CompletionUsage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=details,
+    )
     return SimpleNamespace(choices=[], usage=usage)
 
 
@@ -169,19 +187,22 @@ def test_stream_one_times_text_chunks_and_reads_the_final_usage() -> None:
 
 
 def test_stream_one_records_failures_instead_of_raising() -> None:
-    no_details = asyncio.run(stream_one(ScriptedClient(lambda kw: [_chunk("a"), _usage_chunk(4, 1, None)]), "m",
-                                        ServeRequest([5], 1)))  # fmt: skip
+    no_details = asyncio.run(
+        stream_one(ScriptedClient(lambda kw: [_chunk("a"), _usage_chunk(4, 1, None)]), "m", ServeRequest([5], 1))
+    )
     assert no_details.error is None and no_details.cached_tokens == 0
-    broken = asyncio.run(stream_one(ScriptedClient(lambda kw: [_chunk("a"), openai.OpenAIError("reset")]), "m",
-                                    ServeRequest([5], 4)))  # fmt: skip
+    broken = asyncio.run(
+        stream_one(ScriptedClient(lambda kw: [_chunk("a"), openai.OpenAIError("reset")]), "m", ServeRequest([5], 4))
+    )
     assert broken.error == "OpenAIError: reset" and len(broken.chunk_times) == 1
     cut = asyncio.run(stream_one(ScriptedClient(lambda kw: [_chunk("a")]), "m", ServeRequest([5], 4)))
     assert cut.error is not None and "usage" in cut.error
 
 
 def test_run_requests_keeps_order_and_the_concurrency_limit() -> None:
-    client = ScriptedClient(lambda kw: [_chunk("x")] * kw["max_tokens"] + [_usage_chunk(1, kw["max_tokens"], 0)],
-                            delay_s=0.002)  # fmt: skip
+    client = ScriptedClient(
+        lambda kw: [_chunk("x")] * kw["max_tokens"] + [_usage_chunk(1, kw["max_tokens"], 0)], delay_s=0.002
+    )
     requests = [ServeRequest([i + 4], 1 + i % 5) for i in range(20)]
     done: list[int] = []
     results, seconds = asyncio.run(run_requests(client, "m", requests, 3, lambda: done.append(1)))
@@ -209,8 +230,9 @@ def test_command_prints_tables_and_ends_with_the_json(monkeypatch: pytest.Monkey
         assert (base_url, model, len(requests), clients) == ("http://stack-prefix/v1", "tiny", 6, 2)
         return model, _summary(requests=6, errors=1, first_error="boom")
 
-    async def fake_routing(base_url: str, model: str, workload: bench.PrefixWorkload, clients: int, seed: int,
-                           policy: str) -> Summary:  # fmt: skip
+    async def fake_routing(
+        base_url: str, model: str, workload: bench.PrefixWorkload, clients: int, seed: int, policy: str
+    ) -> Summary:
         assert len(workload.followers) == 3 * 2 and base_url == f"http://stack-{policy}/v1"
         cached = 90 if policy == "prefix" else 30
         return _summary(ttft_p50_ms=10.0 if policy == "prefix" else 40.0, cached_tokens=cached)
@@ -219,8 +241,9 @@ def test_command_prints_tables_and_ends_with_the_json(monkeypatch: pytest.Monkey
     monkeypatch.setattr(bench, "measure_load", fake_load)
     monkeypatch.setattr(bench, "measure_routing", fake_routing)
     out = tmp_path / "figures.json"
-    result = _invoke("--quick", "--requests", "6", "--clients", "2", "--prefix-groups", "3", "--group-size", "3",
-                     "--json", str(out))  # fmt: skip
+    result = _invoke(
+        "--quick", "--requests", "6", "--clients", "2", "--prefix-groups", "3", "--group-size", "3", "--json", str(out)
+    )
     assert result.exit_code == 0, result.output
     assert started == ["prefix", "prefix", "round-robin"]  # the load's stack, then one fresh stack per policy
     lines = result.stdout.strip().splitlines()
@@ -285,10 +308,37 @@ def bench_serve_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(900)
 def test_quick_run_against_real_stacks(bench_serve_tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
-    result = _invoke("--quick", "--model", str(bench_serve_tiny_model), "--device", "cpu", "--executors", "2",
-                     "--clients", "4", "--requests", "8", "--prompt-range", "8", "64", "--output-range", "2", "8",
-                     "--prefix-groups", "2", "--group-size", "3", "--prefix-tokens", "64", "--suffix-tokens", "16",
-                     "--routing-output", "4", "--json", str(out))  # fmt: skip
+    result = _invoke(
+        "--quick",
+        "--model",
+        str(bench_serve_tiny_model),
+        "--device",
+        "cpu",
+        "--executors",
+        "2",
+        "--clients",
+        "4",
+        "--requests",
+        "8",
+        "--prompt-range",
+        "8",
+        "64",
+        "--output-range",
+        "2",
+        "8",
+        "--prefix-groups",
+        "2",
+        "--group-size",
+        "3",
+        "--prefix-tokens",
+        "64",
+        "--suffix-tokens",
+        "16",
+        "--routing-output",
+        "4",
+        "--json",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == figures

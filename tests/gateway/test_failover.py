@@ -30,9 +30,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def stack(model_dir: Path, tmp_path: Path) -> Iterator[LocalStack]:
     # A short silence limit, so that a frozen executor leaves the rotation quickly.
-    with LocalStack(model_dir=model_dir, executors=2, port=0, kv_cache_memory="8MiB", persistence=False,
-                    routing="round-robin", gateway_args=["--executor-timeout", "2"], log_dir=tmp_path / "logs",
-                    progress=None) as running:
+    with LocalStack(
+        model_dir=model_dir,
+        executors=2,
+        port=0,
+        kv_cache_memory="8MiB",
+        persistence=False,
+        routing="round-robin",
+        gateway_args=["--executor-timeout", "2"],
+        log_dir=tmp_path / "logs",
+        progress=None,
+    ) as running:
         yield running
 
 
@@ -56,18 +64,23 @@ def test_a_silent_executor_leaves_the_rotation_and_rejoins(stack: LocalStack) ->
     frozen = stack.processes["executor-1"]
     os.kill(frozen.pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: healthy_pools(stack.url) == {"executor-0"},
-                 timeout_s=15, what="executor-1 to leave the rotation")
+        wait_for(
+            lambda: healthy_pools(stack.url) == {"executor-0"}, timeout_s=15, what="executor-1 to leave the rotation"
+        )
         for _ in range(4):  # round-robin would alternate; only executor-0 is in rotation
-            response = client.completions.with_raw_response.create(model=stack.model_name, prompt="hello",
-                                                                   max_tokens=3)
+            response = client.completions.with_raw_response.create(model=stack.model_name, prompt="hello", max_tokens=3)
             assert response.headers["x-pagedkv-executor"] == "executor-0"
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
-    wait_for(lambda: healthy_pools(stack.url) == {"executor-0", "executor-1"},
-             timeout_s=15, what="executor-1 to rejoin")
-    served_by = {client.completions.with_raw_response.create(model=stack.model_name, prompt="hi", max_tokens=2)
-                 .headers["x-pagedkv-executor"] for _ in range(4)}
+    wait_for(
+        lambda: healthy_pools(stack.url) == {"executor-0", "executor-1"}, timeout_s=15, what="executor-1 to rejoin"
+    )
+    served_by = {
+        client.completions.with_raw_response.create(model=stack.model_name, prompt="hi", max_tokens=2).headers[
+            "x-pagedkv-executor"
+        ]
+        for _ in range(4)
+    }
     assert served_by == {"executor-0", "executor-1"}
     wait_until_no_live_blocks(stack)
 
@@ -80,9 +93,10 @@ def test_requests_that_streamed_nothing_are_retried_when_their_executor_dies(sta
 
     def ask(i: int) -> None:
         try:
-            results[i] = client.completions.create(model=stack.model_name, prompt=[10 + i, 11, 12], max_tokens=4,
-                                                   extra_body={"ignore_eos": True})
-        except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+            results[i] = client.completions.create(
+                model=stack.model_name, prompt=[10 + i, 11, 12], max_tokens=4, extra_body={"ignore_eos": True}
+            )
+        except Exception as exc:
             results[i] = exc
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
@@ -102,8 +116,13 @@ def test_requests_that_streamed_nothing_are_retried_when_their_executor_dies(sta
 def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: LocalStack) -> None:
     """Nothing of a non-streamed response has reached the client yet, so it starts over elsewhere."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-    ask = {"model": stack.model_name, "prompt": list(range(40, 60)), "max_tokens": 450, "temperature": 0,
-           "extra_body": {"ignore_eos": True}}
+    ask = {
+        "model": stack.model_name,
+        "prompt": list(range(40, 60)),
+        "max_tokens": 450,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(client.completions.create(**ask)))
     worker.start()
@@ -125,8 +144,8 @@ def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: Loca
 def test_a_stream_whose_executor_dies_ends_with_an_error_event(stack: LocalStack) -> None:
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
     response = client.completions.with_raw_response.create(
-        model=stack.model_name, prompt=list(range(30, 90)), max_tokens=450, stream=True,
-        extra_body={"ignore_eos": True})
+        model=stack.model_name, prompt=list(range(30, 90)), max_tokens=450, stream=True, extra_body={"ignore_eos": True}
+    )
     serving = response.headers["x-pagedkv-executor"]
     stream = response.parse()
     chunks = iter(stream)
@@ -153,8 +172,23 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.server", "--model", str(model_dir), "--executors", ",".join(executors),
-             "--blockd", blockd, "--port", str(self.port), *extra], stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gateway.server",
+                "--model",
+                str(model_dir),
+                "--executors",
+                ",".join(executors),
+                "--blockd",
+                blockd,
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_listening(self) -> None:
         def answers() -> bool:
@@ -174,8 +208,16 @@ class Gateway:
 
 
 def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: Path) -> None:
-    gateway = Gateway(model_dir, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log",
-                      "--max-queue", "1", "--executor-timeout", "60")
+    gateway = Gateway(
+        model_dir,
+        stack.executor_endpoints,
+        stack.blockd_endpoint,
+        tmp_path / "gw.log",
+        "--max-queue",
+        "1",
+        "--executor-timeout",
+        "60",
+    )
     executors = [stack.processes[name].pid for name in ("executor-0", "executor-1")]
     body = {"model": stack.model_name, "prompt": "x", "max_tokens": 2}
     try:
@@ -184,8 +226,9 @@ def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: 
         for pid in executors:
             os.kill(pid, signal.SIGSTOP)  # the first request stays in flight until they go on
         first: list[httpx.Response] = []
-        waiting = threading.Thread(target=lambda: first.append(
-            httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)))
+        waiting = threading.Thread(
+            target=lambda: first.append(httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60))
+        )
         waiting.start()
         wait_for(lambda: health(gateway.url)["in_flight"] == 1, timeout_s=10, what="the first request to be in flight")
         second = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
@@ -208,8 +251,9 @@ def test_no_executor_answers_503_and_health_says_so(model_dir: Path, tmp_path: P
     gateway = Gateway(model_dir, nowhere, "tcp://127.0.0.1:1", tmp_path / "gw.log")
     try:
         gateway.wait_listening()
-        response = httpx.post(f"{gateway.url}/v1/chat/completions",
-                              json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        response = httpx.post(
+            f"{gateway.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30
+        )
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_executor_available"
         state = httpx.get(f"{gateway.url}/health", timeout=10)
@@ -225,8 +269,9 @@ def test_executors_serving_another_model_are_refused(stack: LocalStack, tmp_path
     gateway = Gateway(other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log")
     try:
         gateway.wait_listening()
-        wait_for(lambda: all(e["refused"] for e in health(gateway.url)["executors"]),
-                 timeout_s=30, what="both to be refused")
+        wait_for(
+            lambda: all(e["refused"] for e in health(gateway.url)["executors"]), timeout_s=30, what="both to be refused"
+        )
         state = httpx.get(f"{gateway.url}/health", timeout=10)
         assert state.status_code == 503 and "vocabulary of 512 tokens" in state.json()["reason"]
         response = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
@@ -246,11 +291,13 @@ def test_a_client_gone_before_its_first_token_aborts_its_request(stack: LocalSta
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{stack.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
-        wait_for(lambda: health(stack.url)["in_flight"] == 0,
-                 timeout_s=1.0, what="the gateway to let go of the request")
+        wait_for(
+            lambda: health(stack.url)["in_flight"] == 0, timeout_s=1.0, what="the gateway to let go of the request"
+        )
     finally:
         for pid in executors:
             os.kill(pid, signal.SIGCONT)
     wait_until_no_live_blocks(stack)  # the executor saw the abort with (or right after) the request
-    wait_for(lambda: all(e["running"] == 0 for e in health(stack.url)["executors"]),
-             timeout_s=5, what="nothing running")
+    wait_for(
+        lambda: all(e["running"] == 0 for e in health(stack.url)["executors"]), timeout_s=5, what="nothing running"
+    )

@@ -18,16 +18,34 @@ from gateway.routing import POLICIES, PrefixLookup, Route, Router, load_of, pick
 SLACK = 8
 
 
-def make_link(name: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, in_flight: int = 0,
-              healthy: bool = True) -> ExecutorLink:
+def make_link(
+    name: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, in_flight: int = 0, healthy: bool = True
+) -> ExecutorLink:
     """An ExecutorLink as its task would leave it after hearing from executor `name` (pool `pool-<name>`)."""
     link = ExecutorLink(f"tcp://{name}:5600", zmq.asyncio.Context.instance())
     pool = f"pool-{name}"
     link.healthy = healthy
-    link.info = ep.Info(pool_id=pool, model_id="m", model_dir="/m", max_model_len=512, vocab_size=512, block_size=16,
-                        num_blocks=100, device="cpu", eos_token_ids=[1])
-    link.load = ep.LoadReport(pool_id=pool, running=running, waiting=waiting, free_blocks=round(100 * (1 - kv)),
-                              num_blocks=100, kv_utilization=kv, preemptions=0, steps=0)
+    link.info = ep.Info(
+        pool_id=pool,
+        model_id="m",
+        model_dir="/m",
+        max_model_len=512,
+        vocab_size=512,
+        block_size=16,
+        num_blocks=100,
+        device="cpu",
+        eos_token_ids=[1],
+    )
+    link.load = ep.LoadReport(
+        pool_id=pool,
+        running=running,
+        waiting=waiting,
+        free_blocks=round(100 * (1 - kv)),
+        num_blocks=100,
+        kv_utilization=kv,
+        preemptions=0,
+        steps=0,
+    )
     for i in range(in_flight):
         link.streams[f"req-{i}"] = asyncio.Queue()
     return link
@@ -147,8 +165,12 @@ def test_link_lost_while_blockd_answers_is_not_chosen() -> None:
 
 
 def test_least_loaded_picks_fewest_requests() -> None:
-    links = [make_link("a", running=4), make_link("b", running=2, waiting=1), make_link("c", running=1, waiting=1),
-             make_link("d", in_flight=3)]
+    links = [
+        make_link("a", running=4),
+        make_link("b", running=2, waiting=1),
+        make_link("c", running=1, waiting=1),
+        make_link("d", in_flight=3),
+    ]
     lookup = FakeLookup({"pool-a": 100})
     router = Router(links, "least-loaded", lookup, load_slack=SLACK)
     for _ in range(8):

@@ -31,7 +31,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 
 # Multi-byte characters of every UTF-8 length (2: accented, 3: CJK, 4: emoji), a modifier and a ZWJ sequence.
-MULTIBYTE = list("éüñçøÅß日本語中文字符한국어ǘ😀👍🏽👩‍💻🎉€£") + ["\u0301", "\u200d"]
+MULTIBYTE = [*list("éüñçøÅß日本語中文字符한국어ǘ😀👍🏽👩\u200d💻🎉€£"), "́", "\u200d"]
 ASCII = list("abcdefghij XYZ .,!?\n\t0123")
 CHARS = st.one_of(
     st.sampled_from(MULTIBYTE + ASCII),
@@ -46,7 +46,7 @@ def stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int], prompt: list
     pieces, i, k = [], 0, 0
     while i < len(ids):
         size = chunks[k % len(chunks)] if chunks else 1
-        pieces.append(detokenizer.add(ids[i:i + size]))
+        pieces.append(detokenizer.add(ids[i : i + size]))
         i, k = i + size, k + 1
     pieces.append(detokenizer.flush())
     return pieces
@@ -78,7 +78,8 @@ def test_multibyte_characters_are_released_whole(tokenizer: Tokenizer) -> None:
 @example(text="日本語 test", chunks=[2, 1])
 @example(text="e\u0301 👩‍💻", chunks=[1])
 def test_streamed_text_equals_full_decode_and_never_splits_a_character(
-        tokenizer: Tokenizer, text: str, chunks: list[int]) -> None:
+    tokenizer: Tokenizer, text: str, chunks: list[int]
+) -> None:
     ids = tokenizer.encode(text)
     expected = tokenizer.hf.decode(ids, skip_special_tokens=True)
     assert expected == text, "byte-level BPE without special-token text must round-trip"
@@ -97,13 +98,14 @@ def test_streamed_text_equals_full_decode_and_never_splits_a_character(
 @example(prompt="Hello ", text="world", chunks=[1])
 @example(prompt="日本", text="語です 😀", chunks=[1])
 def test_prompt_context_gives_the_continuation_of_the_prompt(
-        tokenizer: Tokenizer, prompt: str, text: str, chunks: list[int]) -> None:
+    tokenizer: Tokenizer, prompt: str, text: str, chunks: list[int]
+) -> None:
     prompt_ids, ids = tokenizer.encode(prompt), tokenizer.encode(text)
     pieces = stream(tokenizer, ids, chunks, prompt_ids)
     full = tokenizer.hf.decode(prompt_ids + ids, skip_special_tokens=True)
     head = tokenizer.hf.decode(prompt_ids, skip_special_tokens=True)
     assert full.startswith(head)
-    assert "".join(pieces) == full[len(head):] == text
+    assert "".join(pieces) == full[len(head) :] == text
     assert not any(REPLACEMENT in p for p in pieces), pieces
 
 
@@ -118,8 +120,9 @@ def test_leading_space_token_after_a_prompt_keeps_its_space(tokenizer: Tokenizer
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_token_id_prompt_ending_mid_character_does_not_swallow_the_output(tokenizer: Tokenizer,
-                                                                          data: st.DataObject) -> None:
+def test_token_id_prompt_ending_mid_character_does_not_swallow_the_output(
+    tokenizer: Tokenizer, data: st.DataObject
+) -> None:
     """A prompt of token ids may end inside a character that the output completes: the output must still
     come out, as decode(prompt + output) beyond decode(prompt) (the completed character belongs to the prompt)."""
     ids = tokenizer.encode("ab 日本語 😀 test more words é")
@@ -129,7 +132,7 @@ def test_token_id_prompt_ending_mid_character_does_not_swallow_the_output(tokeni
     head = tokenizer.hf.decode(prompt, skip_special_tokens=True)
     full = tokenizer.hf.decode(prompt + output, skip_special_tokens=True)
     assert len(full) >= len(head)
-    expected = full[len(head):]
+    expected = full[len(head) :]
     assert "".join(stream(tokenizer, output, chunks, prompt)) == expected, f"prompt ends {head[-3:]!r}"
 
 
@@ -179,25 +182,28 @@ def run_stops(stops: list[str], chunks: list[str]) -> tuple[list[str], StopMatch
     return pieces, matcher
 
 
-@pytest.mark.parametrize(("stops", "chunks", "expected", "stopped"), [
-    (["STOP"], ["hello STOP world"], "hello ", True),
-    (["STOP"], ["hel", "lo ST", "OP wor", "ld"], "hello ", True),
-    (["STOP"], ["hello S", "T", "O", "P"], "hello ", True),
-    (["STOP"], ["hello ST", "ART"], "hello START", False),
-    (["STOP"], ["no stop here, ST"], "no stop here, ST", False),
-    (["ab", "b"], ["xab"], "x", True),
-    (["ab", "b"], ["xa", "b"], "x", True),
-    (["b", "ab"], ["xa", "b"], "x", True),
-    (["ab", "b"], ["xb"], "x", True),
-    (["\n\n", "END"], ["line one\n", "\nline two"], "line one", True),
-    (["aaa"], ["aa", "aa"], "", True),
-    (["aab"], ["aa", "aab"], "aa", True),
-    (["", "x"], ["abc"], "abc", False),
-    ([""], ["abc", "def"], "abcdef", False),
-    ([], ["abc"], "abc", False),
-    (["日本"], ["こんにちは日", "本語"], "こんにちは", True),
-    (["stop"], ["", "st", "", "op"], "", True),
-])
+@pytest.mark.parametrize(
+    ("stops", "chunks", "expected", "stopped"),
+    [
+        (["STOP"], ["hello STOP world"], "hello ", True),
+        (["STOP"], ["hel", "lo ST", "OP wor", "ld"], "hello ", True),
+        (["STOP"], ["hello S", "T", "O", "P"], "hello ", True),
+        (["STOP"], ["hello ST", "ART"], "hello START", False),
+        (["STOP"], ["no stop here, ST"], "no stop here, ST", False),
+        (["ab", "b"], ["xab"], "x", True),
+        (["ab", "b"], ["xa", "b"], "x", True),
+        (["b", "ab"], ["xa", "b"], "x", True),
+        (["ab", "b"], ["xb"], "x", True),
+        (["\n\n", "END"], ["line one\n", "\nline two"], "line one", True),
+        (["aaa"], ["aa", "aa"], "", True),
+        (["aab"], ["aa", "aab"], "aa", True),
+        (["", "x"], ["abc"], "abc", False),
+        ([""], ["abc", "def"], "abcdef", False),
+        ([], ["abc"], "abc", False),
+        (["日本"], ["こんにちは日", "本語"], "こんにちは", True),
+        (["stop"], ["", "st", "", "op"], "", True),
+    ],
+)
 def test_stop_examples(stops: list[str], chunks: list[str], expected: str, stopped: bool) -> None:
     pieces, matcher = run_stops(stops, chunks)
     assert "".join(pieces) == expected, pieces
@@ -236,7 +242,7 @@ def stop_oracle(stops: list[str], chunks: list[str]) -> tuple[str, bool]:
         seen += chunk
         starts = [seen.find(s) for s in stops if s in seen]
         if starts:
-            return seen[:min(starts)], True
+            return seen[: min(starts)], True
     return seen, False
 
 
@@ -247,7 +253,7 @@ def stop_case(draw: st.DrawFn) -> tuple[list[str], list[str]]:
     for _ in range(draw(st.integers(0, 2))):  # stop strings that do occur
         if text:
             i = draw(st.integers(0, len(text) - 1))
-            stops.append(text[i:draw(st.integers(i + 1, min(len(text), i + 4)))])
+            stops.append(text[i : draw(st.integers(i + 1, min(len(text), i + 4)))])
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=8)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     return stops, chunks
@@ -280,7 +286,7 @@ def test_stop_matcher_in_one_chunk_cuts_at_the_earliest_stop(case: tuple[list[st
     text = "".join(chunks)
     pieces, matcher = run_stops(stops, [text])
     starts = [text.find(s) for s in stops if s and s in text]
-    assert "".join(pieces) == (text[:min(starts)] if starts else text)
+    assert "".join(pieces) == (text[: min(starts)] if starts else text)
     assert matcher.stopped is bool(starts)
 
 
@@ -295,7 +301,7 @@ def test_stop_matcher_char_by_char_cuts_at_the_first_completed_stop(case: tuple[
     ends = [(text.find(s) + len(s), -len(s)) for s in live if s in text]
     if ends:
         end, neg_len = min(ends)
-        assert matcher.stopped and "".join(pieces) == text[:end + neg_len]
+        assert matcher.stopped and "".join(pieces) == text[: end + neg_len]
     else:
         assert not matcher.stopped and "".join(pieces) == text
 
@@ -318,8 +324,7 @@ def test_encode_chat_renders_chatml(tokenizer: Tokenizer) -> None:
     assert ids.count(2) == 3 and ids.count(3) == 2, "turn markers are the special tokens, not their spelling"
     assert ids[0] == 2, "no BOS added on top of what the template writes"
     without = tokenizer.encode_chat(messages, add_generation_prompt=False)
-    assert tokenizer.hf.decode(without, skip_special_tokens=False) == expected.removesuffix(
-        "<|im_start|>assistant\n")
+    assert tokenizer.hf.decode(without, skip_special_tokens=False) == expected.removesuffix("<|im_start|>assistant\n")
 
 
 def test_encode_chat_without_template_raises_prompt_error(model_dir: Path, tmp_path: Path) -> None:
@@ -353,8 +358,9 @@ def test_token_text_of_partial_character_and_special_token(tokenizer: Tokenizer)
 
 
 @FAST
-@given(ids=st.lists(st.integers(0, TINY["vocab_size"] - 1), max_size=40),
-       chunks=st.lists(st.integers(1, 4), max_size=4))
+@given(
+    ids=st.lists(st.integers(0, TINY["vocab_size"] - 1), max_size=40), chunks=st.lists(st.integers(1, 4), max_size=4)
+)
 def test_any_token_ids_stream_to_their_full_decode(tokenizer: Tokenizer, ids: list[int], chunks: list[int]) -> None:
     """A model can emit any ids, invalid UTF-8 included: streamed, they still add up to the full decode."""
     assert "".join(stream(tokenizer, ids, chunks)) == tokenizer.hf.decode(ids, skip_special_tokens=True)

@@ -40,9 +40,15 @@ def test_benchmark_logic_on_tiny_cpu_shapes():
     # checks the outputs the benchmark compares against SDPA agree.
     lines: list[str] = []
     results = run_benchmarks(
-        device=torch.device("cpu"), dtype=torch.float32, block_size=16, decode_grid=[(1, 40), (2, 300)],
-        prefill_cases=[(2, 24)], timer=wall_clock_ms, echo=lines.append, copy_bytes=1 << 20,
-    )  # fmt: skip
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        block_size=16,
+        decode_grid=[(1, 40), (2, 300)],
+        prefill_cases=[(2, 24)],
+        timer=wall_clock_ms,
+        echo=lines.append,
+        copy_bytes=1 << 20,
+    )
     json.dumps(results)  # everything must be JSON-serialisable
     assert [r["context"] for r in results["decode"]] == [40, 300]
     for row in results["decode"] + results["prefill"]:

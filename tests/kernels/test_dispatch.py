@@ -33,10 +33,17 @@ def test_argument_forces_a_backend_and_beats_the_env(monkeypatch):
     assert dispatch.resolve_backend("triton", CPU) == "triton"
 
 
-@pytest.mark.parametrize("env, want_cpu, want_cuda", [
-    ("triton", "triton", "triton"), ("reference", "reference", "reference"), ("auto", "torch", "triton"),
-    (" Triton ", "triton", "triton"), ("", "torch", "triton"), ("torch", "torch", "torch"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "env, want_cpu, want_cuda",
+    [
+        ("triton", "triton", "triton"),
+        ("reference", "reference", "reference"),
+        ("auto", "torch", "triton"),
+        (" Triton ", "triton", "triton"),
+        ("", "torch", "triton"),
+        ("torch", "torch", "torch"),
+    ],
+)
 def test_env_var_switch(monkeypatch, env, want_cpu, want_cuda):
     monkeypatch.setenv(dispatch.BACKEND_ENV, env)
     assert dispatch.resolve_backend("auto", CPU) == want_cpu
@@ -68,8 +75,9 @@ def _spy(monkeypatch, module, name):
 @needs_interpreter
 @pytest.mark.parametrize("how", ["auto", "argument", "env"])
 def test_calls_reach_the_chosen_implementation(monkeypatch, how):
-    batch = make_batch([(2, 9)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8, dtype=torch.float32,
-                       device=CPU)  # fmt: skip
+    batch = make_batch(
+        [(2, 9)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8, dtype=torch.float32, device=CPU
+    )
     triton_attention = dispatch.triton_module("triton_attention", CPU)
     torch_calls = _spy(monkeypatch, torch_batched, "paged_attention")
     tri_calls = _spy(monkeypatch, triton_attention, "paged_attention")

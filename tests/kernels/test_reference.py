@@ -15,7 +15,7 @@ def contiguous_attention(batch) -> torch.Tensor:
     outs = []
     group = batch.q.shape[1] // batch.keys[0].shape[1]
     start = 0
-    for q_len, kv_len, k, v in zip(batch.q_lens, batch.kv_lens, batch.keys, batch.values):
+    for q_len, kv_len, k, v in zip(batch.q_lens, batch.kv_lens, batch.keys, batch.values, strict=False):
         q = batch.q[start : start + q_len].double().transpose(0, 1)  # [H, q, D]
         k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv, D]
         v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -36,9 +36,14 @@ def contiguous_attention(batch) -> torch.Tensor:
 )
 def test_paged_reference_matches_contiguous_sdpa(seqs, heads, block_size, shared):
     batch = make_batch(
-        seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=32, block_size=block_size,
-        dtype=torch.float64, shared_prefix_blocks=shared,
-    )  # fmt: skip
+        seqs,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=32,
+        block_size=block_size,
+        dtype=torch.float64,
+        shared_prefix_blocks=shared,
+    )
     torch.testing.assert_close(float64_oracle(batch), contiguous_attention(batch), atol=1e-10, rtol=1e-10)
 
 
@@ -70,6 +75,6 @@ def test_reference_copy_blocks_acts_simultaneously():
     before = [c.clone() for c in caches]
     mapping = torch.tensor([[0, 3], [1, 4]])
     reference.copy_blocks(caches[:2], caches[2:], mapping)
-    for c, b in zip(caches, before):
+    for c, b in zip(caches, before, strict=False):
         assert torch.equal(c[3], b[0]) and torch.equal(c[4], b[1])
         assert torch.equal(c[[0, 1, 2, 5]], b[[0, 1, 2, 5]])

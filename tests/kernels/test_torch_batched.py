@@ -22,8 +22,15 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_batched_torch_matches_the_float64_reference(seqs, heads, kv_heads, dtype, block_size):
-    batch = make_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, block_size=block_size,
-                       dtype=dtype, seed=hash((tuple(seqs), heads, block_size)) % 1000)
+    batch = make_batch(
+        seqs,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        dtype=dtype,
+        seed=hash((tuple(seqs), heads, block_size)) % 1000,
+    )
     want = float64_oracle(batch)
     got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
     assert not got.isnan().any()  # NaN-poisoned padding and spare blocks are never mixed in
@@ -32,10 +39,21 @@ def test_batched_torch_matches_the_float64_reference(seqs, heads, kv_heads, dtyp
 
 
 def test_shared_blocks_and_padded_tables():
-    batch = make_batch([(1, 40), (1, 70), (1, 33)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32, shared_prefix_blocks=2)
-    torch.testing.assert_close(dispatch.paged_attention(*batch.args(), batch.scale, backend="torch").double(),
-                               float64_oracle(batch), atol=1e-5, rtol=1e-5)
+    batch = make_batch(
+        [(1, 40), (1, 70), (1, 33)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        shared_prefix_blocks=2,
+    )
+    torch.testing.assert_close(
+        dispatch.paged_attention(*batch.args(), batch.scale, backend="torch").double(),
+        float64_oracle(batch),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_write_kv_matches_the_reference_with_and_without_padding():
@@ -58,5 +76,9 @@ def test_many_decode_rows_are_split_into_length_groups_and_stay_exact(monkeypatc
     assert sorted(i for g in groups for i in g) == list(range(8)) and len(groups) > 2
     assert all(len(g) * max(seqs[i][1] for i in g) <= 200 or len(g) == 1 for g in groups)
     batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
-    torch.testing.assert_close(dispatch.paged_attention(*batch.args(), batch.scale, backend="torch").double(),
-                               float64_oracle(batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        dispatch.paged_attention(*batch.args(), batch.scale, backend="torch").double(),
+        float64_oracle(batch),
+        atol=1e-5,
+        rtol=1e-5,
+    )

@@ -70,8 +70,9 @@ def test_long_context_decode(num_splits):
 
 def test_long_prefill_chunk_after_a_long_cached_prefix():
     # A 40-token chunk after 3,000 cached tokens: the unmasked tiles span thousands of positions.
-    batch = make_batch([(40, 3040)], num_heads=4, num_kv_heads=1, head_dim=64, block_size=32, dtype=torch.float32,
-                       seed=10)  # fmt: skip
+    batch = make_batch(
+        [(40, 3040)], num_heads=4, num_kv_heads=1, head_dim=64, block_size=32, dtype=torch.float32, seed=10
+    )
     check(batch)
 
 
@@ -93,15 +94,30 @@ def test_chunks_starting_around_kv_tile_boundaries(head_dim):
 def test_long_prefill_spans_several_query_tiles():
     # 150 query tokens after 20 cached ones: several BLOCK_M tiles, causal mask inside each.
     for heads in ((2, 2), (8, 2)):
-        batch = make_batch([(150, 170)], num_heads=heads[0], num_kv_heads=heads[1], head_dim=64, block_size=32,
-                           dtype=torch.float16, seed=4)  # fmt: skip
+        batch = make_batch(
+            [(150, 170)],
+            num_heads=heads[0],
+            num_kv_heads=heads[1],
+            head_dim=64,
+            block_size=32,
+            dtype=torch.float16,
+            seed=4,
+        )
         check(batch)
 
 
 def test_shared_physical_blocks_between_sequences():
     seqs = [(1, 50), (4, 40), (1, 33), (9, 48)]
-    batch = make_batch(seqs, num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float16,
-                       shared_prefix_blocks=2, seed=5)  # fmt: skip
+    batch = make_batch(
+        seqs,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+        shared_prefix_blocks=2,
+        seed=5,
+    )
     shared = batch.block_tables[:, :2]
     assert (shared == shared[0]).all()
     check(batch, num_splits=2)
@@ -110,8 +126,9 @@ def test_shared_physical_blocks_between_sequences():
 def test_many_sequences_and_strided_q():
     # 13 sequences exercise the tile -> sequence binary search; q is a slice of a fused qkv tensor.
     seqs = [(1 + (i * 5) % 7, 10 + (i * 37) % 90) for i in range(13)]
-    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32,
-                       seed=6, strided_q=True)  # fmt: skip
+    batch = make_batch(
+        seqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32, seed=6, strided_q=True
+    )
     assert not batch.q.is_contiguous()
     check(batch)
 
@@ -139,7 +156,14 @@ def test_default_scale_and_fresh_output():
 def test_random_mixed_batches(data, num_kv_heads, group, head_dim, block_size, dtype, num_splits):
     q_lens = data.draw(st.lists(st.integers(1, 20), min_size=1, max_size=6), label="q_lens")
     cached = data.draw(st.lists(st.integers(0, 80), min_size=len(q_lens), max_size=len(q_lens)), label="cached")
-    seqs = [(q, q + c) for q, c in zip(q_lens, cached)]
-    batch = make_batch(seqs, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       block_size=block_size, dtype=dtype, seed=len(seqs))  # fmt: skip
+    seqs = [(q, q + c) for q, c in zip(q_lens, cached, strict=False)]
+    batch = make_batch(
+        seqs,
+        num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=len(seqs),
+    )
     check(batch, num_splits)

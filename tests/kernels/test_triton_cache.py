@@ -70,12 +70,14 @@ def test_copy_blocks_every_layer(dtype, as_lists):
         cache[[2, 5, 6]] = float("nan")  # destinations start poisoned
     src, dst = [4, 0, 1], [6, 2, 5]
     want_k, want_v = [c.clone() for c in keys], [c.clone() for c in values]
-    mapping = (src, dst) if as_lists else torch.tensor(list(zip(src, dst)), dtype=torch.int64, device=DEVICE)
+    mapping = (
+        (src, dst) if as_lists else torch.tensor(list(zip(src, dst, strict=False)), dtype=torch.int64, device=DEVICE)
+    )
 
     copy_blocks(keys, values, mapping, backend="triton")
-    copy_blocks(want_k, want_v, torch.tensor(list(zip(src, dst)), device=DEVICE), backend="reference")
+    copy_blocks(want_k, want_v, torch.tensor(list(zip(src, dst, strict=False)), device=DEVICE), backend="reference")
 
-    for got, want in zip(keys + values, want_k + want_v):
+    for got, want in zip(keys + values, want_k + want_v, strict=False):
         assert_same(got, want)
         assert not got.isnan().any()
 

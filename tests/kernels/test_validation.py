@@ -12,10 +12,23 @@ BACKENDS = ["reference", "triton"]
 
 
 def attention_kwargs(**overrides):
-    b = make_batch([(3, 20), (1, 9)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
-                   dtype=torch.float16, device=torch.device("cpu"))  # fmt: skip
-    kw = dict(q=b.q, key_cache=b.key_cache, value_cache=b.value_cache, block_tables=b.block_tables,
-              query_start_loc=b.query_start_loc, seq_lens=b.seq_lens)  # fmt: skip
+    b = make_batch(
+        [(3, 20), (1, 9)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=8,
+        dtype=torch.float16,
+        device=torch.device("cpu"),
+    )
+    kw = dict(
+        q=b.q,
+        key_cache=b.key_cache,
+        value_cache=b.value_cache,
+        block_tables=b.block_tables,
+        query_start_loc=b.query_start_loc,
+        seq_lens=b.seq_lens,
+    )
     kw.update(overrides)
     return kw
 
@@ -25,53 +38,110 @@ def _cache(shape=(4, 8, 2, 64), dtype=torch.float16):
 
 
 ATTENTION_ERRORS = {
-    "head_dim 48": (lambda kw: dict(q=torch.zeros(4, 4, 48, dtype=torch.float16), key_cache=_cache((4, 8, 2, 48)),
-                                 value_cache=_cache((4, 8, 2, 48))), ValueError, "head_dim 48 is not supported"),
-    "block size 12": (lambda kw: dict(key_cache=_cache((4, 12, 2, 64)), value_cache=_cache((4, 12, 2, 64))),
-                      ValueError, "block_size 12 is not supported"),
-    "float64 cache": (lambda kw: dict(q=torch.zeros(4, 4, 64, dtype=torch.float64),
-                                      key_cache=_cache(dtype=torch.float64), value_cache=_cache(dtype=torch.float64)),
-                      TypeError, "key_cache has dtype"),
+    "head_dim 48": (
+        lambda kw: dict(
+            q=torch.zeros(4, 4, 48, dtype=torch.float16),
+            key_cache=_cache((4, 8, 2, 48)),
+            value_cache=_cache((4, 8, 2, 48)),
+        ),
+        ValueError,
+        "head_dim 48 is not supported",
+    ),
+    "block size 12": (
+        lambda kw: dict(key_cache=_cache((4, 12, 2, 64)), value_cache=_cache((4, 12, 2, 64))),
+        ValueError,
+        "block_size 12 is not supported",
+    ),
+    "float64 cache": (
+        lambda kw: dict(
+            q=torch.zeros(4, 4, 64, dtype=torch.float64),
+            key_cache=_cache(dtype=torch.float64),
+            value_cache=_cache(dtype=torch.float64),
+        ),
+        TypeError,
+        "key_cache has dtype",
+    ),
     "q dtype": (lambda kw: dict(q=torch.zeros(4, 4, 64)), TypeError, "q dtype torch.float32 != cache dtype"),
     "k/v dtype": (lambda kw: dict(value_cache=kw["value_cache"].float()), TypeError, "key_cache dtype"),
     "k/v shape": (lambda kw: dict(value_cache=kw["value_cache"][:-1]), ValueError, "value_cache shape"),
-    "heads not multiple": (lambda kw: dict(q=torch.zeros(4, 3, 64, dtype=torch.float16)), ValueError,
-                           "multiple of num_kv_heads"),
+    "heads not multiple": (
+        lambda kw: dict(q=torch.zeros(4, 3, 64, dtype=torch.float16)),
+        ValueError,
+        "multiple of num_kv_heads",
+    ),
     "q head_dim": (lambda kw: dict(q=torch.zeros(4, 4, 32, dtype=torch.float16)), ValueError, "q head_dim 32"),
     "q rank": (lambda kw: dict(q=torch.zeros(4, 256, dtype=torch.float16)), ValueError, "q must be 3-D"),
-    "non-contiguous cache": (lambda kw: dict(key_cache=kw["key_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
-                             ValueError,
-                             "key_cache must be contiguous"),
-    "strided head_dim": (lambda kw: dict(q=torch.zeros(4, 4, 128, dtype=torch.float16)[..., ::2]), ValueError,
-                         "q must be contiguous in its last dimension"),
-    "block table dtype": (lambda kw: dict(block_tables=torch.zeros(2, 4, dtype=torch.int64)), TypeError,
-                          "block_tables has dtype"),
-    "block table rows": (lambda kw: dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), ValueError,
-                         "block_tables has 3 rows"),
-    "non-contiguous block table": (lambda kw: dict(block_tables=torch.zeros(4, 2, dtype=torch.int32).t()), ValueError,
-                                   "block_tables must be contiguous"),
-    "query_start_loc length": (lambda kw: dict(query_start_loc=torch.tensor([0, 4], dtype=torch.int32)), ValueError,
-                               "num_seqs \\+ 1"),
-    "query_start_loc end": (lambda kw: dict(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32)), ValueError,
-                            "end at num_tokens=4"),
-    "empty sequence": (lambda kw: dict(query_start_loc=torch.tensor([0, 4, 4], dtype=torch.int32)), ValueError,
-                       "at least one"),
-    "kv shorter than q": (lambda kw: dict(seq_lens=torch.tensor([2, 9], dtype=torch.int32)), ValueError,
-                          "seq_lens 2 < its 3 query tokens"),
-    "kv beyond table": (lambda kw: dict(seq_lens=torch.tensor([20, 90], dtype=torch.int32)), ValueError,
-                        "exceeds its block table capacity"),
-    "block id out of range": (lambda kw: dict(block_tables=torch.full((2, 4), 99, dtype=torch.int32)), ValueError,
-                              "block ids must lie in"),
+    "non-contiguous cache": (
+        lambda kw: dict(key_cache=kw["key_cache"].transpose(1, 2).contiguous().transpose(1, 2)),
+        ValueError,
+        "key_cache must be contiguous",
+    ),
+    "strided head_dim": (
+        lambda kw: dict(q=torch.zeros(4, 4, 128, dtype=torch.float16)[..., ::2]),
+        ValueError,
+        "q must be contiguous in its last dimension",
+    ),
+    "block table dtype": (
+        lambda kw: dict(block_tables=torch.zeros(2, 4, dtype=torch.int64)),
+        TypeError,
+        "block_tables has dtype",
+    ),
+    "block table rows": (
+        lambda kw: dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)),
+        ValueError,
+        "block_tables has 3 rows",
+    ),
+    "non-contiguous block table": (
+        lambda kw: dict(block_tables=torch.zeros(4, 2, dtype=torch.int32).t()),
+        ValueError,
+        "block_tables must be contiguous",
+    ),
+    "query_start_loc length": (
+        lambda kw: dict(query_start_loc=torch.tensor([0, 4], dtype=torch.int32)),
+        ValueError,
+        "num_seqs \\+ 1",
+    ),
+    "query_start_loc end": (
+        lambda kw: dict(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32)),
+        ValueError,
+        "end at num_tokens=4",
+    ),
+    "empty sequence": (
+        lambda kw: dict(query_start_loc=torch.tensor([0, 4, 4], dtype=torch.int32)),
+        ValueError,
+        "at least one",
+    ),
+    "kv shorter than q": (
+        lambda kw: dict(seq_lens=torch.tensor([2, 9], dtype=torch.int32)),
+        ValueError,
+        "seq_lens 2 < its 3 query tokens",
+    ),
+    "kv beyond table": (
+        lambda kw: dict(seq_lens=torch.tensor([20, 90], dtype=torch.int32)),
+        ValueError,
+        "exceeds its block table capacity",
+    ),
+    "block id out of range": (
+        lambda kw: dict(block_tables=torch.full((2, 4), 99, dtype=torch.int32)),
+        ValueError,
+        "block ids must lie in",
+    ),
     "out shape": (lambda kw: dict(out=torch.zeros(4, 4, 32, dtype=torch.float16)), ValueError, "out shape"),
     "out dtype": (lambda kw: dict(out=torch.zeros(4, 4, 64)), TypeError, "out dtype"),
-    "out device": (lambda kw: dict(out=torch.zeros(4, 4, 64, dtype=torch.float16, device="meta")), ValueError,
-                   "out is on meta"),
-    "q device": (lambda kw: dict(q=torch.zeros(4, 4, 64, dtype=torch.float16, device="meta")), ValueError,
-                 "q is on meta"),
+    "out device": (
+        lambda kw: dict(out=torch.zeros(4, 4, 64, dtype=torch.float16, device="meta")),
+        ValueError,
+        "out is on meta",
+    ),
+    "q device": (
+        lambda kw: dict(q=torch.zeros(4, 4, 64, dtype=torch.float16, device="meta")),
+        ValueError,
+        "q is on meta",
+    ),
     "not a tensor": (lambda kw: dict(seq_lens=[20, 9]), TypeError, "seq_lens must be a torch.Tensor"),
     "bad scale": (lambda kw: dict(scale="0.1"), TypeError, "scale must be a finite float"),
     "bad num_splits": (lambda kw: dict(num_splits=0), ValueError, "num_splits must be"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -91,8 +161,13 @@ def test_valid_baseline_passes():
 
 
 def write_kwargs(**overrides):
-    kw = dict(key=torch.zeros(3, 2, 64, dtype=torch.float16), value=torch.zeros(3, 2, 64, dtype=torch.float16),
-              key_cache=_cache(), value_cache=_cache(), slot_mapping=torch.tensor([0, -1, 31]))  # fmt: skip
+    kw = dict(
+        key=torch.zeros(3, 2, 64, dtype=torch.float16),
+        value=torch.zeros(3, 2, 64, dtype=torch.float16),
+        key_cache=_cache(),
+        value_cache=_cache(),
+        slot_mapping=torch.tensor([0, -1, 31]),
+    )
     kw.update(overrides)
     return kw
 
@@ -106,9 +181,12 @@ WRITE_ERRORS = {
     "key dtype": (dict(value=torch.zeros(3, 2, 64)), TypeError, "value dtype"),
     "key vs value": (dict(value=torch.zeros(4, 2, 64, dtype=torch.float16)), ValueError, "key shape"),
     "bf16 vs fp16 caches": (dict(value_cache=_cache(dtype=torch.bfloat16)), TypeError, "key_cache dtype"),
-    "unsupported block size": (dict(key_cache=_cache((4, 4, 2, 64)), value_cache=_cache((4, 4, 2, 64))), ValueError,
-                               "block_size 4"),
-}  # fmt: skip
+    "unsupported block size": (
+        dict(key_cache=_cache((4, 4, 2, 64)), value_cache=_cache((4, 4, 2, 64))),
+        ValueError,
+        "block_size 4",
+    ),
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,10 +200,16 @@ def test_write_kv_errors(case, backend):
 COPY_ERRORS = {
     "tensor not list": (lambda: (_cache(), _cache(), ([0], [1])), TypeError, "sequences of per-layer"),
     "layer count": (lambda: ([_cache()], [_cache(), _cache()], ([0], [1])), ValueError, "one key and one value"),
-    "layers differ": (lambda: ([_cache(), _cache((5, 8, 2, 64))], [_cache(), _cache((5, 8, 2, 64))], ([0], [1])),
-                      ValueError, "differs from layer 0"),
-    "mapping dtype": (lambda: ([_cache()], [_cache()], torch.tensor([[0, 1]], dtype=torch.int32)), TypeError,
-                      "block_mapping has dtype"),
+    "layers differ": (
+        lambda: ([_cache(), _cache((5, 8, 2, 64))], [_cache(), _cache((5, 8, 2, 64))], ([0], [1])),
+        ValueError,
+        "differs from layer 0",
+    ),
+    "mapping dtype": (
+        lambda: ([_cache()], [_cache()], torch.tensor([[0, 1]], dtype=torch.int32)),
+        TypeError,
+        "block_mapping has dtype",
+    ),
     "mapping shape": (lambda: ([_cache()], [_cache()], torch.tensor([[0, 1, 2]])), ValueError, "shape \\[n, 2\\]"),
     "list lengths": (lambda: ([_cache()], [_cache()], ([0, 1], [2])), ValueError, "source list has 2"),
     "id range": (lambda: ([_cache()], [_cache()], ([0], [4])), ValueError, "block ids must lie in"),
@@ -134,7 +218,7 @@ COPY_ERRORS = {
     "dst is src": (lambda: ([_cache()], [_cache()], ([0, 1], [1, 2])), ValueError, "also a source"),
     "mapping form": (lambda: ([_cache()], [_cache()], "0->1"), TypeError, "block_mapping must be"),
     "list of pairs": (lambda: ([_cache()], [_cache()], [[0, 1], [2, 3]]), TypeError, "tuple of two lists"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -59,11 +59,22 @@ def test_free_ports_are_distinct_and_bindable() -> None:
         check_port_free("127.0.0.1", port)
 
 
-def test_busy_port_is_a_clear_error_before_anything_starts(tmp_path: Path, busy_port: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_busy_port_is_a_clear_error_before_anything_starts(
+    tmp_path: Path, busy_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path / "home"))  # where the default model would be generated
-    result = CliRunner().invoke(main, ["serve", "--port", str(busy_port), "--state-dir", str(tmp_path / "state"),
-                                       "--log-dir", str(tmp_path / "logs")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            "--port",
+            str(busy_port),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert f"cannot listen on 127.0.0.1:{busy_port}" in result.output and "--port" in result.output
     assert not (tmp_path / "state").exists() and not (tmp_path / "logs").exists()
@@ -78,14 +89,23 @@ def test_busy_port_is_a_clear_error_before_anything_starts(tmp_path: Path, busy_
 def test_help_is_fast_and_complete() -> None:
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
-    for option in ("--model", "--executors", "--device", "--host", "--port", "--routing", "--kv-cache-memory",
-                   "--state-dir", "--log-dir"):
+    for option in (
+        "--model",
+        "--executors",
+        "--device",
+        "--host",
+        "--port",
+        "--routing",
+        "--kv-cache-memory",
+        "--state-dir",
+        "--log-dir",
+    ):
         assert option in result.output
     # --help must not pay for torch
-    subprocess.run([sys.executable, "-c", "import sys, pagedkv.serve; assert 'torch' not in sys.modules"],
-                   check=True, timeout=30)
-    assert "Usage:" in subprocess.run([*SERVE, "--help"], capture_output=True, text=True, check=True,
-                                      timeout=30).stdout
+    subprocess.run(
+        [sys.executable, "-c", "import sys, pagedkv.serve; assert 'torch' not in sys.modules"], check=True, timeout=30
+    )
+    assert "Usage:" in subprocess.run([*SERVE, "--help"], capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def test_bad_arguments_are_rejected() -> None:
@@ -110,10 +130,17 @@ def test_more_cuda_executors_than_devices_is_a_clear_error(tmp_path: Path, tiny_
 
 
 def test_a_child_failing_at_startup_is_named_with_its_log_and_nothing_stays_running(
-        tmp_path: Path, tiny_model: Path) -> None:  # fmt: skip
+    tmp_path: Path, tiny_model: Path
+) -> None:
     progress: list[str] = []
-    stack = LocalStack(model_dir=tiny_model, executor_args=["--num-blocks", "0"], state_dir=tmp_path / "state",
-                       port=0, startup_timeout_s=60, progress=progress.append)
+    stack = LocalStack(
+        model_dir=tiny_model,
+        executor_args=["--num-blocks", "0"],
+        state_dir=tmp_path / "state",
+        port=0,
+        startup_timeout_s=60,
+        progress=progress.append,
+    )
     started = time.monotonic()
     with pytest.raises(StackFailed) as failure:
         stack.start()
@@ -138,14 +165,16 @@ class ServeProcess:
     def __init__(self, tmp_path: Path, *args: str) -> None:
         self.out, self.err = tmp_path / "serve.out", tmp_path / "serve.err"
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.process = subprocess.Popen([*SERVE, *args], stdout=out, stderr=err,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.process = subprocess.Popen(
+                [*SERVE, *args], stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
 
     def output(self) -> str:
         return f"--- stdout\n{self.out.read_text()}\n--- stderr\n{self.err.read_text()}"
 
     def wait_ready(self, timeout_s: float = 60.0) -> tuple[str, dict[str, int]]:
         """The URL and the child pids that serve printed once ready."""
+
         def ready() -> str | None:
             assert self.process.poll() is None, f"serve exited with {self.process.returncode}\n{self.output()}"
             text = self.out.read_text()
@@ -180,10 +209,21 @@ def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
 
 
 def test_serve_runs_a_stack_until_sigint_and_leaves_nothing_running(
-        tmp_path: Path, tiny_model: Path, serve_process: Callable[..., ServeProcess]) -> None:  # fmt: skip
+    tmp_path: Path, tiny_model: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
     state = tmp_path / "state"
-    serve = serve_process("--model", str(tiny_model), "--executors", "2", "--port", "0", "--kv-cache-memory",
-                          "64MiB", "--state-dir", str(state))
+    serve = serve_process(
+        "--model",
+        str(tiny_model),
+        "--executors",
+        "2",
+        "--port",
+        "0",
+        "--kv-cache-memory",
+        "64MiB",
+        "--state-dir",
+        str(state),
+    )
     url, pids = serve.wait_ready()
     assert set(pids) == {"blockd", "executor-0", "executor-1", "gateway"}
     redis_pid = int((state / "blockd" / "redis.pid").read_text())  # blockd's own child
@@ -202,8 +242,9 @@ def test_serve_runs_a_stack_until_sigint_and_leaves_nothing_running(
 
     # The printed curl example works as printed.
     curl = shlex.split(next(line for line in out.splitlines() if line.strip().startswith("curl ")))
-    completion = httpx.post(curl[1], content=curl[curl.index("-d") + 1], timeout=30,
-                            headers=dict([curl[curl.index("-H") + 1].split(": ")]))
+    completion = httpx.post(
+        curl[1], content=curl[curl.index("-d") + 1], timeout=30, headers=dict([curl[curl.index("-H") + 1].split(": ")])
+    )
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["message"]["role"] == "assistant"
 
@@ -215,7 +256,8 @@ def test_serve_runs_a_stack_until_sigint_and_leaves_nothing_running(
 
 
 def test_serve_exits_nonzero_naming_a_child_that_dies(
-        tmp_path: Path, tiny_model: Path, serve_process: Callable[..., ServeProcess]) -> None:  # fmt: skip
+    tmp_path: Path, tiny_model: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
     serve = serve_process("--model", str(tiny_model), "--port", "0", "--kv-cache-memory", "64MiB")
     _, pids = serve.wait_ready()
     os.kill(pids["executor-0"], signal.SIGKILL)
@@ -227,8 +269,15 @@ def test_serve_exits_nonzero_naming_a_child_that_dies(
 
 def test_local_stack_api(tmp_path: Path, tiny_model: Path) -> None:
     progress: list[str] = []
-    with LocalStack(model_dir=tiny_model, port=0, kv_cache_memory="64MiB", routing="round-robin",
-                    persistence=False, log_dir=tmp_path / "logs", progress=progress.append) as stack:
+    with LocalStack(
+        model_dir=tiny_model,
+        port=0,
+        kv_cache_memory="64MiB",
+        routing="round-robin",
+        persistence=False,
+        log_dir=tmp_path / "logs",
+        progress=progress.append,
+    ) as stack:
         assert stack.base_url == stack.url + "/v1" and stack.model_name == "tiny-serve"
         assert stack.blockd_endpoint.startswith("tcp://127.0.0.1:") and len(stack.executor_endpoints) == 1
         assert [line.split()[0] for line in progress[1:]] == ["blockd", "executor-0", "gateway"], progress
