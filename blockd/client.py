@@ -24,8 +24,8 @@ import zmq
 
 from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import as_packed, unpack_tokens
 from blockd.pool import AdmitResult, AppendResult, TokenIds
+from common.tokens import as_packed, unpack_tokens
 
 R = TypeVar("R")
 

@@ -5,20 +5,19 @@ hash(block i) = BLAKE2b-128(hash(block i-1) or the root, token ids of block i, e
 The root is derived from a per-deployment secret-free string, and the extra key from the model identity and the
 optional cache salt, so a tenant with a salt can only ever hit its own prefixes and two models never share one.
 Token ids are packed as little-endian uint32, so the value is identical across processes, machines and restarts
-(unlike Python's `hash()`). The same packing is blockd's wire format for token ids: a packed prompt is hashed
-as it arrives, without converting a single id.
+(unlike Python's `hash()`). The same packing (common.tokens) is the wire format for token ids: a packed prompt
+is hashed as it arrives, without converting a single id.
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
+from common.tokens import TOKEN_BYTES, as_packed
+
 HASH_BYTES = 16
 _EMPTY = blake2b(digest_size=HASH_BYTES)
-TOKEN_BYTES = 4
 
 
 def root_hash(deployment: str = "pagedkv") -> bytes:
@@ -30,32 +29,6 @@ def extra_key(model_id: str, cache_salt: str | None = None) -> bytes:
     """Everything besides the tokens that decides whether two blocks hold the same KV."""
     salt = b"" if cache_salt is None else b"\1" + cache_salt.encode()
     return blake2b(b"pagedkv-extra\0" + model_id.encode() + b"\0" + salt, digest_size=HASH_BYTES).digest()
-
-
-def pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32 bytes; raises OverflowError for ids outside [0, 2**32)."""
-    packed = array("I", token_ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_tokens(packed: bytes | bytearray) -> list[int]:
-    """The inverse of pack_tokens."""
-    ids = array("I")
-    ids.frombytes(packed)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids.tolist()
-
-
-def as_packed(tokens: Sequence[int] | bytes | bytearray) -> bytes | bytearray:
-    """Token ids in their packed form, packing them if they are not already."""
-    if isinstance(tokens, (bytes, bytearray)):
-        if len(tokens) % TOKEN_BYTES:
-            raise ValueError(f"packed token ids must be a multiple of {TOKEN_BYTES} bytes, got {len(tokens)}")
-        return tokens
-    return pack_tokens(tokens)
 
 
 def chain_hashes(

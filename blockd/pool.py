@@ -34,8 +34,9 @@ from typing import Final
 import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import TOKEN_BYTES as _TOKEN_BYTES
-from blockd.hashing import as_packed, chain_hashes, extra_key, root_hash, unpack_tokens
+from blockd.hashing import chain_hashes, extra_key, root_hash
+from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
+from common.tokens import as_packed, unpack_tokens
 
 #: What a block holds, as persistence records it: (hash, generation, lru stamp).
 BlockRecord = tuple[bytes, int, int]

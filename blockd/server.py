@@ -24,9 +24,9 @@ from blockd.errors import BlockdError, ErrorCode
 from blockd.manager import BlockManager, totals
 from blockd.metrics import BlockdMetrics
 from blockd.persistence import NoPersistence, RedisPersistence
-from pagedkv import __version__
-from pagedkv.logs import configure_logging
-from pagedkv.units import parse_size
+from common import __version__
+from common.logs import configure_logging
+from common.units import parse_size
 
 _TICK_S = 0.02
 

@@ -256,5 +256,5 @@ def iter_weights(model_dir: str | Path, device: str | torch.device = "cpu") -> I
         except Exception as exc:  # safetensors raises its own error types for a truncated or foreign file
             raise CheckpointError(f"{path} cannot be read as safetensors: {exc}") from None
         with handle as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 yield name, f.get_tensor(name)

@@ -13,9 +13,9 @@ from typing import Any
 
 import zmq
 
-from blockd.hashing import pack_tokens
+from common.tokens import pack_tokens
 from executor import protocol as ep
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 
 DEFAULT_PARAMS = SamplingParams()  # frozen, so one shared default is safe
 

@@ -16,8 +16,9 @@ import torch
 
 from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
 from executor import protocol as ep
+from executor.params import SamplingParams
 from executor.runner import LoadedModel, ModelRunner
-from executor.sampling import Sampler, SampleRow, SamplingParams, choice_generator
+from executor.sampling import Sampler, SampleRow, choice_generator
 from executor.scheduler import Chunk, Scheduler, StepPlan
 from executor.sequence import Request, Sequence, Status
 from kernels.dispatch import Backend

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import msgspec
 
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 DEFAULT_BIND = "tcp://127.0.0.1:5560"

@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler: logits of one step in, one token (and its logprobs) per row out.
+"""The sampler: logits of one step in, one token (and its logprobs) per row out.
 
 Greedy rows are one batched argmax. Random rows apply temperature, top-k and top-p, then draw with their own
 `torch.Generator`: a request with a seed owns a generator seeded from it, so its output depends on the seed
@@ -13,49 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
-MAX_LOGPROBS = 20
+from executor.params import SamplingParams
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n choices apart
-
-
-class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
-    """What a request asks of generation. `validate` says what is wrong with it, in one sentence."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no limit
-    seed: int | None = None
-    n: int = 1
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None = none; k = the chosen token's logprob and the k most likely
-
-    def validate(self, vocab_size: int) -> str | None:
-        if not self.max_tokens >= 1:
-            return f"max_tokens must be at least 1, got {self.max_tokens}"
-        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
-            return f"temperature must be in [0, 100], got {self.temperature}"
-        if not 0.0 < self.top_p <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < 0:
-            return f"top_k must be >= 0 (0 = no limit), got {self.top_k}"
-        if not 1 <= self.n <= 64:
-            return f"n must be in [1, 64], got {self.n}"
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            return f"seed must fit in 64 bits, got {self.seed}"
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            return f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"
-        return None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def choice_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:

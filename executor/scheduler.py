@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from blockd import protocol as p
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
-from blockd.hashing import pack_tokens
+from common.tokens import pack_tokens
 from executor.sequence import Sequence, Status
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -21,14 +21,14 @@ import torch
 import zmq
 
 from blockd.client import BlockdUnavailable, PoolClient
-from blockd.hashing import unpack_tokens
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
+from common.logs import configure_logging
+from common.tokens import unpack_tokens
 from executor import protocol as ep
 from executor.checkpoint import CheckpointError, UnsupportedModel
 from executor.engine import Engine, EngineLimits, RequestRejected
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.runner import DTYPES, load_model
-from pagedkv.logs import configure_logging
 
 log = structlog.get_logger("executor")
 
@@ -265,7 +265,7 @@ def main(
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
     if model_dir is None:
-        from executor.make_model import ensure_default_model
+        from common.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
     if device.type == "cuda":

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from executor.sampling import MAX_LOGPROBS, SamplingParams
+from executor.params import MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
 
 MAX_STOP_STRINGS = 16

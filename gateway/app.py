@@ -28,8 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from executor.params import SamplingParams
 from executor.protocol import Info as ExecutorInfo
-from executor.sampling import SamplingParams
 from gateway import errors, responses
 from gateway.api import ChatCompletionRequest, CompletionRequest, _Common, require_json_object, validation_message
 from gateway.errors import APIError

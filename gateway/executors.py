@@ -23,9 +23,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from blockd.hashing import pack_tokens
+from common.tokens import pack_tokens
 from executor import protocol as ep
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 
 log = structlog.get_logger("gateway")
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from executor import protocol as ep
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 from gateway import errors
 from gateway.executors import ExecutorLink, ExecutorLost, ExecutorUnavailable, StreamItem
 from gateway.metrics import GatewayMetrics

@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
+from common.logs import configure_logging
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
 from gateway import ROUTING_POLICIES
-from pagedkv.logs import configure_logging
 
 
 def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
@@ -125,7 +125,7 @@ def main(
     from gateway.app import GatewayConfig, run_gateway
 
     if model_dir is None:
-        from executor.make_model import ensure_default_model
+        from common.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
     config = GatewayConfig(

@@ -1,7 +1,9 @@
 """pagedkv: an LLM serving stack built around PagedAttention.
 
-This small package holds what is shared by every service and is no single service's own: the umbrella
-command line (`pagedkv`) and logging setup.
+The top layer: the umbrella command line (`pagedkv`), `pagedkv serve` (a whole local stack), the benchmarks
+(`pagedkv.bench`) and tools (`pagedkv.tools`). Nothing in blockd, executor, gateway or kernels imports it.
 """
 
-__version__ = "0.1.0"
+from common import __version__
+
+__all__ = ["__version__"]

@@ -24,12 +24,9 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-def unless_given(ctx: click.Context, value: object, name: str, fallback: object) -> object:
-    """`fallback` if the option `name` was left at its default (a bench's --quick), else what was given."""
-    return fallback if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT else value
-
-
-@click.group(cls=LazyGroup, lazy={"make-model": "executor.make_model:make_model", "serve": "pagedkv.serve:serve"})
+@click.group(
+    cls=LazyGroup, lazy={"make-model": "pagedkv.tools.model_gen.cli:make_model", "serve": "pagedkv.serve:serve"}
+)
 @click.version_option(package_name="pagedkv")
 def main() -> None:
     """pagedkv: LLM serving around PagedAttention."""
@@ -38,11 +35,11 @@ def main() -> None:
 @main.group(
     cls=LazyGroup,
     lazy={
-        "blockd": "blockd.bench:bench_blockd",
-        "kernels": "kernels.bench:bench_kernels",
-        "capacity": "blockd.capacity:bench_capacity",
-        "throughput": "executor.bench:bench_throughput",
-        "serve": "gateway.bench:bench_serve",
+        "blockd": "pagedkv.bench.blockd:bench_blockd",
+        "kernels": "pagedkv.bench.kernels:bench_kernels",
+        "capacity": "pagedkv.bench.capacity:bench_capacity",
+        "throughput": "pagedkv.bench.throughput:bench_throughput",
+        "serve": "pagedkv.bench.serve:bench_serve",
     },
 )
 def bench() -> None:

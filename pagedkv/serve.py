@@ -14,7 +14,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any, Self
 
 import click
 
+from common import net
 from gateway import ROUTING_POLICIES  # the package alone: no torch, so --help stays fast
 
 DEVICES = ("cpu", "cuda")
@@ -49,34 +49,8 @@ class StackFailed(RuntimeError):
         self.log_tail = log_tail
 
 
-class PortInUse(StackFailed):
+class PortInUse(StackFailed, net.PortInUse):
     """The gateway's port is taken: raised before anything is started."""
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports that were free a moment ago (all bound at once, so no two are the same)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def check_port_free(host: str, port: int) -> None:
-    """PortInUse if something listens on host:port. SO_REUSEADDR as servers set it, so TIME_WAIT is no hit."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise PortInUse(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
-                "there? choose another --port, or 0 for any free one)"
-            ) from None
 
 
 def _describe_exit(code: int) -> str:
@@ -173,7 +147,7 @@ class LocalStack:
         """The checkpoint served: the one given, or the generated default model's directory."""
         if self._given_model_dir is not None:
             return self._given_model_dir
-        from executor.make_model import default_model_dir
+        from common.default_model import default_model_dir
 
         return default_model_dir()
 
@@ -253,9 +227,12 @@ class LocalStack:
             raise RuntimeError("a LocalStack starts once; make a new one")
         self._started = True
         if self.port == 0:
-            self.port = free_ports(1, self.host if self.host not in ("", "::") else "127.0.0.1")[0]
+            self.port = net.free_ports(1, self.host if self.host not in ("", "::") else "127.0.0.1")[0]
         else:
-            check_port_free(self.host, self.port)
+            try:
+                net.check_port_free(self.host, self.port)
+            except net.PortInUse as exc:
+                raise PortInUse(str(exc)) from None
         try:
             self._start()
         except BaseException:  # Ctrl-C included: leave nothing running behind
@@ -274,7 +251,7 @@ class LocalStack:
             self._state_dir = Path(tempfile.mkdtemp(prefix="pagedkv-serve-"))
             self._owns_state_dir = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._blockd_port, *self._executor_ports = free_ports(1 + self.executors)
+        self._blockd_port, *self._executor_ports = net.free_ports(1 + self.executors)
         self._progress(
             f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; logs in {self.log_dir}"
         )
@@ -338,7 +315,7 @@ class LocalStack:
             if not self._given_model_dir.is_dir():
                 raise StackFailed(f"model directory {self._given_model_dir} does not exist")
             return self._given_model_dir
-        from executor.make_model import default_model_dir, ensure_default_model
+        from common.default_model import default_model_dir, ensure_default_model
 
         if not (default_model_dir() / "config.json").is_file():
             self._progress(f"generating the default model in {default_model_dir()} (once)")

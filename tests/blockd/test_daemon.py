@@ -9,8 +9,8 @@ import pytest
 from blockd import protocol as p
 from blockd.client import BlockdClient, PoolClient, StepFailed
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import pack_tokens
 from blockd.persistence import POOLS_KEY, load_pool_records
+from common.tokens import pack_tokens
 from tests.blockd.conftest import wait_for
 
 BS = 4

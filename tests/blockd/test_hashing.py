@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockd.hashing import HASH_BYTES, chain_hashes, extra_key, pack_tokens, root_hash, unpack_tokens
+from blockd.hashing import HASH_BYTES, chain_hashes, extra_key, root_hash
+from common.tokens import pack_tokens, unpack_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = root_hash()

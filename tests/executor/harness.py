@@ -12,8 +12,8 @@ import transformers
 
 from executor import protocol as ep
 from executor.engine import Engine, EngineLimits
+from executor.params import SamplingParams
 from executor.runner import LoadedModel, load_model
-from executor.sampling import SamplingParams
 from executor.sequence import Status
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from blockd.protocol import OpError
 from executor.engine import RequestRejected
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 from tests.executor.harness import (
     drive,
     hf_greedy,
@@ -214,7 +214,7 @@ def test_greedy_n2_choices_both_match_transformers_after_copy_on_write(tiny_mode
 
 
 def test_sharded_checkpoint_gives_the_same_output(tiny_models, tiny_options, blockd, tmp_path):
-    from executor.make_model import write_model
+    from pagedkv.tools.model_gen import write_model
 
     sharded = write_model(tmp_path / "sharded", arch="llama", max_shard_size="200KiB", quiet=True, **tiny_options)
     assert (sharded / "model.safetensors.index.json").exists()

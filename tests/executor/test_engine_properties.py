@@ -12,7 +12,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 from tests.executor.harness import check_sequence_invariants, make_engine
 
 request = st.fixed_dictionaries(

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from executor.sampling import Sampler, SampleRow, SamplingParams, choice_generator
+from executor.params import SamplingParams
+from executor.sampling import Sampler, SampleRow, choice_generator
 
 CPU = torch.device("cpu")
 

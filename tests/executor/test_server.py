@@ -14,7 +14,7 @@ import pytest
 
 from executor import protocol as ep
 from executor.client import ExecutorClient, ExecutorRejected, ExecutorUnavailable, tokens_of
-from executor.sampling import SamplingParams
+from executor.params import SamplingParams
 from tests.blockd.conftest import free_port, wait_for
 from tests.executor.harness import hf_greedy, hf_greedy_ignoring_eos, random_prompts
 

@@ -10,8 +10,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from executor import protocol as ep
-from executor.make_model import write_model
-from executor.sampling import MAX_LOGPROBS, SamplingParams
+from executor.params import MAX_LOGPROBS, SamplingParams
 from gateway import responses
 from gateway.api import (
     MAX_STOP_STRINGS,
@@ -24,7 +23,8 @@ from gateway.api import (
 from gateway.errors import APIError, invalid_request
 from gateway.generation import Usage
 from gateway.text import Tokenizer
-from tests.executor.conftest import TINY
+from pagedkv.tools.model_gen import write_model
+from tests.support.models import TINY
 
 HI = [{"role": "user", "content": "hi"}]
 

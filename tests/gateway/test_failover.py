@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from executor.make_model import write_model
 from pagedkv.serve import LocalStack, free_ports
+from pagedkv.tools.model_gen import write_model
 from tests.blockd.conftest import wait_for
-from tests.executor.conftest import TINY
 from tests.gateway.test_openai_api import wait_until_no_live_blocks
+from tests.support.models import TINY
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import httpx
 import openai
 import pytest
 
-from executor.make_model import write_model
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
+from pagedkv.tools.model_gen import write_model
 from tests.blockd.conftest import wait_for
-from tests.executor.conftest import TINY
 from tests.executor.harness import hf_greedy_ignoring_eos
+from tests.support.models import TINY
 
 MAX_TOKENS = 12
 

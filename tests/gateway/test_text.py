@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from executor.make_model import write_model
 from gateway.text import PromptError, StopMatcher, Tokenizer
-from tests.executor.conftest import TINY
+from pagedkv.tools.model_gen import write_model
+from tests.support.models import TINY
 
 REPLACEMENT = "\ufffd"
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from executor.make_model import write_model
 from pagedkv.cli import main
 from pagedkv.serve import LocalStack, PortInUse, StackFailed, check_port_free, free_ports
+from pagedkv.tools.model_gen import write_model
 from tests.blockd.conftest import wait_for
-from tests.executor.conftest import TINY
+from tests.support.models import TINY
 
 SERVE = [sys.executable, "-m", "pagedkv.serve"]  # pagedkv/cli.py has no __main__ guard; serve.py has one
 

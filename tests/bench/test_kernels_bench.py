@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kernels.bench import bench_kernels, run_benchmarks
+from pagedkv.bench.kernels import bench_kernels, run_benchmarks
 from tests.kernels.paged_case import needs_interpreter
 
 

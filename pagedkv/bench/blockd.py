@@ -23,8 +23,8 @@ import click
 from blockd import protocol as p
 from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
 from blockd.embedded_redis import EmbeddedRedis
-from blockd.hashing import pack_tokens
 from blockd.pool import BlockPool, PoolSpec
+from common.tokens import pack_tokens
 
 PROMPT = 512
 SHARED = 256

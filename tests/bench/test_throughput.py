@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from executor.bench import bench_throughput, make_workload
+from pagedkv.bench.throughput import bench_throughput, make_workload
 
 
 def _invoke(*args: str):

@@ -41,8 +41,8 @@ from typing import Any, Self
 
 import click
 
-from pagedkv.cli import unless_given
-from pagedkv.units import parse_size
+from common.clicks import unless_given
+from common.units import parse_size
 
 DEFAULT_REQUESTS = 256
 DEFAULT_PROMPT_RANGE = (16, 256)
@@ -133,7 +133,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def blockd_daemon(log: Path) -> Iterator[str]:
     """A blockd process on a free loopback port, without persistence; yields its endpoint, stops it after."""
-    from blockd.bench import start_blockd
+    from pagedkv.bench.blockd import start_blockd
 
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     # A long lease: the pool is idle while the transformers side runs.
@@ -197,7 +197,7 @@ class PagedRun:
 
     def advance(self, target_tokens: int, min_s: float = 0.0) -> None:
         """Steps until more than `target_tokens` output tokens are out and `min_s` has passed, or all are done."""
-        from executor.sampling import SamplingParams
+        from executor.params import SamplingParams
 
         engine, result, scheduler = self.engine, self.result, self.engine.scheduler
         device = engine.runner.device
@@ -548,8 +548,8 @@ def bench_throughput(
 ) -> None:
     import torch
 
+    from common.default_model import ensure_default_model
     from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
-    from executor.make_model import ensure_default_model
     from executor.runner import DTYPES, kv_bytes_per_block
 
     if quick:

@@ -15,9 +15,8 @@ import pytest
 from click.testing import CliRunner, Result
 from openai.types import CompletionUsage
 
-from executor.make_model import write_model
-from gateway import bench
-from gateway.bench import (
+from pagedkv.bench import serve as bench
+from pagedkv.bench.serve import (
     TOKEN_IDS,
     RequestResult,
     ServeRequest,
@@ -31,8 +30,9 @@ from gateway.bench import (
     stream_one,
     summarize,
 )
+from pagedkv.tools.model_gen import write_model
 from tests.blockd.conftest import free_port
-from tests.executor.conftest import TINY
+from tests.support.models import TINY
 
 # ------------------------------------------------------------------------------------------------- workloads
 

@@ -54,8 +54,8 @@ from typing import Any
 
 import click
 
-from pagedkv.cli import unless_given
-from pagedkv.units import parse_size
+from common.clicks import unless_given
+from common.units import parse_size
 
 #: Token ids of every prompt: past the special tokens (0-3), below any test model's vocabulary (512).
 TOKEN_IDS = (4, 500)

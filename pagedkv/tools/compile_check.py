@@ -1,4 +1,4 @@
-"""Compile every Triton kernel for a GPU architecture without a GPU: `python -m kernels.compile_check`.
+"""Compile every Triton kernel for a GPU architecture without a GPU: `python -m pagedkv.tools.compile_check`.
 
 The interpreter accepts code the GPU compiler rejects (dot shapes, types, shared-memory limits), so
 this runs the real compiler (Triton -> PTX -> cubin via the ptxas bundled with Triton) for Hopper

@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from common.default_model import ensure_default_model
 from executor.checkpoint import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
@@ -23,8 +24,9 @@ from executor.checkpoint import (
     load_config,
     weight_files,
 )
-from executor.make_model import ensure_default_model, make_model, write_model
-from tests.executor.conftest import TINY_ARCHS
+from pagedkv.tools.model_gen import write_model
+from pagedkv.tools.model_gen.cli import make_model
+from tests.support.models import TINY_ARCHS
 
 TEXT = "héllo wörld 日本語 🙂"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -115,11 +117,11 @@ def test_same_seed_gives_identical_files_and_another_seed_other_weights(
 
 
 def test_tokenizer_training_is_the_same_in_another_process() -> None:
-    from executor.make_model import _trained_tokenizer_json
+    from pagedkv.tools.model_gen.tokenizer import _trained_tokenizer_json
 
     here = hashlib.sha256(_trained_tokenizer_json.__wrapped__(512, 0, False).encode()).hexdigest()
     code = (
-        "import hashlib; from executor.make_model import _trained_tokenizer_json as t; "
+        "import hashlib; from pagedkv.tools.model_gen.tokenizer import _trained_tokenizer_json as t; "
         "print(hashlib.sha256(t(512, 0, False).encode()).hexdigest())"
     )
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -41,7 +41,7 @@ import click
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import BlockPool, PoolSpec
-from pagedkv.cli import unless_given
+from common.clicks import unless_given
 
 #: The length distribution: lognormal prompt and output lengths (median, sigma of the underlying normal), in the
 #: range of chat traces such as ShareGPT (mean prompt ~ 160-400 tokens, mean output ~ 200-340 tokens).

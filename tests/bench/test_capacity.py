@@ -8,8 +8,9 @@ import statistics
 import pytest
 from click.testing import CliRunner
 
-from blockd import capacity
-from blockd.capacity import (
+from blockd.pool import BlockPool
+from pagedkv.bench import capacity
+from pagedkv.bench.capacity import (
     InvariantViolation,
     bench_capacity,
     make_requests,
@@ -17,7 +18,6 @@ from blockd.capacity import (
     simulate_paged,
     simulate_reserved,
 )
-from blockd.pool import BlockPool
 
 
 def test_sample_lengths_respect_max_len_and_are_deterministic():

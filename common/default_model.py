@@ -1,0 +1,58 @@
+"""Where the default model lives, and making sure it is there; the generator itself is a tool, not imported here.
+
+Services (executor, gateway) start on the default model when given none. They find it through this module; when
+it is missing it is generated once by the tool (`python -m pagedkv.tools.model_gen DIR`) in a child process, so
+no service imports the generator, transformers' model classes or the tokenizer trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "default-llama"
+_REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+class DefaultModelUnavailable(RuntimeError):
+    """The default model is missing and could not be generated; the message says why."""
+
+
+def default_model_dir() -> Path:
+    """Where the default model lives: $PAGEDKV_HOME/models/default-llama (~/.cache/pagedkv by default)."""
+    home = os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv"
+    return Path(home).expanduser() / "models" / DEFAULT_MODEL_NAME
+
+
+def is_complete_model(path: Path) -> bool:
+    """Whether `path` holds a whole checkpoint: configs, tokenizer and its weights (one file, or every shard)."""
+    if not all((path / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    if (path / "model.safetensors").is_file():
+        return True
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return False
+    import json
+
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return False
+    return bool(shards) and all((path / shard).is_file() for shard in shards)
+
+
+def ensure_default_model(path: str | Path | None = None) -> Path:
+    """The default model's directory, generated on first use (one child process) and reused after."""
+    target = Path(path).expanduser() if path is not None else default_model_dir()
+    if is_complete_model(target):
+        return target
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedkv.tools.model_gen", str(target)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0 or not is_complete_model(target):
+        detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise DefaultModelUnavailable(f"could not generate the default model in {target}: {detail[0]}")
+    return target
