@@ -7,6 +7,8 @@
 computed tokens) and the generation of every block from the replies it receives, so that after a blockd restart
 or an expired lease it can re-register and re-send them: blockd rebuilds refcounts from this mirror, and a step
 that got no answer is sent again only after that re-sync, which undoes whatever part of it blockd had applied.
+The mirror also counts how many of its tables hold each block: blockd's refcounts (invariant I2), so the executor
+knows, without asking, how many blocks are free; it is the only block accounting on the executor's side.
 A client is not thread-safe: use one per thread.
 """
 
@@ -170,9 +172,30 @@ class PoolClient:
         self.retry_for_s = retry_for_s
         self.seqs: dict[str, MirroredSequence] = {}
         self.generations: list[int] = [0] * num_blocks
+        self.refcount: list[int] = [0] * num_blocks  # tables of `seqs` that hold each block
+        self.blocks_in_use = 0  # blocks with a nonzero refcount
         self.lease_timeout_s: float | None = None
         self.resyncs = 0
         self._in_flight: list[p.StepOp] | None = None
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no live sequence holds (cached or not): what blockd can grant, as of the last step."""
+        return self.num_blocks - self.blocks_in_use
+
+    def _hold(self, blocks: Sequence[int]) -> None:
+        refcount = self.refcount
+        for b in blocks:
+            if refcount[b] == 0:
+                self.blocks_in_use += 1
+            refcount[b] += 1
+
+    def _release(self, blocks: Sequence[int]) -> None:
+        refcount = self.refcount
+        for b in blocks:
+            refcount[b] -= 1
+            if refcount[b] == 0:
+                self.blocks_in_use -= 1
 
     # ------------------------------------------------------------------------------ registration
 
@@ -270,25 +293,30 @@ class PoolClient:
         if type(op) is p.Append:
             seq = self.seqs[op.seq_id]
             seq.tokens += op.tokens
-            for (_, dst), gen in zip(outcome.copies, outcome.copy_generations, strict=False):
+            for (src, dst), gen in zip(outcome.copies, outcome.copy_generations, strict=False):
                 seq.blocks[-1] = dst
                 gens[dst] = gen
+                self._release((src,))
+                self._hold((dst,))
             for b, gen in zip(outcome.blocks, outcome.generations, strict=False):
                 gens[b] = gen
             seq.blocks.extend(outcome.blocks)
+            self._hold(outcome.blocks)
         elif type(op) is p.Admit:
             for b, gen in zip(outcome.blocks, outcome.generations, strict=False):
                 gens[b] = gen
             self.seqs[op.seq_id] = MirroredSequence(
                 bytearray(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt
             )
+            self._hold(outcome.blocks)
         elif type(op) is p.Commit:
             seq = self.seqs[op.seq_id]
             seq.num_computed_tokens = max(seq.num_computed_tokens, op.num_computed_tokens)
         elif type(op) is p.Free:
-            del self.seqs[op.seq_id]
+            self._release(self.seqs.pop(op.seq_id).blocks)
         elif type(op) is p.Fork:
             parent = self.seqs[op.parent_id]
+            self._hold(parent.blocks)
             self.seqs[op.child_id] = MirroredSequence(
                 bytearray(parent.tokens), list(parent.blocks), parent.num_computed_tokens, parent.cache_salt
             )

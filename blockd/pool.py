@@ -33,6 +33,7 @@ from typing import Final
 
 import msgspec
 
+from blockd.block_rule import growth
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, extra_key, root_hash
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
@@ -259,7 +260,8 @@ class BlockPool:
         hashes = chain_hashes(packed, bs, self.root, extra)
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs)
         refcount = self.refcount
-        needed = _ceil_div(n, bs) - len(hits)
+        cached = len(hits) * bs
+        needed = growth(bs, cached, n - cached, len(hits)).blocks
         reclaimed = sum(1 for b in hits if refcount[b] == 0)  # cached-free hits leave the free queue
         counters = self.counters
         available = len(self.free_queue) - reclaimed
@@ -281,10 +283,10 @@ class BlockPool:
         counters.queried_blocks += full_blocks
         counters.hit_blocks += len(hits)
         counters.queried_tokens += n
-        counters.hit_tokens += len(hits) * bs
+        counters.hit_tokens += cached
         counters.granted_blocks += needed
         generation = self.generation
-        return AdmitResult(table, [generation[b] for b in table], len(hits) * bs)
+        return AdmitResult(table, [generation[b] for b in table], cached)
 
     def append(self, seq_id: str, tokens: TokenIds) -> AppendResult:
         """Make room for `tokens` after the sequence's current tokens.
@@ -300,11 +302,10 @@ class BlockPool:
         n_old = len(held) // _TOKEN_BYTES
         k = len(packed) // _TOKEN_BYTES
         if k <= len(table) * bs - n_old and (k == 0 or self.refcount[table[-1]] == 1):
-            held += packed  # the common decode step: room in an unshared last block
+            held += packed  # the common decode step, where the block rule asks for nothing: room, unshared
             return _NOTHING_APPENDED
-        new_blocks = (n_old + k + bs - 1) // bs - len(table)
-        cow = n_old % bs != 0 and self.refcount[table[-1]] > 1
-        needed = new_blocks + cow
+        need = growth(bs, n_old, k, len(table), last_block_shared=self.refcount[table[-1]] > 1)
+        new_blocks, cow, needed = need.new_blocks, need.copy_on_write, need.blocks
         if needed > len(self.free_queue):
             raise self._shortfall(needed, len(self.free_queue), f"appending {k} tokens to {seq_id!r}")
         held += packed

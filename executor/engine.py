@@ -54,7 +54,7 @@ class Engine:
             block_size=runner.block_size,
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
-            tables=pool.seqs,
+            blocks=pool,
         )
         self.sampler = Sampler(runner.device, seed)
         # The longest a sequence can grow, alone in the cache above the admission watermark.
@@ -183,9 +183,9 @@ class Engine:
             pool_id=self.pool.pool_id,
             running=len(s.running),
             waiting=len(s.waiting),
-            free_blocks=s.ledger.free,
+            free_blocks=self.pool.free_blocks,
             num_blocks=s.num_blocks,
-            kv_utilization=s.ledger.in_use / s.num_blocks,
+            kv_utilization=self.pool.blocks_in_use / s.num_blocks,
             preemptions=s.num_preemptions,
             steps=self.steps,
             blockd_reachable=self.blockd_reachable,
@@ -199,13 +199,13 @@ class Engine:
         if self._pending is None:
             self._pending = scheduler.plan()
         plan = self._pending
-        results = self._round_trip(plan.ops) if plan.ops else []
+        results = self._round_trip(plan.ops) if plan.entries else []
         self._pending = None
         outcome = scheduler.apply(plan, results)
         deltas = [self._delta(seq, [], None) for seq, _ in outcome.failed]
         for seq, _ in outcome.failed:
             self._forget_if_done(seq.request)
-        chunks = scheduler.schedule(plan, outcome)
+        chunks = scheduler.schedule(outcome)
         self.runner.copy_blocks(outcome.copies)
         if chunks:
             self.steps += 1

@@ -2,59 +2,49 @@
 
 A step is planned in two halves around its one blockd round trip:
 
-`plan()` writes the step's blockd ops, in an order that makes every op valid when blockd reaches it:
-commits (computed blocks into the prefix index), forks (n > 1 choices), frees (finished, aborted, preempted),
-appends (room for each decoding sequence's last sampled token), admits (waiting sequences, oldest first).
-This executor is the pool's only user, so it knows exactly how many blocks are free (`BlockLedger`); appends
-are planned to fit, preempting the most recently admitted sequences (recompute: they go back to the head of the
-queue) until they do, so an append never fails. Admits are tried only while their worst case (no prefix hit)
-fits above a small watermark; blockd answers with what was actually cached.
+`plan()` writes the step's `StepPlan`: one list of `PlannedOp`s, each a blockd op with the sequence it is for and
+its `Purpose`, in an order that makes every op valid when blockd reaches it: commits (computed blocks into the
+prefix index), forks (n > 1 choices), frees (finished, aborted, preempted), appends (room for each decoding
+sequence's last sampled token), admits (waiting sequences, oldest first). This executor is the pool's only user,
+so it knows exactly how many blocks are free: the pool client mirrors blockd's block tables and counts each
+block's holders (`BlockView`), and `blockd.block_rule.growth` (the rule blockd grants by) says what each op
+takes. Appends are planned to fit, preempting the most recently admitted sequences (recompute: they go back to
+the head of the queue) until they do, so an append never fails. Admits are tried only while their worst case (no
+prefix hit) fits above a small watermark; blockd answers with what was actually cached.
 
-`schedule()` then hands out the token budget: one token to every decoding sequence, then prefill chunks to
-the others in admission order (chunked prefill), newly admitted ones last.
+`apply()` takes in blockd's answers entry by entry, by purpose; `schedule()` then hands out the token budget: one
+token to every decoding sequence, then prefill chunks to the others in admission order (chunked prefill), newly
+admitted ones last.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from blockd import protocol as p
+from blockd.block_rule import growth
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
 from common.tokens import pack_tokens
 from executor.sequence import Sequence, Status
 
 
-class BlockLedger:
-    """How many live sequences hold each block; the rest of the pool is free (cached or not)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.refs = [0] * num_blocks
-        self.in_use = 0
+class BlockView(Protocol):
+    """blockd's view of this pool as of the last step: what `blockd.client.PoolClient` mirrors."""
 
     @property
-    def free(self) -> int:
-        return len(self.refs) - self.in_use
+    def seqs(self) -> Mapping[str, MirroredSequence]: ...
 
-    def hold(self, blocks: list[int] | tuple[int, ...]) -> None:
-        refs = self.refs
-        for b in blocks:
-            if refs[b] == 0:
-                self.in_use += 1
-            refs[b] += 1
+    @property
+    def refcount(self) -> list[int]: ...  # how many live tables hold each block
 
-    def release(self, blocks: list[int] | tuple[int, ...]) -> int:
-        """Drop one reference from each; returns how many became free."""
-        refs, freed = self.refs, 0
-        for b in blocks:
-            refs[b] -= 1
-            if refs[b] == 0:
-                freed += 1
-        self.in_use -= freed
-        return freed
+    @property
+    def free_blocks(self) -> int: ...
 
 
 @dataclass
@@ -70,17 +60,42 @@ class Chunk:
         return self.start + len(self.token_ids) == len(self.seq.tokens)
 
 
+class Purpose(enum.Enum):
+    """What a planned op is for; `Scheduler.apply` takes in its answer by this."""
+
+    COMMIT = "commit"  # computed full blocks into the prefix index
+    FORK = "fork"  # a new choice starts sharing its parent's blocks
+    FREE = "free"  # finished or aborted: its blocks go back
+    PREEMPT = "preempt"  # its blocks go back; it is already queued again, to be recomputed
+    APPEND = "append"  # room for the tokens sampled since the last step
+    ADMIT = "admit"  # a waiting sequence gets blocks for all its tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedOp:
+    """One op of a step, with the sequence it is for and why."""
+
+    purpose: Purpose
+    seq: Sequence
+    op: p.StepOp
+
+
 @dataclass
 class StepPlan:
-    ops: list[p.StepOp] = field(default_factory=list)
-    #: what each op is for, op by op: ("commit"|"fork"|"free"|"append"|"admit", sequence)
-    purposes: list[tuple[str, Sequence]] = field(default_factory=list)
-    released_tables: dict[str, list[int]] = field(default_factory=dict)  # block tables of the freed, as planned
-    forked_tables: dict[str, list[int]] = field(default_factory=dict)  # a fork's parent's table, as planned
+    """A step's blockd ops, in the order blockd applies them."""
 
-    def add(self, purpose: str, seq: Sequence, op: p.StepOp) -> None:
-        self.ops.append(op)
-        self.purposes.append((purpose, seq))
+    entries: list[PlannedOp] = field(default_factory=list)
+
+    @property
+    def ops(self) -> list[p.StepOp]:
+        return [entry.op for entry in self.entries]
+
+    def add(self, purpose: Purpose, seq: Sequence, op: p.StepOp) -> None:
+        self.entries.append(PlannedOp(purpose, seq, op))
+
+    def drop(self, seq: Sequence) -> None:
+        """Take every op of `seq` out again."""
+        self.entries = [entry for entry in self.entries if entry.seq is not seq]
 
 
 @dataclass
@@ -91,6 +106,12 @@ class StepOutcome:
 
 
 class Scheduler:
+    """The waiting queue, the running batch and each step's plan; see the module docstring.
+
+    It keeps no block accounting of its own: free blocks and who holds what come from `blocks`, the pool
+    client's mirror of blockd, which changes only when a step's answers arrive (before `apply`).
+    """
+
     def __init__(
         self,
         *,
@@ -98,7 +119,7 @@ class Scheduler:
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        tables: Mapping[str, MirroredSequence],
+        blocks: BlockView,
         watermark_blocks: int | None = None,
     ) -> None:
         self.block_size = block_size
@@ -106,8 +127,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = watermark_blocks if watermark_blocks is not None else max(1, num_blocks // 100)
-        self.ledger = BlockLedger(num_blocks)
-        self.tables = tables  # blockd's view of every live sequence, as the pool client mirrors it
+        self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.to_free: list[Sequence] = []  # finished or aborted, still holding blocks in blockd
@@ -123,9 +143,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.to_free or self.to_fork or self.to_preempt)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark a sequence done; its blocks go back at the next step (after its last commit)."""
@@ -158,17 +175,16 @@ class Scheduler:
 
     def _commit(self, plan: StepPlan, seq: Sequence) -> None:
         if seq.num_computed // self.block_size > seq.committed_tokens // self.block_size:
-            plan.add("commit", seq, p.Commit(seq.seq_id, seq.num_computed))
+            plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, seq.num_computed))
             seq.committed_tokens = seq.num_computed
 
     def _append_need(self, seq: Sequence) -> int:
         """Blocks an append of the sequence's unregistered tokens takes (new blocks, plus a copy-on-write)."""
-        table = self.tables[seq.fork_parent or seq.seq_id].blocks
-        new = self.blocks_needed(len(seq.tokens)) - len(table)
-        shared_tail = seq.num_registered % self.block_size != 0 and (
-            seq.fork_parent is not None or self.ledger.refs[table[-1]] > 1
-        )
-        return max(new, 0) + shared_tail
+        table = self.blocks.seqs[seq.fork_parent or seq.seq_id].blocks
+        # An unforked child's tail is shared with its parent by the time its append reaches blockd.
+        shared = seq.fork_parent is not None or self.blocks.refcount[table[-1]] > 1
+        added = len(seq.tokens) - seq.num_registered
+        return growth(self.block_size, seq.num_registered, added, len(table), last_block_shared=shared).blocks
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
@@ -180,11 +196,10 @@ class Scheduler:
         for seq in self.to_free:
             self._commit(plan, seq)
         for child in self.to_fork:
-            plan.add("fork", child, p.Fork(child.fork_parent, child.seq_id))
-            plan.forked_tables[child.seq_id] = list(self.tables[child.fork_parent].blocks)
+            plan.add(Purpose.FORK, child, p.Fork(child.fork_parent, child.seq_id))
         for seq in self.to_free:
-            self._free(plan, seq)
-        free = self.ledger.free + sum(self._releases(s) for s in self.to_free)
+            plan.add(Purpose.FREE, seq, p.Free(seq.seq_id))
+        free = self.blocks.free_blocks + sum(self._releases(s) for s in self.to_free)
 
         # Appends must all fit: preempt the newest sequences until they do.
         growing = [s for s in self.running if len(s.tokens) > s.num_registered]
@@ -197,7 +212,7 @@ class Scheduler:
             self._preempt(plan, victim)
             growing = [s for s in growing if s is not victim]
         for seq in growing:
-            plan.add("append", seq, p.Append(seq.seq_id, pack_tokens(seq.tokens[seq.num_registered :])))
+            plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, pack_tokens(seq.tokens[seq.num_registered :])))
         free -= need
 
         budget = self.max_num_batched_tokens
@@ -207,10 +222,10 @@ class Scheduler:
         for seq in self.waiting:
             if free_slots <= 0 or budget <= 0:
                 break
-            worst = self.blocks_needed(len(seq.tokens))
+            worst = growth(self.block_size, 0, len(seq.tokens), 0).blocks
             if worst > free - self.watermark:
                 break  # first come, first served: nobody overtakes the head of the queue
-            plan.add("admit", seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), seq.request.cache_salt))
+            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), seq.request.cache_salt))
             free -= worst
             free_slots -= 1
             budget -= 1
@@ -220,8 +235,8 @@ class Scheduler:
         """Blocks that freeing `seq` would return to the pool."""
         if seq.fork_parent is not None:
             return 0
-        refs = self.ledger.refs
-        return sum(1 for b in self.tables[seq.seq_id].blocks if refs[b] == 1)
+        refcount = self.blocks.refcount
+        return sum(1 for b in self.blocks.seqs[seq.seq_id].blocks if refcount[b] == 1)
 
     def _victim(self) -> Sequence:
         return max(self.running, key=lambda s: s.admitted_order)
@@ -232,70 +247,68 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.to_fork:  # never reached blockd
             self.to_fork.remove(seq)
-            plan.ops = [op for op in plan.ops if not (type(op) is p.Fork and op.child_id == seq.seq_id)]
-            plan.purposes = [(k, s) for k, s in plan.purposes if s is not seq]
+            plan.drop(seq)
             seq.fork_parent = None
         else:
             self._commit(plan, seq)
-            self._free(plan, seq)
+            plan.add(Purpose.PREEMPT, seq, p.Free(seq.seq_id))
         seq.status = Status.WAITING
         seq.num_computed = seq.num_registered = seq.committed_tokens = 0
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _free(self, plan: StepPlan, seq: Sequence) -> None:
-        plan.add("free", seq, p.Free(seq.seq_id))
-        plan.released_tables[seq.seq_id] = list(self.tables[seq.seq_id].blocks)
-
     # ----------------------------------------------------------------------------------------- results
 
     def apply(self, plan: StepPlan, results: list[p.StepOpResult]) -> StepOutcome:
         """Take in blockd's answers (the pool client has already mirrored the block tables)."""
         outcome = StepOutcome()
-        for (purpose, seq), _op, result in zip(plan.purposes, plan.ops, results, strict=True):
-            failed = type(result) is p.OpError
-            if purpose == "admit":
-                if failed:  # out of blocks after all (the estimate was stale): it stays at the head of the queue
-                    if result.code != ErrorCode.OUT_OF_BLOCKS:
-                        outcome.failed.append((seq, result))
-                    continue
-                self.waiting.remove(seq)
-                seq.status = Status.RUNNING
-                seq.admitted_order = next(self._order)
-                seq.num_registered = len(seq.tokens)
-                seq.num_computed = seq.committed_tokens = result.num_cached_tokens
-                if seq.preemptions == 0 and seq.index == 0:
-                    seq.request.num_cached_tokens = result.num_cached_tokens
-                self.ledger.hold(result.blocks)
-                self.running.append(seq)
-                outcome.admitted.append(seq)
-            elif failed and purpose == "append" and result.code == ErrorCode.OUT_OF_BLOCKS:
-                # The free-block estimate was wrong after all: nothing changed in blockd; recompute it later.
-                self.running.remove(seq)
-                self.to_preempt.append(seq)
-            elif failed:
-                outcome.failed.append((seq, result))
-            elif purpose == "fork":
-                self.ledger.hold(plan.forked_tables[seq.seq_id])  # the mirror already shows later appends
-                seq.fork_parent = None
-                self.to_fork.remove(seq)
-            elif purpose == "free":
-                self.ledger.release(plan.released_tables[seq.seq_id])
-                if seq in self.to_free:
-                    self.to_free.remove(seq)
-            elif purpose == "append":
-                for src, dst in result.copies:
-                    self.ledger.release([src])
-                    self.ledger.hold([dst])
-                    outcome.copies.append((src, dst))
-                self.ledger.hold(result.blocks)
-                seq.num_registered = len(seq.tokens)
+        for entry, result in zip(plan.entries, results, strict=True):
+            seq = entry.seq
+            if type(result) is p.OpError:
+                self._refused(entry, result, outcome)
+                continue
+            match entry.purpose:
+                case Purpose.ADMIT:
+                    assert type(result) is p.AdmitResult
+                    self.waiting.remove(seq)
+                    seq.status = Status.RUNNING
+                    seq.admitted_order = next(self._order)
+                    seq.num_registered = len(seq.tokens)
+                    seq.num_computed = seq.committed_tokens = result.num_cached_tokens
+                    if seq.preemptions == 0 and seq.index == 0:
+                        seq.request.num_cached_tokens = result.num_cached_tokens
+                    self.running.append(seq)
+                    outcome.admitted.append(seq)
+                case Purpose.APPEND:
+                    assert type(result) is p.AppendResult
+                    outcome.copies.extend(result.copies)
+                    seq.num_registered = len(seq.tokens)
+                case Purpose.FORK:
+                    seq.fork_parent = None
+                    self.to_fork.remove(seq)
+                case Purpose.FREE:
+                    if seq in self.to_free:
+                        self.to_free.remove(seq)
+                case Purpose.COMMIT | Purpose.PREEMPT:
+                    pass  # nothing to take in: the sequence's state already moved when it was planned
         for seq, _error in outcome.failed:
             self.finish(seq, "error")
         return outcome
 
-    def schedule(self, plan: StepPlan, outcome: StepOutcome) -> list[Chunk]:
+    def _refused(self, entry: PlannedOp, error: p.OpError, outcome: StepOutcome) -> None:
+        """blockd refused an op; nothing of it happened there."""
+        out_of_blocks = error.code == ErrorCode.OUT_OF_BLOCKS
+        if entry.purpose is Purpose.ADMIT and out_of_blocks:
+            return  # out of blocks after all (the estimate was stale): it stays at the head of the queue
+        if entry.purpose is Purpose.APPEND and out_of_blocks:
+            # The free-block estimate was wrong after all: recompute the sequence later.
+            self.running.remove(entry.seq)
+            self.to_preempt.append(entry.seq)
+            return
+        outcome.failed.append((entry.seq, error))
+
+    def schedule(self, outcome: StepOutcome) -> list[Chunk]:
         """Hand out the token budget: decodes first, then prefill chunks in admission order."""
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []

@@ -51,7 +51,11 @@ class ModelSeq:
 
 
 class Model:
-    """The naive reference: plain lists, linear scans, no hashing."""
+    """The naive reference: plain lists, linear scans, no hashing.
+
+    Its block arithmetic (admit, append, copy-on-write) is its own on purpose, not blockd.block_rule's: an
+    independent reference is what lets this test catch a wrong rule.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.n = num_blocks

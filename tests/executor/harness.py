@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -72,8 +73,9 @@ def check_sequence_invariants(engine: Engine) -> None:
             assert seq.seq_id in engine.pool.seqs
     for seq in scheduler.waiting:
         assert seq.status is Status.WAITING and seq.seq_id not in engine.pool.seqs
-    held = {b for s in engine.pool.seqs.values() for b in s.blocks}
-    assert scheduler.ledger.in_use == len(held)
+    held = Counter(b for s in engine.pool.seqs.values() for b in s.blocks)
+    assert engine.pool.blocks_in_use == len(held)
+    assert engine.pool.refcount == [held[b] for b in range(engine.pool.num_blocks)]
 
 
 def drive(

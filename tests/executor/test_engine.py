@@ -229,30 +229,46 @@ def test_sharded_checkpoint_gives_the_same_output(tiny_models, tiny_options, blo
 def test_a_wrong_free_block_estimate_never_fails_a_request(tiny_models, blockd):
     """If blockd refuses an append (the executor thought blocks were free), the sequence is preempted and
     recomputed like any other: every request still finishes with the same output."""
-    from executor.scheduler import BlockLedger
+    from blockd.client import PoolClient
+    from executor.scheduler import Purpose
 
-    class Optimistic(BlockLedger):
+    class Optimistic:
+        """The pool client's view, but claiming 6 more free blocks than there are."""
+
+        def __init__(self, pool: PoolClient) -> None:
+            self.pool = pool
+
         @property
-        def free(self) -> int:  # claims 6 more free blocks than there are
-            return super().free + 6
+        def seqs(self):
+            return self.pool.seqs
+
+        @property
+        def refcount(self) -> list[int]:
+            return self.pool.refcount
+
+        @property
+        def free_blocks(self) -> int:
+            return self.pool.free_blocks + 6
 
     model = tiny_models["llama"]
     prompts = random_prompts([30, 40, 20, 35], vocab=512, seed=15)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine = make_engine(model, blockd.endpoint, num_blocks=12, max_num_seqs=4)
-    engine.scheduler.ledger = Optimistic(12)  # swapped in before the first step: nothing is held yet
+    engine.scheduler.blocks = Optimistic(engine.pool)
     refused = []
     original_apply = engine.scheduler.apply
 
     def apply(plan, results):
         refused.extend(
-            r for (kind, _), r in zip(plan.purposes, results, strict=False) if kind == "append" and type(r) is OpError
+            r
+            for entry, r in zip(plan.entries, results, strict=True)
+            if entry.purpose is Purpose.APPEND and type(r) is OpError
         )
         return original_apply(plan, results)
 
     engine.scheduler.apply = apply
     results = drive(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
-    assert refused, "the optimistic ledger never made blockd refuse an append"
+    assert refused, "the optimistic view never made blockd refuse an append"
     for i, prompt in enumerate(prompts):
         assert results[f"r{i}"][0].tokens == hf_greedy_ignoring_eos(model, prompt, 30), f"request {i}"
 

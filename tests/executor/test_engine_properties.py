@@ -1,7 +1,7 @@
 """Property-based: whatever arrives, aborts and runs short of blocks, the engine's invariants hold at every step.
 
 After each step: every sequence's counters are ordered (num_computed <= num_registered <= len(tokens)), the
-scheduler's ledger of blocks in use equals blockd's own count, and blockd's pool passes its invariant check.
+pool client's count of blocks in use equals blockd's own count, and blockd's pool passes its invariant check.
 When the work is done, the pool holds no block and every request ended exactly once per choice.
 """
 
@@ -53,7 +53,7 @@ def test_engine_invariants_hold_under_any_schedule(tiny_models, blockd, actions,
             record(delta)
         check_sequence_invariants(engine)
         pool = admin.stats(pool_id).pools[0]
-        assert pool.blocks_in_use == engine.scheduler.ledger.in_use
+        assert pool.blocks_in_use == engine.pool.blocks_in_use
         assert admin.check() == []
 
     def record(delta) -> None:

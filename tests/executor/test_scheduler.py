@@ -1,0 +1,421 @@
+"""The scheduler alone, against blockd's own BlockManager in this process: no model, no subprocess, no ZeroMQ.
+
+`Harness.step` is the engine's step loop (plan -> one blockd step -> apply -> schedule) with a stand-in for the
+model: every scheduled chunk counts as computed, and a chunk that reaches its sequence's end samples a made-up
+token. After every step blockd's pool passes its invariant check and the pool client's mirror counts exactly
+blockd's refcounts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from blockd import protocol as p
+from blockd.client import MirroredSequence, PoolClient
+from blockd.manager import BlockManager
+from blockd.pool import BlockPool
+from executor.params import SamplingParams
+from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan
+from executor.sequence import Request, Sequence, Status
+
+POOL = "pool"
+
+
+class InProcessBlockd:
+    """The part of BlockdClient a PoolClient uses, answered by a BlockManager in this process.
+
+    Results go through msgpack as on the wire, so the client never shares an object with the pool.
+    """
+
+    def __init__(self) -> None:
+        self.manager = BlockManager()
+        self._reply: bytes | None = None
+
+    def send(self, request_type: type[p.Request], **fields: Any) -> int:
+        request = request_type(v=p.PROTOCOL_VERSION, id=0, **fields)
+        if isinstance(request, p.Register):
+            result: msgspec.Struct = self.manager.register(request)
+        elif isinstance(request, p.Step):
+            result = self.manager.step(request.pool_id, request.ops)
+        else:
+            raise NotImplementedError(request_type)
+        self._reply = msgspec.msgpack.encode(result)
+        return 0
+
+    def receive(self, result_type: type, timeout_s: float | None = None) -> Any:
+        assert self._reply is not None
+        reply, self._reply = self._reply, None
+        return msgspec.msgpack.decode(reply, type=result_type)
+
+    def call(self, request_type: type[p.Request], **fields: Any) -> Any:
+        self.send(request_type, **fields)
+        return self.receive(p.RESULT_TYPES[request_type])
+
+
+@dataclass
+class StepRecord:
+    plan: StepPlan
+    outcome: StepOutcome
+    chunks: list[Chunk]
+
+    def admitted(self) -> list[str]:
+        return [s.seq_id for s in self.outcome.admitted]
+
+    def scheduled(self) -> list[tuple[str, int, int]]:
+        """(sequence, first position, tokens) of every chunk, in batch order."""
+        return [(c.seq.seq_id, c.start, len(c.token_ids)) for c in self.chunks]
+
+
+class Harness:
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 16,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        watermark_blocks: int = 0,
+    ) -> None:
+        self.blockd = InProcessBlockd()
+        self.pool = PoolClient(
+            self.blockd,  # type: ignore[arg-type]
+            pool_id=POOL,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            model_id="model",
+            epoch=1,
+        )
+        self.pool.register()
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            blocks=self.pool,
+            watermark_blocks=watermark_blocks,
+        )
+        self.requests: list[Request] = []
+        self.aborted: set[str] = set()
+        self.exact = True  # the scheduler sees blockd's true free blocks: its appends must never be refused
+
+    @property
+    def blockd_pool(self) -> BlockPool:
+        return self.blockd.manager.pools[POOL]
+
+    def in_blockd(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.blockd_pool.seqs
+
+    def submit(self, name: str, prompt_len: int, *, max_tokens: int = 4, n: int = 1) -> Sequence:
+        salt = len(self.requests)  # distinct prompts: no prefix hits unless a test wants them
+        prompt = [(7 * i + salt) % 50 + 1 for i in range(prompt_len)]
+        request = Request(name, SamplingParams(max_tokens=max_tokens, n=n), prompt, None, 0.0)
+        seq = Sequence(f"{name}#0", request, 0, list(prompt), None)
+        request.sequences.append(seq)
+        self.requests.append(request)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request: Request) -> None:
+        """What Engine.abort does to the scheduler: every choice so far ends; the rest never start."""
+        self.aborted.add(request.request_id)
+        for seq in request.sequences:
+            self.scheduler.finish(seq, "abort")
+
+    def step(self) -> StepRecord:
+        scheduler = self.scheduler
+        plan = scheduler.plan()
+        results = self.pool.step(plan.ops) if plan.entries else []
+        outcome = scheduler.apply(plan, results)
+        assert not (self.exact and scheduler.to_preempt), "blockd refused an append the plan said would fit"
+        chunks = scheduler.schedule(outcome)
+        assert sum(len(c.token_ids) for c in chunks) <= scheduler.max_num_batched_tokens
+        for chunk in chunks:
+            chunk.seq.num_computed = chunk.start + len(chunk.token_ids)
+        for chunk in chunks:
+            if chunk.samples:
+                self._sample(chunk.seq)
+        assert self.blockd_pool.check() == []
+        assert self.pool.refcount == self.blockd_pool.refcount
+        return StepRecord(plan, outcome, chunks)
+
+    def _sample(self, seq: Sequence) -> None:
+        """What Engine._sample does to the scheduler's state, with made-up tokens."""
+        request = seq.request
+        first = seq.index == 0 and len(request.sequences) == 1 and request.params.n > 1 and seq.num_generated == 0
+        self._grow(seq)
+        if not first:
+            return
+        for index in range(1, request.params.n):  # the other choices start from the same prompt logits
+            child = Sequence(f"{request.request_id}#{index}", request, index, list(request.prompt), None)
+            child.num_computed = child.num_registered = child.committed_tokens = seq.prompt_len
+            request.sequences.append(child)
+            child.tokens.append(self._token(child))
+            if child.num_generated >= request.params.max_tokens:
+                child.status, child.finish_reason = Status.FINISHED, "length"
+            else:
+                self.scheduler.fork(seq, child)
+
+    def _grow(self, seq: Sequence) -> None:
+        seq.tokens.append(self._token(seq))
+        if seq.num_generated >= seq.params.max_tokens:
+            self.scheduler.finish(seq, "length")
+
+    @staticmethod
+    def _token(seq: Sequence) -> int:
+        return (31 * len(seq.tokens) + seq.index) % 50 + 1
+
+    def run(self, max_steps: int = 500) -> list[StepRecord]:
+        records = []
+        while self.scheduler.has_work():
+            records.append(self.step())
+            assert len(records) < max_steps, "the scheduler did not finish"
+        return records
+
+    def assert_all_done(self) -> None:
+        """Every choice of every request ended, the unaborted ones with all their tokens; blockd holds nothing."""
+        for request in self.requests:
+            if request.request_id in self.aborted:
+                assert all(s.status is Status.FINISHED for s in request.sequences), request.request_id
+                continue
+            assert request.finished, request.request_id
+            for seq in request.sequences:
+                if seq.finish_reason != "abort":
+                    assert seq.num_generated == request.params.max_tokens, seq.seq_id
+        assert not self.blockd_pool.seqs
+        assert len(self.blockd_pool.free_queue) == self.blockd_pool.num_blocks
+        assert self.pool.blocks_in_use == 0
+
+
+# ------------------------------------------------------------------------------------------------ admission
+
+
+def test_admission_is_first_come_first_served_within_max_num_seqs() -> None:
+    h = Harness(max_num_seqs=2)
+    a, b, c = (h.submit(name, 4, max_tokens=3) for name in ("a", "b", "c"))
+    assert h.step().admitted() == ["a#0", "b#0"]
+    assert list(h.scheduler.waiting) == [c] and not h.in_blockd(c)
+    for _ in range(10):
+        slots_taken = sum(s.status is Status.RUNNING for s in (a, b))
+        record = h.step()
+        if record.admitted():
+            break
+    assert record.admitted() == ["c#0"] and slots_taken < 2  # only once a slot came free
+    h.run()
+    h.assert_all_done()
+
+
+def test_nobody_overtakes_the_head_of_the_queue() -> None:
+    h = Harness(num_blocks=8, block_size=4)
+    h.submit("big", 20, max_tokens=4)  # 5 blocks, 6 at its end
+    head = h.submit("next", 16, max_tokens=2)  # 4 blocks: does not fit beside it
+    small = h.submit("small", 4, max_tokens=2)  # 1 block: would fit, but must wait its turn
+    assert h.step().admitted() == ["big#0"]
+    for _ in range(2):
+        h.step()
+        assert list(h.scheduler.waiting) == [head, small]
+    records = h.run()
+    order = [sid for r in records for sid in r.admitted()]
+    assert order.index("next#0") < order.index("small#0")
+    h.assert_all_done()
+
+
+def test_the_watermark_keeps_free_blocks_back_from_admission() -> None:
+    h = Harness(num_blocks=10, block_size=4, watermark_blocks=2)
+    h.submit("a", 24, max_tokens=2)  # 6 blocks
+    b = h.submit("b", 12, max_tokens=2)  # 3 blocks: blockd has 4 free, but only 2 are above the watermark
+    assert h.step().admitted() == ["a#0"]
+    assert len(h.blockd_pool.free_queue) == 4
+    assert list(h.scheduler.waiting) == [b]
+    h.run()
+    h.assert_all_done()
+
+
+def test_a_prompt_that_fits_only_below_the_watermark_waits() -> None:
+    h = Harness(num_blocks=10, block_size=4, watermark_blocks=2)
+    h.submit("too-big", 33, max_tokens=1)  # 9 blocks > 10 - 2
+    record = h.step()
+    assert record.admitted() == [] and not record.plan.entries
+    fits = Harness(num_blocks=10, block_size=4, watermark_blocks=2)
+    fits.submit("fits", 32, max_tokens=1)  # 8 blocks
+    assert fits.step().admitted() == ["fits#0"]
+
+
+# ---------------------------------------------------------------------------------------------- preemption
+
+
+def test_the_most_recently_admitted_is_preempted_to_the_head_of_the_queue() -> None:
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=2)
+    older = h.submit("older", 8, max_tokens=20)
+    newer = h.submit("newer", 8, max_tokens=20)
+    queued = h.submit("queued", 4, max_tokens=2)
+    assert h.step().admitted() == ["older#0", "newer#0"]
+    for _ in range(50):
+        tokens_before = list(newer.tokens)
+        h.step()
+        if h.scheduler.num_preemptions:
+            break
+    assert h.scheduler.num_preemptions == 1
+    assert newer.status is Status.WAITING and newer.preemptions == 1 and not h.in_blockd(newer)
+    assert newer.tokens == tokens_before  # kept, to be recomputed
+    assert newer.num_computed == 0
+    assert list(h.scheduler.waiting) == [newer, queued]  # the head, ahead of what was already waiting
+    assert older.status is Status.RUNNING and older.preemptions == 0 and h.in_blockd(older)
+    h.run()
+    h.assert_all_done()
+    assert older.preemptions == 0
+
+
+def test_an_append_blockd_refuses_preempts_the_sequence_and_it_still_finishes() -> None:
+    class Optimistic:
+        """The pool client's view, claiming more free blocks than there are."""
+
+        def __init__(self, pool: PoolClient) -> None:
+            self.pool = pool
+
+        @property
+        def seqs(self) -> Mapping[str, MirroredSequence]:
+            return self.pool.seqs
+
+        @property
+        def refcount(self) -> list[int]:
+            return self.pool.refcount
+
+        @property
+        def free_blocks(self) -> int:
+            return self.pool.free_blocks + 4
+
+    h = Harness(num_blocks=6, block_size=4)
+    h.scheduler.blocks = Optimistic(h.pool)
+    h.exact = False
+    seqs = [h.submit(name, 4, max_tokens=8) for name in ("a", "b", "c")]
+    refused = []
+    while h.scheduler.has_work():
+        h.step()
+        refused += [s.seq_id for s in h.scheduler.to_preempt]
+    assert refused, "blockd never refused an append"
+    assert sum(s.preemptions for s in seqs) >= 1
+    h.assert_all_done()
+
+
+# ------------------------------------------------------------------------------------------ chunked prefill
+
+
+def test_decodes_go_first_then_prefill_chunks_in_admission_order() -> None:
+    h = Harness(num_blocks=32, max_num_batched_tokens=8)
+    h.submit("d", 3, max_tokens=10)
+    assert h.step().scheduled() == [("d#0", 0, 3)]
+    h.submit("p1", 20, max_tokens=2)
+    h.submit("p2", 20, max_tokens=2)
+    steps = [h.step() for _ in range(4)]
+    assert steps[0].admitted() == ["p1#0", "p2#0"]
+    assert [s.scheduled() for s in steps] == [
+        [("d#0", 3, 1), ("p1#0", 0, 7)],  # the new arrivals share what the decode leaves; p2 gets none yet
+        [("d#0", 4, 1), ("p1#0", 7, 7)],
+        [("d#0", 5, 1), ("p1#0", 14, 6), ("p2#0", 0, 1)],  # p1's prompt is done: p2 starts
+        [("d#0", 6, 1), ("p1#0", 20, 1), ("p2#0", 1, 6)],  # p1 decodes now, ahead of p2's prefill
+    ]
+    h.run()
+    h.assert_all_done()
+
+
+def test_a_one_token_remainder_goes_ahead_of_longer_prefills_admitted_before_it() -> None:
+    h = Harness(num_blocks=32, max_num_batched_tokens=8)
+    h.submit("long", 30, max_tokens=2)
+    h.submit("one", 1, max_tokens=3)  # its whole prompt is one token: it runs like a decode
+    first = h.step()
+    assert first.admitted() == ["long#0", "one#0"]
+    assert first.scheduled() == [("long#0", 0, 8)]
+    assert h.step().scheduled() == [("one#0", 0, 1), ("long#0", 8, 7)]
+    h.run()
+    h.assert_all_done()
+
+
+# ------------------------------------------------------------------------------------------------- forks
+
+
+def test_choices_share_the_prompt_blocks_and_copy_the_partly_filled_last_one() -> None:
+    h = Harness(num_blocks=16, block_size=4)
+    parent = h.submit("r", 6, max_tokens=5, n=3)  # block 0 full, block 1 holds 2 of 4 tokens
+    h.step()
+    request = parent.request
+    assert [s.seq_id for s in request.sequences] == ["r#0", "r#1", "r#2"]
+    assert [h.in_blockd(s) for s in request.sequences] == [True, False, False]  # forked at the next step
+    record = h.step()
+    tables = [h.blockd_pool.seqs[s.seq_id].table for s in request.sequences]
+    assert len({t[0] for t in tables}) == 1  # the full prompt block is shared
+    assert len({t[1] for t in tables}) == 3  # each writes its own copy of the partial one
+    assert len(record.outcome.copies) == 2  # the last writer keeps the original
+    assert sorted(record.scheduled()) == [("r#0", 6, 1), ("r#1", 6, 1), ("r#2", 6, 1)]
+    h.run()
+    h.assert_all_done()
+    assert [s.num_generated for s in request.sequences] == [5, 5, 5]
+
+
+# ------------------------------------------------------------------------------------------------- aborts
+
+
+def test_an_aborted_sequence_frees_its_blocks_for_the_next_in_the_same_step() -> None:
+    h = Harness(num_blocks=8, block_size=4)
+    running = h.submit("running", 24, max_tokens=8)  # 6 blocks
+    waiting = h.submit("waiting", 16, max_tokens=2)  # 4 blocks: fits only once the first is gone
+    h.step()
+    assert h.in_blockd(running) and list(h.scheduler.waiting) == [waiting]
+    h.scheduler.finish(running, "abort")
+    record = h.step()
+    assert not h.in_blockd(running) and running.finish_reason == "abort"
+    assert record.admitted() == ["waiting#0"]
+    h.run()
+    h.assert_all_done()
+
+
+def test_an_aborted_waiting_sequence_never_reaches_blockd() -> None:
+    h = Harness(max_num_seqs=1)
+    h.submit("first", 4, max_tokens=3)
+    second = h.submit("second", 4, max_tokens=3)
+    h.step()
+    h.scheduler.finish(second, "abort")
+    assert not h.scheduler.waiting
+    records = h.run()
+    assert all("second#0" not in r.admitted() for r in records)
+    h.assert_all_done()
+
+
+def test_a_choice_aborted_before_its_fork_never_reaches_blockd() -> None:
+    h = Harness(num_blocks=16, block_size=4)
+    parent = h.submit("r", 6, max_tokens=4, n=3)
+    h.step()
+    aborted = parent.request.sequences[1]
+    h.scheduler.finish(aborted, "abort")
+    record = h.step()
+    assert all(entry.seq is not aborted for entry in record.plan.entries)
+    assert not h.in_blockd(aborted)
+    assert h.in_blockd(parent.request.sequences[2])
+    h.run()
+    h.assert_all_done()
+
+
+# ------------------------------------------------------------------------------------------------- mixed
+
+
+def test_random_workloads_finish_with_every_block_back() -> None:
+    for seed in range(6):
+        rng = random.Random(seed)
+        h = Harness(num_blocks=rng.randint(8, 16), block_size=rng.choice([2, 4]), max_num_seqs=4)
+        capacity = h.scheduler.num_blocks * h.scheduler.block_size
+        live: list[Sequence] = []
+        for step in range(300):
+            if step < 40 and rng.random() < 0.3:
+                prompt_len = rng.randint(1, capacity // 3)
+                live.append(h.submit(f"r{step}", prompt_len, max_tokens=rng.randint(1, 8), n=rng.randint(1, 3)))
+            if live and rng.random() < 0.05:
+                h.abort(rng.choice(live).request)
+            if step >= 40 and not h.scheduler.has_work():
+                break
+            h.step()
+        h.run()
+        h.assert_all_done()
