@@ -281,7 +281,8 @@ def test_local_stack_api(tmp_path: Path, tiny_model: Path) -> None:
     ) as stack:
         assert stack.base_url == stack.url + "/v1" and stack.model_name == "tiny-serve"
         assert stack.blockd_endpoint.startswith("tcp://127.0.0.1:") and len(stack.executor_endpoints) == 1
-        assert [line.split()[0] for line in progress[1:]] == ["blockd", "executor-0", "gateway"], progress
+        ready = [line.split()[0] for line in progress[1:] if not line.startswith("still waiting")]  # slow machine
+        assert ready == ["blockd", "executor-0", "gateway"], progress
         health = httpx.get(f"{stack.url}/health", timeout=10).json()
         assert [e["endpoint"] for e in health["executors"]] == stack.executor_endpoints
         stack.check()  # all alive
