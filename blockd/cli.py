@@ -181,14 +181,14 @@ def seq(ctx: click.Context, seq_id: str, pool_id: str | None, as_json: bool) -> 
 @main.command()
 @click.pass_context
 def check(ctx: click.Context) -> None:
-    """Verify every invariant of every pool; exit status 1 if any is violated."""
+    """Verify the state invariants (I1-I5) of every pool; exit status 1 if any is violated."""
     problems = _run(ctx, lambda c: c.check())
     if problems:
         for line in problems:
             click.echo(line)
         click.echo(f"{len(problems)} invariant violation(s)", err=True)
         ctx.exit(1)
-    click.echo("ok: every invariant holds")
+    click.echo("ok: every invariant holds (I1-I5)")
 
 
 @main.command("reset-prefix-cache")

@@ -261,8 +261,8 @@ class PoolClient:
         return self.finish_step()
 
     def submit_step(self, ops: Sequence[p.StepOp]) -> None:
-        """Send a step's ops now; `finish_step` collects the results, so the round trip can overlap other work
-        (the model's forward pass)."""
+        """Send a step's ops now; `finish_step` collects the results, so a caller could overlap the round trip
+        with other work (the model's forward pass). The engine does not yet: it calls `step`."""
         if self._in_flight is not None:
             raise RuntimeError("a step is already in flight: finish_step() it first")
         self._in_flight = list(ops)

@@ -1,13 +1,15 @@
 """Write-behind persistence of the prefix index and the pools' epochs to Redis.
 
-Redis is never waited on inside a request. Pools record index changes in a plain dict (their journal, newest
-value per hash). Every `flush_interval_s` the daemon's loop collects the journals into a batch and hands it to a
-writer thread, which appends each pool's changes to Redis as one msgpack blob (an append-only log, written in one
-MULTI/EXEC). What is recorded is what each block holds (block -> hash, generation, stamp), so the store never
-outgrows the pool. So a committed prefix reaches Redis within flush_interval_s plus one write (the `lag_s` in stats says
-how far behind Redis is right now); a `kill -9` of blockd loses at most that much. When a pool's log outgrows
-twice its live entries, the writer compacts it into a snapshot. Neither this process nor Redis does per-entry
-work on the write path beyond one C-speed encode: persistence stays cheap next to the request loop.
+Redis is never waited on inside a request. Pools record index changes in a plain dict (their journal, keyed by
+block: the newest record per block). Every `flush_interval_s` the daemon's loop collects the journals into a
+batch and hands it to a writer thread, which appends each pool's changes to Redis as one msgpack blob (an
+append-only log, written in one MULTI/EXEC). What is recorded is what each block holds (block -> hash,
+generation, stamp), so the store never outgrows the pool. So a committed prefix reaches Redis within
+flush_interval_s plus one write (the `lag_s` in stats says how far behind Redis is right now); a `kill -9` of
+blockd loses at most that much. Once a pool's log has gathered more than max(`_COMPACT_MIN` = 50,000, 2 x the
+blocks Redis holds a record for) entries, the writer compacts it into a snapshot. Neither this process nor
+Redis does per-entry work on the write path beyond one C-speed encode: persistence stays cheap next to the
+request loop.
 
 When Redis fails, persistence turns "degraded": journals are discarded (memory stays bounded), the writer
 reconnects with backoff, and once Redis answers again (or answers with a new run id, having lost its data) the

@@ -3,7 +3,10 @@
 A pool is one executor's KV cache: `num_blocks` blocks of `block_size` token slots. It owns the refcount of every
 block, the block table of every live sequence, the prefix index (chained block hash -> block) and the free queue.
 
-Invariants (checked by `check()`, tested by property-based stateful tests):
+Invariants. I1-I5 are facts about one state: `check()` verifies them (so does `blockd-cli check` on a live
+daemon). I6 is about a transition, which no look at one state can see: the property-based stateful tests
+(tests/blockd/test_pool_model.py) and the focused ones compare the whole state before and after every failed
+operation instead.
 
  I1. Every block is either free (in the free queue, refcount 0) or referenced (refcount > 0), never both:
      the free queue holds exactly the blocks whose refcount is 0.
@@ -74,7 +77,7 @@ class PoolSpec(msgspec.Struct, frozen=True):
 class SeqState(msgspec.Struct):
     """A live sequence as the pool knows it."""
 
-    tokens: bytearray  # its token ids, packed (see hashing.pack_tokens)
+    tokens: bytearray  # its token ids, packed (see common.tokens.pack_tokens)
     table: list[int]
     hashes: list[bytes]  # chained hashes of its full blocks computed so far (a prefix of the full blocks)
     committed: int  # leading blocks that are in the index or were offered to it
@@ -517,7 +520,8 @@ class BlockPool:
         )
 
     def check(self) -> list[str]:
-        """Verify every invariant of the module docstring; returns one line per violation (empty: all hold)."""
+        """Verify the state invariants I1-I5 of the module docstring (I6 needs a before and an after: see there);
+        returns one line per violation (empty: all hold)."""
         problems: list[str] = []
         pid = self.spec.pool_id
         references = [0] * self.num_blocks

@@ -22,7 +22,7 @@ PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5557"
 
-#: Token ids travel packed: little-endian uint32, 4 bytes each (blockd.hashing.pack_tokens). Compact, decoded
+#: Token ids travel packed: little-endian uint32, 4 bytes each (common.tokens.pack_tokens). Compact, decoded
 #: without per-id work, and hashed as they are.
 PackedTokens = bytes
 Count = Annotated[int, msgspec.Meta(ge=0)]

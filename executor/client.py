@@ -1,7 +1,8 @@
-"""The gateway's side of the executor protocol: one DEALER connection to one executor.
+"""A blocking client of the executor protocol: one DEALER connection to one executor, for scripts, tests and
+`pagedkv serve`'s readiness probe. (The gateway has its own, asyncio one: `gateway/executors.py`.)
 
 Requests are pipelined: `submit` returns at once and the executor's deltas for every request arrive through
-`receive`. `generate` is the blocking convenience for one request (tests, benchmarks, scripts).
+`receive`. `generate` is the blocking convenience for one request.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The engine: requests in, token deltas out, one scheduler step at a time.
 
 A step is: plan (scheduler) -> one blockd round trip carrying every op of the step -> copy-on-write block
-copies -> one forward pass over every scheduled chunk -> sampling -> deltas. The engine is single-threaded and
+copies -> one forward pass over every scheduled chunk -> sampling -> deltas. The round trip is synchronous
+(`PoolClient.step`): the forward pass starts once blockd has answered. (`PoolClient.submit_step` /
+`finish_step` would let it overlap the forward pass; nothing uses them yet.) The engine is single-threaded and
 owns everything it touches; the server drives it and carries its deltas to gateways.
 """
 

@@ -5,7 +5,7 @@ Executor -> gateway: for a submitted request, a stream of `Delta`s (new tokens o
 last one of each choice has `finish_reason`), or one `Rejected` if the request is invalid; `LoadReport` and
 `Info` answer their queries. Anything undecodable is answered with `Rejected` (request_id "" when unknown).
 
-Prompt tokens travel packed (little-endian uint32, `blockd.hashing.pack_tokens`), like blockd's.
+Prompt tokens travel packed (little-endian uint32, `common.tokens.pack_tokens`), like blockd's.
 """
 
 from __future__ import annotations

@@ -7,12 +7,11 @@ One op = one block granted, reused as a prefix hit, or freed. The workload is th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,10 +20,12 @@ from pathlib import Path
 import click
 
 from blockd import protocol as p
-from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
+from blockd.client import BlockdClient, PoolClient
 from blockd.embedded_redis import EmbeddedRedis
 from blockd.pool import BlockPool, PoolSpec
+from common.net import free_port
 from common.tokens import pack_tokens
+from pagedkv.bench.common import blockd_daemon, table_lines
 
 PROMPT = 512
 SHARED = 256
@@ -132,31 +133,6 @@ def rpc_steps(endpoint: str, work: Workload, seqs_per_step: int, pool_id: str) -
     )
 
 
-def start_blockd(endpoint: str, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "blockd.server", "--endpoint", endpoint, "--log-level", "warning", *extra],
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    with BlockdClient(endpoint, timeout_s=0.5) as client:
-        while True:
-            try:
-                client.pools()
-                return process
-            except BlockdUnavailable:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise click.ClickException(f"blockd did not start; see {log}") from None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @click.command("blockd")
 @click.option("--sequences", default=4000, show_default=True, help="Sequences in the in-process workload.")
 @click.option("--rpc-sequences", default=3000, show_default=True, help="Sequences per RPC phase.")
@@ -183,29 +159,23 @@ def bench_blockd(sequences: int, rpc_sequences: int, seqs_per_step: int, repeat:
     best_inproc = max(inproc)
 
     rpc_work = Workload.make(rpc_sequences, seed=1)
-    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp:
-        redis_server = EmbeddedRedis(Path(tmp) / "redis", port=_free_port())
+    figures: dict[str, list[RpcFigures]] = {"plain": [], "persist": []}
+    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp, contextlib.ExitStack() as stack:
+        redis_server = EmbeddedRedis(Path(tmp) / "redis", port=free_port())
         redis_url = redis_server.start()
-        endpoints = {"plain": f"tcp://127.0.0.1:{_free_port()}", "persist": f"tcp://127.0.0.1:{_free_port()}"}
-        daemons = {
-            "plain": start_blockd(endpoints["plain"], ["--no-persistence"], Path(tmp) / "plain.log"),
-            "persist": start_blockd(endpoints["persist"], ["--redis-url", redis_url], Path(tmp) / "persist.log"),
+        stack.callback(redis_server.stop)
+        endpoints = {
+            "plain": stack.enter_context(blockd_daemon(Path(tmp) / "plain.log", "--no-persistence")),
+            "persist": stack.enter_context(blockd_daemon(Path(tmp) / "persist.log", "--redis-url", redis_url)),
         }
-        figures: dict[str, list[RpcFigures]] = {"plain": [], "persist": []}
-        try:
-            for run in range(repeat):  # interleaved, so both phases see the same machine
-                for phase, label in (("plain", "[2/3] rpc, no persistence"), ("persist", "[3/3] rpc, with Redis")):
-                    fig = rpc_steps(endpoints[phase], rpc_work, seqs_per_step, pool_id=f"bench-{phase}-{run}")
-                    figures[phase].append(fig)
-                    echo(
-                        f"{label}: run {run + 1}: {fig.steps} steps, p50 {fig.p50_us:.0f} µs, "
-                        f"p99 {fig.p99_us:.0f} µs, {fig.block_ops_per_s:,.0f} block ops/s"
-                    )
-        finally:
-            for daemon in daemons.values():
-                daemon.terminate()
-                daemon.wait(timeout=20)
-            redis_server.stop()
+        for run in range(repeat):  # interleaved, so both phases see the same machine
+            for phase, label in (("plain", "[2/3] rpc, no persistence"), ("persist", "[3/3] rpc, with Redis")):
+                fig = rpc_steps(endpoints[phase], rpc_work, seqs_per_step, pool_id=f"bench-{phase}-{run}")
+                figures[phase].append(fig)
+                echo(
+                    f"{label}: run {run + 1}: {fig.steps} steps, p50 {fig.p50_us:.0f} µs, "
+                    f"p99 {fig.p99_us:.0f} µs, {fig.block_ops_per_s:,.0f} block ops/s"
+                )
 
     plain = max(figures["plain"], key=lambda f: f.block_ops_per_s)
     persist = max(figures["persist"], key=lambda f: f.block_ops_per_s)
@@ -221,9 +191,8 @@ def bench_blockd(sequences: int, rpc_sequences: int, seqs_per_step: int, repeat:
         ),
     ]
     echo("")
-    echo(f"{'phase':<30} {'block ops/s':>14} {'p50 µs':>8} {'p99 µs':>8}")
-    for name, rate, p50, p99 in rows:
-        echo(f"{name:<30} {rate:>14} {p50:>8} {p99:>8}")
+    for line in table_lines(["phase", "block ops/s", "p50 µs", "p99 µs"], rows):
+        echo(line)
     echo(
         f"persistence throughput ratio (with ÷ without): {ratio:.3f}   [{seqs_per_step} sequences per step, "
         f"best of {repeat}, {os.cpu_count()} cores]"

@@ -42,6 +42,7 @@ import click
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import BlockPool, PoolSpec
 from common.clicks import unless_given
+from pagedkv.bench.common import table_lines
 
 #: The length distribution: lognormal prompt and output lengths (median, sigma of the underlying normal), in the
 #: range of chat traces such as ShareGPT (mean prompt ~ 160-400 tokens, mean output ~ 200-340 tokens).
@@ -472,11 +473,9 @@ def bench_capacity(
         ]
         for r in results
     ]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     echo("")
-    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths, strict=False))))
-    for row in cells:
-        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=False))))
+    for line in table_lines(columns, cells):
+        echo(line)
     echo(
         f"max active: over all steps; mean active, KV utilization (tokens stored / slots allocated, paged: blocks "
         f"in use x {block_size}, or reserved) and budget holding tokens (tokens stored / {kv_tokens:,}): averaged "

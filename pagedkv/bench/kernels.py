@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kernels.dispatch import paged_attention
 from kernels.heuristics import choose_num_splits, device_num_sms
 from kernels.validate import SUPPORTED_BLOCK_SIZES
+from pagedkv.bench.common import table_lines
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 128
 DECODE_BATCHES, DECODE_CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192, 32768)
@@ -202,10 +203,8 @@ def _fmt(value: Any) -> str:
 
 def _table(rows: list[dict[str, Any]], columns: list[str], echo: Callable[[str], None]) -> None:
     cells = [[_fmt(r[c]) if c in r else ("skip" if "skipped" in r else "-") for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    echo("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=False)))
-    for row in cells:
-        echo("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=False)))
+    for line in table_lines(columns, cells, left=0):
+        echo(line)
 
 
 def run_benchmarks(

@@ -56,6 +56,7 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
+from pagedkv.bench.common import length_range_option, table_lines
 
 #: Token ids of every prompt: past the special tokens (0-3), below any test model's vocabulary (512).
 TOKEN_IDS = (4, 500)
@@ -439,15 +440,7 @@ def _cell(value: Any) -> str:
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """Lines of a plain text table: the first column left-aligned, the others right-aligned."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(
-            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=False))
-        )
-
-    return [line(columns), *(line(row) for row in cells)]
+    return table_lines(columns, [[_cell(v) for v in row] for row in rows])
 
 
 def _load_table(s: Summary) -> list[str]:
@@ -521,11 +514,6 @@ def routing_ratios(prefix: Summary, rr: Summary) -> dict[str, float | None]:
 # ------------------------------------------------------------------------------------------------- command
 
 
-def _check_range(name: str, value: tuple[int, int]) -> None:
-    if value[0] > value[1]:
-        raise click.BadParameter(f"MIN {value[0]} is above MAX {value[1]}", param_hint=f"'{name}'")
-
-
 @click.command(
     "serve",
     help=f"""Streaming OpenAI clients against a whole stack (gateway, executors, blockd), and prefix routing
@@ -593,19 +581,9 @@ def _check_range(name: str, value: tuple[int, int]) -> None:
     show_default=True,
     help="Requests of the serving load.",
 )
-@click.option(
-    "--prompt-range",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=DEFAULT_PROMPT_RANGE,
-    show_default=True,
-    help="MIN MAX prompt length in tokens (uniform).",
-)
-@click.option(
-    "--output-range",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=DEFAULT_OUTPUT_RANGE,
-    show_default=True,
-    help="MIN MAX max_tokens (uniform); ignore_eos makes it the output length.",
+@length_range_option("--prompt-range", DEFAULT_PROMPT_RANGE, "MIN MAX prompt length in tokens (uniform).")
+@length_range_option(
+    "--output-range", DEFAULT_OUTPUT_RANGE, "MIN MAX max_tokens (uniform); ignore_eos makes it the output length."
 )
 @click.option(
     "--prefix-groups",
@@ -684,8 +662,6 @@ def bench_serve(
         prefix_tokens = unless_given(ctx, prefix_tokens, "prefix_tokens", QUICK_PREFIX_TOKENS)
         suffix_tokens = unless_given(ctx, suffix_tokens, "suffix_tokens", QUICK_SUFFIX_TOKENS)
         routing_output = unless_given(ctx, routing_output, "routing_output", QUICK_ROUTING_OUTPUT)
-    _check_range("--prompt-range", prompt_range)
-    _check_range("--output-range", output_range)
     if kv_cache_memory is not None:
         try:
             parse_size(kv_cache_memory)

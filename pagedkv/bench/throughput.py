@@ -29,12 +29,10 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -43,6 +41,7 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
+from pagedkv.bench.common import blockd_daemon, length_range_option, table_lines
 
 DEFAULT_REQUESTS = 256
 DEFAULT_PROMPT_RANGE = (16, 256)
@@ -122,31 +121,6 @@ def _synchronize(device: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- pagedkv side
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def blockd_daemon(log: Path) -> Iterator[str]:
-    """A blockd process on a free loopback port, without persistence; yields its endpoint, stops it after."""
-    from pagedkv.bench.blockd import start_blockd
-
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    # A long lease: the pool is idle while the transformers side runs.
-    process = start_blockd(endpoint, ["--no-persistence", "--lease-timeout", "3600"], log)
-    try:
-        yield endpoint
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
 
 
 def build_engine(
@@ -475,19 +449,11 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     show_default=True,
     help="Requests in the workload.",
 )
-@click.option(
-    "--prompt-range",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=DEFAULT_PROMPT_RANGE,
-    show_default=True,
-    help="MIN MAX prompt length in tokens (uniform).",
-)
-@click.option(
+@length_range_option("--prompt-range", DEFAULT_PROMPT_RANGE, "MIN MAX prompt length in tokens (uniform).")
+@length_range_option(
     "--output-range",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=DEFAULT_OUTPUT_RANGE,
-    show_default=True,
-    help="MIN MAX output length in tokens (uniform); exactly this many are generated.",
+    DEFAULT_OUTPUT_RANGE,
+    "MIN MAX output length in tokens (uniform); exactly this many are generated.",
 )
 @click.option(
     "--kv-cache-memory",
@@ -556,9 +522,6 @@ def bench_throughput(
         num_requests = unless_given(ctx, num_requests, "num_requests", QUICK_REQUESTS)
         prompt_range = unless_given(ctx, prompt_range, "prompt_range", QUICK_PROMPT_RANGE)
         output_range = unless_given(ctx, output_range, "output_range", QUICK_OUTPUT_RANGE)
-    for name, (low, high) in (("--prompt-range", prompt_range), ("--output-range", output_range)):
-        if low > high:
-            raise click.BadParameter(f"MIN {low} is above MAX {high}", param_hint=f"'{name}'")
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter(
             f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs} (every decoding sequence needs a token)",
@@ -631,7 +594,11 @@ def bench_throughput(
         f"({num_blocks * block_size:,} token slots), transformers batches of {hf_batch} x {max_len} slots"
     )
 
-    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp, blockd_daemon(Path(tmp) / "blockd.log") as ep:
+    blockd_flags = ("--no-persistence", "--lease-timeout", "3600")  # a long lease: the pool idles while hf runs
+    with (
+        tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp,
+        blockd_daemon(Path(tmp) / "blockd.log", *blockd_flags) as ep,
+    ):
         click.echo("loading both models; warm-up", err=True)
         engine = build_engine(
             model_dir,
@@ -713,11 +680,9 @@ def bench_throughput(
             f"{hf.computed_tokens:,}",
         ],
     ]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     echo("")
-    echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths, strict=False))))
-    for row in cells:
-        echo("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=False))))
+    for line in table_lines(columns, cells):
+        echo(line)
     wasted = hf.computed_tokens - hf.output_tokens
     echo(
         f"ratio pagedkv / transformers: {ratio:.2f}x output tok/s; {paged.max_active / hf.max_active:.1f}x the "

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 from openai.types import CompletionUsage
 
+from common.net import free_port
 from pagedkv.bench import serve as bench
 from pagedkv.bench.serve import (
     TOKEN_IDS,
@@ -31,7 +32,6 @@ from pagedkv.bench.serve import (
     summarize,
 )
 from pagedkv.tools.model_gen import write_model
-from tests.blockd.conftest import free_port
 from tests.support.models import TINY
 
 # ------------------------------------------------------------------------------------------------- workloads

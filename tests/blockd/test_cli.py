@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from blockd.client import BlockdClient, PoolClient
+from common.net import free_port
+from tests.support.waiting import wait_for
 
 BIN = Path(sys.executable).parent
 
@@ -105,8 +107,6 @@ def test_bench_blockd_quick_prints_tables_and_a_json_last_line():
 def test_prometheus_metrics_endpoint(start_blockd):
     import urllib.request
 
-    from tests.blockd.conftest import free_port, wait_for
-
     port = free_port()
     daemon = start_blockd("--no-persistence", "--metrics-port", str(port))
     ex = PoolClient(BlockdClient(daemon.endpoint), pool_id="gpu0", num_blocks=16, block_size=4, model_id="tiny")
@@ -134,7 +134,6 @@ def test_check_reports_a_corrupted_pool_with_exit_status_1():
     from blockd.manager import BlockManager
     from blockd.persistence import NoPersistence
     from blockd.server import BlockdServer
-    from tests.blockd.conftest import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     manager = BlockManager()
@@ -163,8 +162,6 @@ def test_check_reports_a_corrupted_pool_with_exit_status_1():
 
 
 def test_a_second_blockd_on_the_same_state_dir_refuses_to_start(start_blockd, tmp_path):
-    from tests.blockd.conftest import free_port
-
     state = tmp_path / "state"
     start_blockd("--state-dir", str(state))
     result = subprocess.run(

@@ -11,7 +11,8 @@ from blockd.client import BlockdClient, PoolClient, StepFailed
 from blockd.errors import BlockdError, ErrorCode
 from blockd.persistence import POOLS_KEY, load_pool_records
 from common.tokens import pack_tokens
-from tests.blockd.conftest import wait_for
+from tests.support.processes import RedisProcess
+from tests.support.waiting import wait_for
 
 BS = 4
 
@@ -316,7 +317,12 @@ def test_embedded_redis_default_survives_kill9(start_blockd, tmp_path):
     ex.free("a")
     with daemon.client() as operator:
         assert operator.stats().persistence.redis.startswith("unix://")
-    time.sleep(0.5)  # several flush intervals: in the embedded Redis
+
+        def flushed() -> bool:  # both committed blocks written, and nothing Redis has not acknowledged
+            persistence = operator.stats().persistence
+            return persistence.entries_written >= 2 and persistence.lag_s == 0
+
+        wait_for(flushed, what="the commit to reach the embedded Redis")
     daemon.kill9()  # the embedded redis-server gets SIGTERM and writes its AOF
     daemon.start()
     ex.heartbeat()
@@ -342,8 +348,6 @@ def test_register_rejects_bad_generations(start_blockd):
 
 
 def test_redis_unreachable_at_start_serves_degraded_then_catches_up(tmp_path, start_blockd):
-    from tests.blockd.conftest import RedisProcess
-
     redis_process = RedisProcess(tmp_path / "late-redis")  # its port is chosen, nothing listens yet
     try:
         daemon = start_blockd("--redis-url", redis_process.url, "--flush-interval", "0.05")

@@ -16,8 +16,8 @@ from blockd import protocol as p
 from blockd.manager import BlockManager
 from blockd.persistence import RedisPersistence, load, log_key, snapshot_key
 from blockd.pool import BlockPool
-from tests.blockd.conftest import wait_for
 from tests.blockd.pool_state import index_view
+from tests.support.waiting import wait_for
 
 
 def blocks_and_generations(index: dict) -> dict:

@@ -288,7 +288,9 @@ def test_different_models_never_share_prefixes() -> None:
     for pool in (a, b):
         pool.admit("s", [1, 2, 3])
         pool.commit("s", 2)
-    assert not set(a.index) & set(b.index)
+    assert len(a.index) == len(b.index) == 1  # each pool indexed the same full block...
+    assert a.index.keys().isdisjoint(b.index)  # ...under a hash of its own model
+    assert a.lookup([1, 2, 3]) == 2 and b.lookup([1, 2, 3]) == 2
 
 
 def test_lookup_reports_what_admit_hits() -> None:

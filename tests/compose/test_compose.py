@@ -564,6 +564,16 @@ def test_dockerfile_exposes_every_port_and_runs_unprivileged(compose: Compose) -
     ), "the project is installed with `pip install .`"
 
 
+def test_dockerfile_copies_every_package_pip_installs() -> None:
+    """`pip install .` builds what pyproject's package list names from what COPY put in the image: a package
+    left out installs nothing, and the services fail at their first import of it."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    wanted = {pattern.rstrip("*") for pattern in packages["include"]}
+    copied = {args.split()[0] for kind, args in _dockerfile_instructions() if kind == "COPY"}
+    assert wanted and all((ROOT / name).is_dir() for name in wanted), wanted
+    assert wanted <= copied, f"the Dockerfile does not COPY {sorted(wanted - copied)}"
+
+
 def test_no_url_leaves_the_deployment(compose: Compose) -> None:
     """Every URL in compose/ points into the stack itself: no package index or other outside host."""
     local = {"127.0.0.1", "0.0.0.0", "localhost", *compose["services"]}

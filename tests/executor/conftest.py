@@ -1,13 +1,13 @@
-"""Executor tests: a real blockd process per test, checked for leaked blocks at teardown."""
+"""Executor tests: a real blockd process per test, checked for leaked blocks at teardown; executor processes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.blockd.conftest import BlockdProcess
+from tests.support.processes import BlockdProcess, ExecutorProcess
 
 
 @pytest.fixture
@@ -26,3 +26,19 @@ def blockd(tmp_path: Path) -> Iterator[BlockdProcess]:
     finally:
         if daemon.alive():
             daemon.kill9()
+
+
+@pytest.fixture
+def start_executor(tmp_path: Path) -> Iterator[Callable[..., ExecutorProcess]]:
+    """start_executor(model, blockd_endpoint, *flags): a ready executor process; all are killed at teardown."""
+    started: list[ExecutorProcess] = []
+
+    def start(model: Path, blockd_endpoint: str, *args: str) -> ExecutorProcess:
+        executor = ExecutorProcess(model, blockd_endpoint, tmp_path / f"executor-{len(started)}.log", *args)
+        started.append(executor)
+        executor.wait_ready()
+        return executor
+
+    yield start
+    for executor in started:
+        executor.stop()

@@ -6,82 +6,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import msgspec
 import pytest
 
+from common.net import free_port
 from executor import protocol as ep
-from executor.client import ExecutorClient, ExecutorRejected, ExecutorUnavailable, tokens_of
+from executor.client import ExecutorClient, ExecutorRejected, tokens_of
 from executor.params import SamplingParams
-from tests.blockd.conftest import free_port, wait_for
 from tests.executor.harness import hf_greedy, hf_greedy_ignoring_eos, random_prompts
+from tests.support.waiting import wait_for
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-
-
-class ExecutorProcess:
-    def __init__(self, model: Path, blockd_endpoint: str, log_path: Path, *args: str) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.log_path = log_path
-        command = [
-            sys.executable,
-            "-m",
-            "executor.server",
-            "--model",
-            str(model),
-            "--blockd",
-            blockd_endpoint,
-            "--bind",
-            self.endpoint,
-            "--max-num-batched-tokens",
-            "64",
-            "--max-num-seqs",
-            "8",
-            *args,
-        ]
-        self.process = subprocess.Popen(
-            command, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-
-    def wait_ready(self, timeout_s: float = 60.0) -> ep.Info:
-        deadline = time.monotonic() + timeout_s
-        with ExecutorClient(self.endpoint, timeout_s=0.5) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"executor exited with {self.process.returncode}:\n{self.log()}")
-                try:
-                    return client.info()
-                except ExecutorUnavailable:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"executor did not come up:\n{self.log()}") from None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, timeout_s: float = 30.0) -> ExecutorClient:
-        return ExecutorClient(self.endpoint, timeout_s=timeout_s)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
-@pytest.fixture
-def start_executor(tmp_path):
-    started: list[ExecutorProcess] = []
-
-    def start(model: Path, blockd_endpoint: str, *args: str) -> ExecutorProcess:
-        executor = ExecutorProcess(model, blockd_endpoint, tmp_path / f"executor-{len(started)}.log", *args)
-        started.append(executor)
-        executor.wait_ready()
-        return executor
-
-    yield start
-    for executor in started:
-        executor.stop()
 
 
 def test_serves_concurrent_requests_streaming_identical_to_transformers(tiny_models, blockd, start_executor):
@@ -219,7 +155,10 @@ def test_blockd_killed_and_restarted_mid_generation_requests_finish_identically(
         client.submit("k3", prompts[3], params)  # taken in while blockd is away
         client.submit("k4", prompts[4], params)
         client.abort("k4")  # waits for the pending step, then ends the request
-        time.sleep(0.5)
+        # The load report comes after the executor has handled everything sent before it: k3, k4 and the abort
+        # are in while blockd is still away.
+        load = client.load()
+        assert load.running + load.waiting == 5 and load.blockd_reachable is False
         blockd.start()
         while len(streams) < 5 or not all(s[-1].finish_reason for s in streams.values()):
             take(client.receive())

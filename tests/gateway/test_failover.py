@@ -18,9 +18,9 @@ import pytest
 from common.net import free_ports
 from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
-from tests.blockd.conftest import wait_for
 from tests.gateway.test_openai_api import wait_until_no_live_blocks
 from tests.support.models import TINY
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import pytest
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
-from tests.blockd.conftest import wait_for
 from tests.executor.harness import hf_greedy_ignoring_eos
 from tests.support.models import TINY
+from tests.support.waiting import wait_for
 
 MAX_TOKENS = 12
 

@@ -3,7 +3,9 @@
 `@triton.jit` decides between compiling and interpreting when it decorates, from TRITON_INTERPRET,
 so the variable is set here, at conftest import, before any test module imports a Triton kernel.
 pytest imports every collected conftest before running tests, so this holds for the whole pytest
-process (other test folders do not use Triton, so they are unaffected).
+process. That suits the other tests that touch Triton: the engine test that forces the Triton backend
+(tests/executor/test_engine.py) runs it on CPU tensors too, and tests/tools/test_compile_check.py compiles in a
+child process without the variable.
 
 On a machine with a GPU, `PAGEDKV_TEST_DEVICE=cuda pytest tests/kernels` instead runs the same tests
 on CUDA tensors with compiled kernels (and adds bfloat16, which the interpreter computes wrongly).

@@ -1,4 +1,5 @@
-"""Bad inputs raise ValueError/TypeError naming the problem, on both backends, before any kernel runs."""
+"""Bad inputs raise ValueError/TypeError naming the problem, on every backend, before any kernel runs; the valid
+baselines the error cases perturb run and give the right answer, so each error case fails for its own reason."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import pytest
 import torch
 
 from kernels import copy_blocks, paged_attention, write_kv
-from tests.kernels.paged_case import make_batch, needs_interpreter
+from tests.kernels.paged_case import TOLERANCES, float64_oracle, make_batch, needs_interpreter
 
-BACKENDS = ["reference", "triton"]
+BACKENDS = ["reference", "torch", "triton"]
 
 
-def attention_kwargs(**overrides):
-    b = make_batch(
+def attention_batch():
+    return make_batch(
         [(3, 20), (1, 9)],
         num_heads=4,
         num_kv_heads=2,
@@ -21,6 +22,10 @@ def attention_kwargs(**overrides):
         dtype=torch.float16,
         device=torch.device("cpu"),
     )
+
+
+def attention_kwargs(**overrides):
+    b = attention_batch()
     kw = dict(
         q=b.q,
         key_cache=b.key_cache,
@@ -155,9 +160,11 @@ def test_paged_attention_errors(case, backend):
 
 
 @needs_interpreter
-def test_valid_baseline_passes():
-    for backend in BACKENDS:
-        paged_attention(**attention_kwargs(), backend=backend)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_valid_attention_baseline_runs_and_is_right(backend):
+    out = paged_attention(**attention_kwargs(), backend=backend)
+    assert out.shape == (4, 4, 64) and out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), float64_oracle(attention_batch()), **TOLERANCES[torch.float16])
 
 
 def write_kwargs(**overrides):
@@ -187,6 +194,18 @@ WRITE_ERRORS = {
         "block_size 4",
     ),
 }
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_valid_write_baseline_writes_its_slots_and_skips_padding(backend):
+    kw = write_kwargs(key=torch.full((3, 2, 64), 1.0, dtype=torch.float16))
+    kw["value"] = torch.full((3, 2, 64), 2.0, dtype=torch.float16)
+    write_kv(**kw, backend=backend)
+    for cache, filled in ((kw["key_cache"], 1.0), (kw["value_cache"], 2.0)):
+        slots = cache.view(-1, 2, 64)
+        assert (slots[0] == filled).all() and (slots[31] == filled).all()  # slot_mapping [0, -1, 31]
+        assert (slots[1:31] == 0).all()  # the -1 token wrote nothing
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -221,6 +240,17 @@ COPY_ERRORS = {
 }
 
 
+@needs_interpreter
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_valid_copy_baseline_copies_blocks(backend):
+    keys = [torch.arange(4 * 8 * 2 * 64, dtype=torch.float16).view(4, 8, 2, 64) for _ in range(2)]
+    values = [k.clone() * -1 for k in keys]
+    copy_blocks(keys, values, ([0, 1], [2, 3]), backend=backend)
+    for cache in (*keys, *values):
+        assert torch.equal(cache[2], cache[0]) and torch.equal(cache[3], cache[1])
+        assert not torch.equal(cache[0], cache[1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(COPY_ERRORS))
 def test_copy_blocks_errors(case, backend):
@@ -232,3 +262,7 @@ def test_copy_blocks_errors(case, backend):
 def test_bad_backend_name():
     with pytest.raises(ValueError, match="backend must be one of"):
         write_kv(**write_kwargs(), backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        paged_attention(**attention_kwargs(), backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        copy_blocks([_cache()], [_cache()], ([0], [1]), backend="cuda")
