@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
@@ -84,8 +85,10 @@ def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools:
 
 
 def reference_text(model_dir: Path, tokenizer: Tokenizer, prompt: list[int], n: int) -> tuple[str, list[int]]:
+    """transformers' greedy tokens and their text as transformers' tokenizer decodes them."""
     tokens = hf_greedy_ignoring_eos(model_dir, prompt, n)
-    return tokenizer.hf.decode(tokens, skip_special_tokens=True), tokens
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return hf.decode(tokens, skip_special_tokens=True), tokens
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
