@@ -17,8 +17,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from common.net import check_port_free, free_ports
 from pagedkv.cli import main
-from pagedkv.serve import LocalStack, PortInUse, StackFailed, check_port_free, free_ports
+from pagedkv.serve import LocalStack, PortInUse, StackFailed
 from pagedkv.tools.model_gen import write_model
 from tests.blockd.conftest import wait_for
 from tests.support.models import TINY
