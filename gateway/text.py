@@ -183,10 +183,11 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
-        *,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """The prompt of a chat: the model's template rendered (with `tools` and `documents`, if given, for
+        templates that show them) and encoded as is; the template writes any BOS and turn markers itself."""
         try:
             template = chat_template.pick_template(self.chat_templates, tools)
             if template is None:
@@ -201,7 +202,6 @@ class Tokenizer:
             )
         except chat_template.ChatTemplateError as exc:  # the template refused them
             raise PromptError(f"the chat template could not render these messages: {exc}") from None
-        # The template writes any special tokens (BOS, turn markers) itself.
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
