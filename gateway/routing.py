@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,17 +47,24 @@ class PrefixLookup:
     add its timeout to every request (nor queue them behind each other on the lookup thread).
     """
 
-    def __init__(self, endpoint: str, timeout_s: float = 0.25, retry_after_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 0.25,
+        retry_after_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._client = BlockdClient(endpoint, timeout_s=timeout_s)
+        self._clock = clock
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockd-lookup")
         self.retry_after_s = retry_after_s
         self.reachable = True
         self._next_try = 0.0
 
     async def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
-        if not self.reachable and time.monotonic() < self._next_try:
+        if not self.reachable and self._clock() < self._next_try:
             return {}
-        self._next_try = time.monotonic() + self.retry_after_s  # one probe at a time while it is away
+        self._next_try = self._clock() + self.retry_after_s  # one probe at a time while it is away
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._thread, self._client.lookup, tokens)
         except (BlockdUnavailable, BlockdError) as exc:
@@ -66,7 +73,7 @@ class PrefixLookup:
                     "prefix_lookup_failed", error=str(exc), fallback="least-loaded", retry_after_s=self.retry_after_s
                 )
             self.reachable = False
-            self._next_try = time.monotonic() + self.retry_after_s
+            self._next_try = self._clock() + self.retry_after_s
             return {}
         if not self.reachable:
             log.info("prefix_lookup_recovered")

@@ -1,8 +1,14 @@
-"""`pagedkv-gateway`: the OpenAI-compatible HTTP front door of a pagedkv deployment."""
+"""`pagedkv-gateway`: the OpenAI-compatible HTTP front door of a pagedkv deployment, as a process.
+
+The command's options become a `GatewayConfig`; `run_gateway` serves the app (gateway.routes) with uvicorn. Both
+import the app only when it runs, so `--help` stays fast.
+"""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,6 +16,9 @@ from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from common.logs import configure_logging
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
 from gateway import ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayConfig
 
 
 def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
@@ -122,7 +131,7 @@ def main(
     Every option can also be set by an environment variable: PAGEDKV_GATEWAY_ and the option's name in capitals
     with underscores (PAGEDKV_GATEWAY_EXECUTORS, PAGEDKV_GATEWAY_PORT, ...)."""
     configure_logging("gateway", log_level)
-    from gateway.app import GatewayConfig, run_gateway
+    from gateway.state import GatewayConfig
 
     if model_dir is None:
         from common.default_model import ensure_default_model
@@ -139,6 +148,30 @@ def main(
         executor_timeout_s=executor_timeout,
     )
     run_gateway(config, host=host, port=port, log_level=log_level)
+
+
+def run_gateway(config: GatewayConfig, *, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until SIGINT or SIGTERM (requests in flight get a few seconds to finish)."""
+    import structlog
+    import uvicorn
+
+    from gateway.routes import create_app
+
+    app = create_app(config)
+    listener = socket.create_server((host, port), reuse_port=False)  # bound here, so port 0 can be reported
+    bound_port = listener.getsockname()[1]
+    structlog.get_logger("gateway").info(
+        "gateway_listening", url=f"http://{host}:{bound_port}", model=app.state.gateway.model_name
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning" if log_level == "info" else log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server.run(sockets=[listener])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Text in and out: prompts to token ids (chat template included), token ids back to text as they stream.
 
+`Tokenizer` reads a checkpoint's tokenizer.json with the `tokenizers` library and its tokenizer_config.json (special
+tokens, chat template, clean-up), without transformers, which would import torch: encoding, decoding and chat
+prompts come out as transformers' AutoTokenizer gives them (tests compare the two).
+
 `Detokenizer` turns a growing list of token ids into text increments without ever splitting a multi-byte
 character: byte-level BPE tokens can end mid-character, and such a tail decodes to U+FFFD until the next token
 completes it, so text is released only up to the last complete character. It decodes a short window (the
@@ -11,14 +15,32 @@ until it is either ruled out or completed, so a client never sees any part of th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as Backend
+
+from gateway import chat_template
 
 _REPLACEMENT = "\ufffd"
+# The special tokens transformers knows by name; a config may name more (`image_token`, ...).
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' `clean_up_tokenization`, applied on decode when the config asks for it (never for BPE models).
+_CLEAN_UPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -40,36 +62,164 @@ class PromptError(ValueError):
     """The messages or prompt cannot be turned into tokens (for example, no chat template)."""
 
 
+def clean_up_tokenization(text: str) -> str:
+    """transformers' clean-up of decoded text: no space before punctuation and English contractions."""
+    for before, after in _CLEAN_UPS:
+        text = text.replace(before, after)
+    return text
+
+
+def _content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an object with its "content"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
 class Tokenizer:
-    """The model's tokenizer and chat template, loaded from the checkpoint directory (no download)."""
+    """The model's tokenizer and chat template, loaded from the checkpoint directory (no download).
+
+    What is read, as transformers reads it: tokenizer.json (the whole encoding pipeline: normalizer, pre-tokenizer,
+    model, post-processor, decoder, added tokens); from tokenizer_config.json the named special tokens and the
+    extra ones (special_tokens_map.json fills them in for configs without `added_tokens_decoder`), the chat
+    template (chat_template.jinja next to it wins), `clean_up_tokenization_spaces`. Whether a BOS or EOS is added
+    is tokenizer.json's post-processor's to say, as in transformers 5; `add_bos_token` and `add_eos_token` of the
+    config decide only for a tokenizer.json without a post-processor.
+    """
 
     def __init__(self, model_dir: Path | str) -> None:
-        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        self.vocab_size = len(self.hf)
-        self._special_ids = set(self.hf.all_special_ids)
-        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
-        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json: the gateway needs a fast tokenizer's file")
+        self.backend = Backend.from_file(str(path))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        if "added_tokens_decoder" not in config:  # older checkpoints keep the special tokens in their own file
+            config = {**config, **_read_json(model_dir / "special_tokens_map.json")}
+        self.config = config
+
+        # Named special tokens (bos_token, ...) and extra ones, as strings; the template sees the named ones.
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        named = {key: _content(value) for key, value in config.items() if key.endswith("_token")}
+        if isinstance(extra, Mapping):  # model-specific named tokens
+            named.update({key: _content(value) for key, value in extra.items()})
+            extra = []
+        self.special_tokens: dict[str, str] = {key: value for key, value in named.items() if value is not None}
+        extra_tokens = [t for t in (_content(v) for v in extra) if t is not None]
+        self._add_missing_tokens(config, [*self.special_tokens.values(), *extra_tokens])
+        self._apply_bos_eos(config)
+
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        all_special = [*self.special_tokens.values(), *extra_tokens]
+        ids = (self.backend.token_to_id(token) for token in all_special)
+        self.special_ids = {i for i in ids if i is not None}
+        self._byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        # transformers skips the clean-up for BPE models (it would eat real spaces) unless told otherwise.
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(self.backend.model).__name__ != "BPE"
+            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        )
+        self.chat_templates = chat_template.find_templates(model_dir, config)
+
+    def _add_missing_tokens(self, config: Mapping[str, Any], special: Sequence[str]) -> None:
+        """Tokens the config names that tokenizer.json lacks are added, as transformers adds them on load."""
+        known = {token.content for token in self.backend.get_added_tokens_decoder().values()}
+        missing: list[AddedToken] = []
+        decoder = config.get("added_tokens_decoder")
+        if isinstance(decoder, Mapping):
+            for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
+                if isinstance(entry, Mapping) and _content(entry) is not None and entry["content"] not in known:
+                    options = ("single_word", "lstrip", "rstrip", "normalized", "special")
+                    missing.append(AddedToken(entry["content"], **{k: entry[k] for k in options if k in entry}))
+                    known.add(entry["content"])
+        for token in special:
+            if token not in known:
+                missing.append(AddedToken(token, special=True))
+                known.add(token)
+        if missing:
+            self.backend.add_tokens(missing)
+
+    def _apply_bos_eos(self, config: Mapping[str, Any]) -> None:
+        """A tokenizer.json without a post-processor: the config's add_bos_token / add_eos_token say what to add."""
+        if self.backend.post_processor is not None:
+            return
+
+        def wanted(flag: str, name: str) -> tuple[str, int] | None:
+            token = self.special_tokens.get(name)
+            token_id = None if token is None else self.backend.token_to_id(token)
+            return (token, token_id) if config.get(flag) is True and token and token_id is not None else None
+
+        bos, eos = wanted("add_bos_token", "bos_token"), wanted("add_eos_token", "eos_token")
+        if bos is None and eos is None:
+            return
+
+        def sequence(name: str, type_id: int) -> str:
+            parts = [f"${name}:{type_id}"]
+            if bos:
+                parts.insert(0, f"{bos[0]}:{type_id}")
+            if eos:
+                parts.append(f"{eos[0]}:{type_id}")
+            return " ".join(parts)
+
+        self.backend.post_processor = processors.TemplateProcessing(
+            single=sequence("A", 0),
+            pair=f"{sequence('A', 0)} {sequence('B', 1)}",
+            special_tokens=list(dict.fromkeys(t for t in (bos, eos) if t)),
+        )
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return self.backend.encode(text, add_special_tokens=True).ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        if not self.hf.chat_template:
-            raise PromptError("this model has no chat template: use /v1/completions with a plain prompt")
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt of a chat: the model's template rendered (with `tools` and `documents`, if given, for
+        templates that show them) and encoded as is; the template writes any BOS and turn markers itself."""
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # the template refused them
+            template = chat_template.pick_template(self.chat_templates, tools)
+            if template is None:
+                raise PromptError("this model has no chat template: use /v1/completions with a plain prompt")
+            text = chat_template.render(
+                template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                special_tokens=self.special_tokens,
+                tools=tools,
+                documents=documents,
+            )
+        except chat_template.ChatTemplateError as exc:  # the template refused them
             raise PromptError(f"the chat template could not render these messages: {exc}") from None
-        # The template writes any special tokens (BOS, turn markers) itself.
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of these tokens, as transformers' `decode` gives it."""
+        text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return clean_up_tokenization(text) if self._clean_up else text
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's own spelling in the vocabulary (byte-level: its bytes as stand-in characters)."""
+        return self.backend.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (byte-level BPE tokens can be part of a character)."""
         if self._byte_level:
-            piece = self.hf.convert_ids_to_tokens(token_id)
-            if token_id not in self._special_ids and all(ch in _UNICODE_TO_BYTE for ch in piece):
+            piece = self.backend.id_to_token(token_id)
+            if piece is not None and token_id not in self.special_ids and all(ch in _UNICODE_TO_BYTE for ch in piece):
                 return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
-        return self.hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
         """One token on its own, as logprobs show it: its text, or `bytes:\\x..` for part of a character."""
@@ -80,14 +230,14 @@ class Tokenizer:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def detokenizer(self, prompt: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(self.hf, prompt)
+        return Detokenizer(self, prompt)
 
 
 class Detokenizer:
     # Tokens decoded before the unreleased ones, so that the window decodes them as it would in context.
     CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = list(prompt[-self.CONTEXT_TOKENS :])
         self._released = len(self._ids)  # tokens whose text has been released

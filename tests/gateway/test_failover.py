@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,47 +14,31 @@ import pytest
 
 from common.net import free_ports
 from pagedkv.serve import LocalStack
-from pagedkv.tools.model_gen import write_model
-from tests.gateway.test_openai_api import wait_until_no_live_blocks
-from tests.support.models import TINY
-from tests.support.waiting import wait_for
+from tests.support.gateway import (
+    GatewayProcess,
+    executor_state,
+    health,
+    healthy_pools,
+    local_stack,
+    metric,
+    tiny_model,
+    wait_for,
+    wait_until_no_live_blocks,
+)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("failover-model") / "tiny-failover", arch="llama", quiet=True, **TINY)
+    return tiny_model(tmp_path_factory.mktemp("failover-model"), "tiny-failover")
 
 
 @pytest.fixture
 def stack(model_dir: Path, tmp_path: Path) -> Iterator[LocalStack]:
     # A short silence limit, so that a frozen executor leaves the rotation quickly.
-    with LocalStack(
-        model_dir=model_dir,
-        executors=2,
-        port=0,
-        kv_cache_memory="8MiB",
-        persistence=False,
-        routing="round-robin",
-        gateway_args=["--executor-timeout", "2"],
-        log_dir=tmp_path / "logs",
-        progress=None,
+    with local_stack(
+        model_dir, tmp_path / "logs", routing="round-robin", gateway_args=["--executor-timeout", "2"]
     ) as running:
         yield running
-
-
-def health(stack_url: str) -> dict:
-    return httpx.get(f"{stack_url}/health", timeout=10).json()
-
-
-def healthy_pools(url: str) -> set[str]:
-    return {e["pool_id"] for e in health(url)["executors"] if e["healthy"]}
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_a_silent_executor_leaves_the_rotation_and_rejoins(stack: LocalStack) -> None:
@@ -103,7 +84,12 @@ def test_requests_that_streamed_nothing_are_retried_when_their_executor_dies(sta
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)  # round-robin has sent about half of them to the frozen executor
+    # Round-robin sends about half of them to the frozen executor: it must hold one when it dies.
+    wait_for(
+        lambda: executor_state(stack.url, "executor-1")["in_flight"] >= 1,
+        timeout_s=10,
+        what="a request to be sent to the frozen executor",
+    )
     os.kill(victim.pid, signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=60)
@@ -165,51 +151,8 @@ def test_a_stream_whose_executor_dies_ends_with_an_error_event(stack: LocalStack
 # ---------------------------------------------------------------------------------------------- gateways
 
 
-class Gateway:
-    """A second gateway process in front of an existing stack's executors."""
-
-    def __init__(self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str) -> None:
-        self.port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log.open("wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway.server",
-                "--model",
-                str(model_dir),
-                "--executors",
-                ",".join(executors),
-                "--blockd",
-                blockd,
-                "--port",
-                str(self.port),
-                *extra,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait_listening(self) -> None:
-        def answers() -> bool:
-            assert self.process.poll() is None, "the gateway exited"
-            try:
-                httpx.get(f"{self.url}/health", timeout=2)
-                return True
-            except httpx.TransportError:
-                return False
-
-        wait_for(answers, timeout_s=60, what="the gateway to listen")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=15)
-        self.log.close()
-
-
 def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: Path) -> None:
-    gateway = Gateway(
+    gateway = GatewayProcess(
         model_dir,
         stack.executor_endpoints,
         stack.blockd_endpoint,
@@ -249,7 +192,7 @@ def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: 
 
 def test_no_executor_answers_503_and_health_says_so(model_dir: Path, tmp_path: Path) -> None:
     nowhere = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
-    gateway = Gateway(model_dir, nowhere, "tcp://127.0.0.1:1", tmp_path / "gw.log")
+    gateway = GatewayProcess(model_dir, nowhere, "tcp://127.0.0.1:1", tmp_path / "gw.log")
     try:
         gateway.wait_listening()
         response = httpx.post(
@@ -266,8 +209,8 @@ def test_no_executor_answers_503_and_health_says_so(model_dir: Path, tmp_path: P
 
 def test_executors_serving_another_model_are_refused(stack: LocalStack, tmp_path: Path) -> None:
     """A gateway whose tokenizer is not the executors' model would send them token ids that mean other words."""
-    other = write_model(tmp_path / "other-model", arch="llama", quiet=True, **{**TINY, "vocab_size": 1024})
-    gateway = Gateway(other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log")
+    other = tiny_model(tmp_path, "other-model", vocab_size=1024)
+    gateway = GatewayProcess(other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log")
     try:
         gateway.wait_listening()
         wait_for(

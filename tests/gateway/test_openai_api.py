@@ -6,10 +6,6 @@ tokenizer. Every test leaves blockd with no block held by a live sequence.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,30 +15,27 @@ import pytest
 
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
-from pagedkv.tools.model_gen import write_model
-from tests.executor.harness import hf_greedy_ignoring_eos
+from tests.support.gateway import (
+    blocks_in_use,
+    local_stack,
+    reference_text,
+    tiny_model,
+    wait_for,
+    wait_until_no_live_blocks,
+)
 from tests.support.models import TINY
-from tests.support.waiting import wait_for
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("gateway-model") / "tiny-chat", arch="llama", quiet=True, **TINY)
+    return tiny_model(tmp_path_factory.mktemp("gateway-model"), "tiny-chat")
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    with LocalStack(
-        model_dir=model_dir,
-        executors=2,
-        port=0,
-        kv_cache_memory="8MiB",
-        persistence=False,
-        log_dir=tmp_path_factory.mktemp("gateway-logs"),
-        progress=None,
-    ) as running:
+    with local_stack(model_dir, tmp_path_factory.mktemp("gateway-logs")) as running:
         yield running
 
 
@@ -58,36 +51,6 @@ def client(stack: LocalStack) -> Iterator[openai.OpenAI]:
     wait_until_no_live_blocks(stack)
 
 
-def blockd_stats(stack: LocalStack) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "blockd.cli", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    return json.loads(out.stdout)
-
-
-def blocks_in_use(stack: LocalStack) -> dict[str, int]:
-    return {p["pool_id"]: p["blocks_in_use"] for p in blockd_stats(stack)["pools"]}
-
-
-def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools: set[str] | None = None) -> None:
-    """Until no live sequence holds a block (in `pools`, or in any pool)."""
-    deadline = time.monotonic() + timeout_s
-    while (
-        held := {k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)}
-    ) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not held, f"blocks still held by live sequences: {held}"
-
-
-def reference_text(model_dir: Path, tokenizer: Tokenizer, prompt: list[int], n: int) -> tuple[str, list[int]]:
-    tokens = hf_greedy_ignoring_eos(model_dir, prompt, n)
-    return tokenizer.hf.decode(tokens, skip_special_tokens=True), tokens
-
-
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
@@ -95,7 +58,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 def test_completion_matches_transformers_streamed_or_not(client, stack, model_dir, tokenizer) -> None:
-    expected, _ = reference_text(model_dir, tokenizer, tokenizer.encode(PROMPT), MAX_TOKENS)
+    expected, _ = reference_text(model_dir, tokenizer.encode(PROMPT), MAX_TOKENS)
     whole = client.completions.create(
         model=stack.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
     )
@@ -120,21 +83,21 @@ def test_completion_matches_transformers_streamed_or_not(client, stack, model_di
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_token_id_prompt_and_batched_prompts(client, stack, model_dir, tokenizer) -> None:
+def test_token_id_prompt_and_batched_prompts(client, stack, model_dir) -> None:
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     result = client.completions.create(
         model=stack.model_name, prompt=prompts, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
     )
     assert [c.index for c in result.choices] == [0, 1]
     for choice, prompt in zip(result.choices, prompts, strict=False):
-        assert choice.text == reference_text(model_dir, tokenizer, prompt, 4)[0]
+        assert choice.text == reference_text(model_dir, prompt, 4)[0]
     assert result.usage.prompt_tokens == 8 and result.usage.completion_tokens == 8
 
 
 def test_chat_streams_role_then_content_and_usage(client, stack, model_dir, tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello! 日本語?"}]
     prompt = tokenizer.encode_chat(messages)
-    expected, _ = reference_text(model_dir, tokenizer, prompt, MAX_TOKENS)
+    expected, _ = reference_text(model_dir, prompt, MAX_TOKENS)
     stream = client.chat.completions.create(
         model=stack.model_name,
         messages=messages,
@@ -183,7 +146,7 @@ def test_n_2_greedy_choices_are_identical_and_seeded_ones_reproducible(client, s
 
 def test_stop_string_cuts_the_text_and_stops_generation(client, stack, model_dir, tokenizer) -> None:
     prompt = tokenizer.encode(PROMPT)
-    full, _ = reference_text(model_dir, tokenizer, prompt, 24)
+    full, _ = reference_text(model_dir, prompt, 24)
     visible = full.replace("\ufffd", "")
     stop = visible[len(visible) // 3 : len(visible) // 3 + 3]
     assert stop.strip(), f"no usable stop string in {full!r}"
@@ -215,7 +178,7 @@ def test_stop_string_cuts_the_text_and_stops_generation(client, stack, model_dir
 
 def test_stop_token_ids_end_the_choice(client, stack, model_dir, tokenizer) -> None:
     prompt = tokenizer.encode(PROMPT)
-    _, tokens = reference_text(model_dir, tokenizer, prompt, 8)
+    _, tokens = reference_text(model_dir, prompt, 8)
     stop_id = tokens[3]
     result = client.completions.create(
         model=stack.model_name,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -238,39 +237,54 @@ def test_pick_keeps_rotation_order_for_ties() -> None:
 # ------------------------------------------------------------------------------------------------ blockd lookup
 
 
+class FakeClock:
+    """A clock that moves only when the test moves it: back-off is checked by what happens, not by timing."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def counted_lookup(retry_after_s: float) -> tuple[PrefixLookup, FakeClock, list[tuple[int, ...]]]:
+    """A lookup against an absent blockd, its clock, and the lookups that reached the (real) blockd client."""
+    clock = FakeClock()
+    lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.05, retry_after_s=retry_after_s, clock=clock)
+    calls: list[tuple[int, ...]] = []
+    original = lookup._client.lookup
+
+    def counted(tokens):
+        calls.append(tuple(tokens))
+        return original(tokens)
+
+    lookup._client.lookup = counted  # type: ignore[method-assign]
+    return lookup, clock, calls
+
+
 def test_prefix_lookup_against_unreachable_blockd_returns_nothing() -> None:
-    lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.05)
+    lookup, clock, calls = counted_lookup(retry_after_s=2.0)
     try:
-        started = time.monotonic()
         assert asyncio.run(lookup.cached_tokens([1, 2, 3])) == {}
-        assert lookup.reachable is False
+        assert lookup.reachable is False and calls == [(1, 2, 3)]
+        clock.now += 2.0
         assert asyncio.run(lookup.cached_tokens([4, 5])) == {}, "and again, without raising"
-        assert lookup.reachable is False
-        assert time.monotonic() - started < 5
+        assert lookup.reachable is False and calls == [(1, 2, 3), (4, 5)]
     finally:
         lookup.close()
 
 
-def test_prefix_lookup_does_not_wait_on_an_absent_blockd_again_until_its_retry_time() -> None:
-    lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.3, retry_after_s=0.5)
-    calls = 0
-    original = lookup._client.lookup
-
-    def counted(tokens):  # the real client, counting the attempts that reach it
-        nonlocal calls
-        calls += 1
-        return original(tokens)
-
-    lookup._client.lookup = counted  # type: ignore[method-assign]
+def test_prefix_lookup_does_not_ask_an_absent_blockd_again_until_its_retry_time() -> None:
+    lookup, clock, calls = counted_lookup(retry_after_s=0.5)
     try:
-        assert asyncio.run(lookup.cached_tokens([1])) == {} and calls == 1
-        started = time.monotonic()
-        for _ in range(5):
+        assert asyncio.run(lookup.cached_tokens([1])) == {} and len(calls) == 1
+        for _ in range(5):  # within the back-off: answered at once, blockd not asked (so nothing waits on it)
+            clock.now += 0.09
             assert asyncio.run(lookup.cached_tokens([1])) == {}
-        assert calls == 1, "no attempt while blockd is known to be away"
-        assert time.monotonic() - started < 0.3, "and no waiting for its timeout"
-        time.sleep(0.5)
-        assert asyncio.run(lookup.cached_tokens([1])) == {} and calls == 2, "a new probe after retry_after_s"
+        assert len(calls) == 1, "no attempt while blockd is known to be away"
+        clock.now += 0.06  # 0.51 s after the failure
+        assert asyncio.run(lookup.cached_tokens([1])) == {} and len(calls) == 2, "a new probe after retry_after_s"
+        assert asyncio.run(lookup.cached_tokens([1])) == {} and len(calls) == 2, "and the back-off starts over"
     finally:
         lookup.close()
 

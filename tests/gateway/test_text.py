@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.text import PromptError, StopMatcher, Tokenizer
 from pagedkv.tools.model_gen import write_model
@@ -28,6 +29,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> Tokenizer:
     return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of the same checkpoint: the reference (the gateway itself never imports it)."""
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 # Multi-byte characters of every UTF-8 length (2: accented, 3: CJK, 4: emoji), a modifier and a ZWJ sequence.
@@ -55,8 +62,8 @@ def stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int], prompt: list
 # ---------------------------------------------------------------------------------------------- Detokenizer
 
 
-def test_tokenizer_fixture_has_the_expected_special_tokens(tokenizer: Tokenizer) -> None:
-    assert tokenizer.hf.convert_ids_to_tokens([0, 1, 2, 3]) == SPECIAL
+def test_tokenizer_fixture_has_the_expected_special_tokens(tokenizer: Tokenizer, hf: PreTrainedTokenizerBase) -> None:
+    assert [tokenizer.id_to_token(i) for i in range(4)] == hf.convert_ids_to_tokens([0, 1, 2, 3]) == SPECIAL
     assert tokenizer.vocab_size == TINY["vocab_size"]
 
 
@@ -78,10 +85,10 @@ def test_multibyte_characters_are_released_whole(tokenizer: Tokenizer) -> None:
 @example(text="日本語 test", chunks=[2, 1])
 @example(text="e\u0301 👩‍💻", chunks=[1])
 def test_streamed_text_equals_full_decode_and_never_splits_a_character(
-    tokenizer: Tokenizer, text: str, chunks: list[int]
+    tokenizer: Tokenizer, hf: PreTrainedTokenizerBase, text: str, chunks: list[int]
 ) -> None:
     ids = tokenizer.encode(text)
-    expected = tokenizer.hf.decode(ids, skip_special_tokens=True)
+    expected = hf.decode(ids, skip_special_tokens=True)
     assert expected == text, "byte-level BPE without special-token text must round-trip"
     pieces = stream(tokenizer, ids, chunks)
     assert "".join(pieces) == expected, f"pieces {pieces!r}"
@@ -98,21 +105,21 @@ def test_streamed_text_equals_full_decode_and_never_splits_a_character(
 @example(prompt="Hello ", text="world", chunks=[1])
 @example(prompt="日本", text="語です 😀", chunks=[1])
 def test_prompt_context_gives_the_continuation_of_the_prompt(
-    tokenizer: Tokenizer, prompt: str, text: str, chunks: list[int]
+    tokenizer: Tokenizer, hf: PreTrainedTokenizerBase, prompt: str, text: str, chunks: list[int]
 ) -> None:
     prompt_ids, ids = tokenizer.encode(prompt), tokenizer.encode(text)
     pieces = stream(tokenizer, ids, chunks, prompt_ids)
-    full = tokenizer.hf.decode(prompt_ids + ids, skip_special_tokens=True)
-    head = tokenizer.hf.decode(prompt_ids, skip_special_tokens=True)
+    full = hf.decode(prompt_ids + ids, skip_special_tokens=True)
+    head = hf.decode(prompt_ids, skip_special_tokens=True)
     assert full.startswith(head)
     assert "".join(pieces) == full[len(head) :] == text
     assert not any(REPLACEMENT in p for p in pieces), pieces
 
 
-def test_leading_space_token_after_a_prompt_keeps_its_space(tokenizer: Tokenizer) -> None:
+def test_leading_space_token_after_a_prompt_keeps_its_space(tokenizer: Tokenizer, hf: PreTrainedTokenizerBase) -> None:
     prompt_ids = tokenizer.encode("The quick brown fox")
     ids = tokenizer.encode(" jumps over")
-    assert tokenizer.hf.decode(ids[:1]).startswith(" ")
+    assert hf.decode(ids[:1]).startswith(" ")
     pieces = stream(tokenizer, ids, [1], prompt_ids)
     assert pieces[0].startswith(" "), pieces
     assert "".join(pieces) == " jumps over"
@@ -121,7 +128,7 @@ def test_leading_space_token_after_a_prompt_keeps_its_space(tokenizer: Tokenizer
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_token_id_prompt_ending_mid_character_does_not_swallow_the_output(
-    tokenizer: Tokenizer, data: st.DataObject
+    tokenizer: Tokenizer, hf: PreTrainedTokenizerBase, data: st.DataObject
 ) -> None:
     """A prompt of token ids may end inside a character that the output completes: the output must still
     come out, as decode(prompt + output) beyond decode(prompt) (the completed character belongs to the prompt)."""
@@ -129,8 +136,8 @@ def test_token_id_prompt_ending_mid_character_does_not_swallow_the_output(
     cut = data.draw(st.integers(1, len(ids) - 1), label="cut")
     chunks = data.draw(st.lists(st.integers(1, 3), max_size=3), label="chunks")
     prompt, output = ids[:cut], ids[cut:]
-    head = tokenizer.hf.decode(prompt, skip_special_tokens=True)
-    full = tokenizer.hf.decode(prompt + output, skip_special_tokens=True)
+    head = hf.decode(prompt, skip_special_tokens=True)
+    full = hf.decode(prompt + output, skip_special_tokens=True)
     assert len(full) >= len(head)
     expected = full[len(head) :]
     assert "".join(stream(tokenizer, output, chunks, prompt)) == expected, f"prompt ends {head[-3:]!r}"
@@ -316,15 +323,15 @@ def test_stop_matcher_chunk_boundaries_matter_only_when_two_stops_complete_in_on
 # ---------------------------------------------------------------------------------------------- chat template
 
 
-def test_encode_chat_renders_chatml(tokenizer: Tokenizer) -> None:
+def test_encode_chat_renders_chatml(tokenizer: Tokenizer, hf: PreTrainedTokenizerBase) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀"}]
     ids = tokenizer.encode_chat(messages)
     expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 😀<|im_end|>\n<|im_start|>assistant\n"
-    assert tokenizer.hf.decode(ids, skip_special_tokens=False) == expected
+    assert hf.decode(ids, skip_special_tokens=False) == expected
     assert ids.count(2) == 3 and ids.count(3) == 2, "turn markers are the special tokens, not their spelling"
     assert ids[0] == 2, "no BOS added on top of what the template writes"
     without = tokenizer.encode_chat(messages, add_generation_prompt=False)
-    assert tokenizer.hf.decode(without, skip_special_tokens=False) == expected.removesuffix("<|im_start|>assistant\n")
+    assert hf.decode(without, skip_special_tokens=False) == expected.removesuffix("<|im_start|>assistant\n")
 
 
 def test_encode_chat_without_template_raises_prompt_error(model_dir: Path, tmp_path: Path) -> None:
@@ -361,6 +368,8 @@ def test_token_text_of_partial_character_and_special_token(tokenizer: Tokenizer)
 @given(
     ids=st.lists(st.integers(0, TINY["vocab_size"] - 1), max_size=40), chunks=st.lists(st.integers(1, 4), max_size=4)
 )
-def test_any_token_ids_stream_to_their_full_decode(tokenizer: Tokenizer, ids: list[int], chunks: list[int]) -> None:
+def test_any_token_ids_stream_to_their_full_decode(
+    tokenizer: Tokenizer, hf: PreTrainedTokenizerBase, ids: list[int], chunks: list[int]
+) -> None:
     """A model can emit any ids, invalid UTF-8 included: streamed, they still add up to the full decode."""
-    assert "".join(stream(tokenizer, ids, chunks)) == tokenizer.hf.decode(ids, skip_special_tokens=True)
+    assert "".join(stream(tokenizer, ids, chunks)) == hf.decode(ids, skip_special_tokens=True)

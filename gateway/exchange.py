@@ -1,202 +1,32 @@
-"""The gateway's HTTP app: OpenAI's completions, chat completions and models routes, health and metrics.
+"""One HTTP request's exchange with the executors: its prompts submitted as generations, and their events
+turned into the response, streamed (server-sent events) or collected into one body.
 
-A request is tokenized and checked here (model, parameters, context length), then each of its prompts becomes a
-`Generation`. Nothing is sent to the client before the first event of the generation is in: until then a
-failure can still be answered with a status code (400, 429, 503) in OpenAI's error shape. After it, a stream
-ends with an error event. A client that goes away mid-request aborts its generations, which frees their blocks.
+Nothing is sent to the client before the first event of the generation is in: until then a failure can still be
+answered with a status code (400, 429, 503) in OpenAI's error shape. After it, a stream ends with an error event.
+A client that goes away mid-request aborts its generations, which frees their blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
-import uvicorn
-import zmq.asyncio
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from executor.params import SamplingParams
-from executor.protocol import Info as ExecutorInfo
 from gateway import errors, responses
-from gateway.api import ChatCompletionRequest, CompletionRequest, _Common, require_json_object, validation_message
+from gateway.api import _Common
 from gateway.errors import APIError
-from gateway.executors import ExecutorLink
 from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted
-from gateway.metrics import GatewayMetrics
-from gateway.routing import PrefixLookup, Router
-from gateway.text import PromptError, Tokenizer
+from gateway.state import Gateway
 
 log = structlog.get_logger("gateway")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    model_dir: Path
-    executors: Sequence[str]
-    blockd_endpoint: str
-    routing: str = "prefix"
-    load_slack: int = 8
-    served_model_name: str | None = None
-    max_queue: int = 512
-    executor_timeout_s: float = 5.0
-
-
-class Gateway:
-    """What the routes share: the tokenizer, the executor links, the router, the metrics, the queue bound."""
-
-    def __init__(self, config: GatewayConfig) -> None:
-        self.config = config
-        self.tokenizer = Tokenizer(config.model_dir)
-        self.model_name = config.served_model_name or Path(config.model_dir).resolve().name
-        self.created = int(time.time())
-        self.context = zmq.asyncio.Context()
-        self.links = [
-            ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
-            for e in config.executors
-        ]
-        self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
-        self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
-        self.in_flight = 0
-        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
-
-    def _compatible(self, info: ExecutorInfo) -> str | None:
-        """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""
-        if self.tokenizer.vocab_size > info.vocab_size:
-            return (
-                f"it serves {info.model_id} with a vocabulary of {info.vocab_size} tokens, but this gateway's "
-                f"tokenizer ({self.config.model_dir}) has {self.tokenizer.vocab_size}: another model"
-            )
-        return None
-
-    async def start(self) -> None:
-        for link in self.links:
-            link.start()
-        log.info(
-            "gateway_started",
-            model=self.model_name,
-            executors=list(self.config.executors),
-            routing=self.config.routing,
-            blockd=self.config.blockd_endpoint,
-        )
-
-    async def stop(self) -> None:
-        for link in self.links:
-            await link.close()
-        if self.lookup is not None:
-            self.lookup.close()
-        self.context.term()
-
-    @property
-    def max_model_len(self) -> int | None:
-        lengths = [link.info.max_model_len for link in self.links if link.healthy and link.info]
-        return min(lengths) if lengths else None
-
-    def why_unavailable(self) -> str:
-        refused = [f"{link.endpoint} is refused: {link.refused}" for link in self.links if link.refused]
-        return "; ".join(refused) if refused else "every executor is out of rotation"
-
-    @contextlib.contextmanager
-    def admitted(self):
-        if self.in_flight >= self.config.max_queue:
-            raise errors.queue_full(self.config.max_queue)
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise errors.model_not_found(name, self.model_name)
-
-    def generation(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        stops: list[str],
-        arrival: float,
-        replayable: bool,
-    ) -> Generation:
-        return Generation(
-            request_id=request_id,
-            prompt=prompt,
-            params=params,
-            stops=stops,
-            router=self.router,
-            tokenizer=self.tokenizer,
-            metrics=self.metrics,
-            arrival=arrival,
-            replayable=replayable,
-        )
-
-
-# -------------------------------------------------------------------------------------------------- requests
-
-
-def _token_limit(gateway: Gateway, prompt: list[int], asked: int | None, param: str) -> int:
-    """max_tokens for this prompt: what was asked, if it fits in the context; all the room left if not asked."""
-    limit = gateway.max_model_len
-    if limit is None:
-        raise errors.no_executor(gateway.why_unavailable())
-    if not prompt:
-        raise errors.invalid_request("The prompt is empty.", param=param)
-    room = limit - len(prompt)
-    if asked is None:
-        if room < 1:
-            raise errors.context_length_exceeded(
-                f"This model's maximum context length is {limit} tokens. However, your {param} has "
-                f"{len(prompt)} tokens, leaving no room for the completion.",
-                param,
-            )
-        return room
-    if asked > room:
-        raise errors.context_length_exceeded(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt) + asked} tokens ({len(prompt)} in the {param}, {asked} for the completion). Please "
-            "reduce the length of the prompt or the completion.",
-            param,
-        )
-    return asked
-
-
-def _check_token_ids(gateway: Gateway, tokens: list[int]) -> list[int]:
-    vocab = gateway.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in tokens):
-        raise errors.invalid_request(f"prompt token ids must be in [0, {vocab}).", param="prompt")
-    return tokens
-
-
-def _check_stop_token_ids(gateway: Gateway, body: _Common) -> None:
-    vocab = gateway.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
-        raise errors.invalid_request(f"stop_token_ids must be token ids in [0, {vocab}).", param="stop_token_ids")
-
-
-async def _parse(request: Request, model: type[_Common]) -> Any:
-    try:
-        raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise errors.invalid_request("The request body is not valid JSON.") from None
-    try:
-        return model.model_validate(require_json_object(raw))
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise errors.invalid_request(message, param=param) from None
 
 
 async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, ChoiceEvent | Restarted]]:
@@ -260,7 +90,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-class _Exchange:
+class Exchange:
     """One HTTP request's generations and how their events become a response."""
 
     def __init__(
@@ -417,7 +247,7 @@ class _EventStream(StreamingResponse):
             self._release.close()
 
 
-async def _respond(
+async def respond(
     gateway: Gateway,
     request: Request,
     kind: str,
@@ -426,6 +256,8 @@ async def _respond(
     max_tokens: list[int],
     logprobs: int | None,
 ) -> Response:
+    """Run a checked request's prompts (each with its max_tokens) as generations, holding a queue slot while
+    they run, and answer: a stream of events, or one body once every choice is done."""
     arrival = time.monotonic()
     request_id = uuid.uuid4().hex
     generations = [
@@ -439,7 +271,7 @@ async def _respond(
         )
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]
-    exchange = _Exchange(gateway, kind, body, generations, logprobs)
+    exchange = Exchange(gateway, kind, body, generations, logprobs)
     release = contextlib.ExitStack()
     release.enter_context(gateway.admitted())
     handed_over = False  # to the streaming response, which then releases the queue slot and the generations
@@ -469,119 +301,3 @@ async def _respond(
             await exchange.events.aclose()
     gateway.metrics.requests.labels(route=exchange.route, status="200").inc()
     return JSONResponse(result, headers=exchange.headers())
-
-
-# -------------------------------------------------------------------------------------------------- the app
-
-
-def create_app(config: GatewayConfig) -> FastAPI:
-    gateway = Gateway(config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.stop()
-
-    app = FastAPI(title="pagedkv gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.gateway = gateway
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if request.url.path.startswith("/v1/"):
-            gateway.metrics.requests.labels(route=request.url.path, status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            error = errors.not_found(request.url.path)
-        else:
-            error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body: CompletionRequest = await _parse(request, CompletionRequest)
-        gateway.check_model(body.model)
-        _check_stop_token_ids(gateway, body)
-        prompts = []
-        for prompt in body.prompts():
-            tokens = gateway.tokenizer.encode(prompt) if isinstance(prompt, str) else _check_token_ids(gateway, prompt)
-            prompts.append(tokens)
-        if not prompts:
-            raise errors.invalid_request("The prompt is empty.", param="prompt")
-        limits = [_token_limit(gateway, p, body.max_tokens, "prompt") for p in prompts]
-        return await _respond(gateway, request, "completion", body, prompts, limits, body.logprobs)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        gateway.check_model(body.model)
-        _check_stop_token_ids(gateway, body)
-        try:
-            prompt = gateway.tokenizer.encode_chat(
-                [m.for_template() for m in body.messages], body.add_generation_prompt
-            )
-        except PromptError as exc:
-            raise errors.invalid_request(str(exc), param="messages") from None
-        limit = _token_limit(gateway, prompt, body.token_limit, "messages")
-        return await _respond(gateway, request, "chat", body, [prompt], [limit], body.logprobs_k)
-
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": gateway.model_name,
-            "object": "model",
-            "created": gateway.created,
-            "owned_by": "pagedkv",
-            "max_model_len": gateway.max_model_len,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str) -> dict[str, Any]:
-        gateway.check_model(name)
-        return model_card()
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        healthy = any(link.healthy for link in gateway.links)
-        body = {
-            "status": "ok" if healthy else "unavailable",
-            "model": gateway.model_name,
-            "routing": config.routing,
-            "in_flight": gateway.in_flight,
-            "prefix_lookup": None if gateway.lookup is None else gateway.lookup.reachable,
-            "executors": [link.describe() for link in gateway.links],
-        }
-        if not healthy:
-            body["reason"] = gateway.why_unavailable()
-        return JSONResponse(body, status_code=200 if healthy else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
-
-def run_gateway(config: GatewayConfig, *, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGINT or SIGTERM (requests in flight get a few seconds to finish)."""
-    app = create_app(config)
-    listener = socket.create_server((host, port), reuse_port=False)  # bound here, so port 0 can be reported
-    bound_port = listener.getsockname()[1]
-    log.info("gateway_listening", url=f"http://{host}:{bound_port}", model=app.state.gateway.model_name)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level="warning" if log_level == "info" else log_level,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    server.run(sockets=[listener])

@@ -1,0 +1,127 @@
+"""The gateway's state: its configuration and what every route shares (the tokenizer, the executor links,
+the router, the metrics, the bound on requests in flight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import zmq.asyncio
+
+from executor.params import SamplingParams
+from executor.protocol import Info as ExecutorInfo
+from gateway import errors
+from gateway.executors import ExecutorLink
+from gateway.generation import Generation
+from gateway.metrics import GatewayMetrics
+from gateway.routing import PrefixLookup, Router
+from gateway.text import Tokenizer
+
+log = structlog.get_logger("gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: Path
+    executors: Sequence[str]
+    blockd_endpoint: str
+    routing: str = "prefix"
+    load_slack: int = 8
+    served_model_name: str | None = None
+    max_queue: int = 512
+    executor_timeout_s: float = 5.0
+
+
+class Gateway:
+    """What the routes share: the tokenizer, the executor links, the router, the metrics, the queue bound."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.model_name = config.served_model_name or Path(config.model_dir).resolve().name
+        self.created = int(time.time())
+        self.context = zmq.asyncio.Context()
+        self.links = [
+            ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
+            for e in config.executors
+        ]
+        self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
+        self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
+        self.in_flight = 0
+        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
+
+    def _compatible(self, info: ExecutorInfo) -> str | None:
+        """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""
+        if self.tokenizer.vocab_size > info.vocab_size:
+            return (
+                f"it serves {info.model_id} with a vocabulary of {info.vocab_size} tokens, but this gateway's "
+                f"tokenizer ({self.config.model_dir}) has {self.tokenizer.vocab_size}: another model"
+            )
+        return None
+
+    async def start(self) -> None:
+        for link in self.links:
+            link.start()
+        log.info(
+            "gateway_started",
+            model=self.model_name,
+            executors=list(self.config.executors),
+            routing=self.config.routing,
+            blockd=self.config.blockd_endpoint,
+        )
+
+    async def stop(self) -> None:
+        for link in self.links:
+            await link.close()
+        if self.lookup is not None:
+            self.lookup.close()
+        self.context.term()
+
+    @property
+    def max_model_len(self) -> int | None:
+        lengths = [link.info.max_model_len for link in self.links if link.healthy and link.info]
+        return min(lengths) if lengths else None
+
+    def why_unavailable(self) -> str:
+        refused = [f"{link.endpoint} is refused: {link.refused}" for link in self.links if link.refused]
+        return "; ".join(refused) if refused else "every executor is out of rotation"
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        if self.in_flight >= self.config.max_queue:
+            raise errors.queue_full(self.config.max_queue)
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise errors.model_not_found(name, self.model_name)
+
+    def generation(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        arrival: float,
+        replayable: bool,
+    ) -> Generation:
+        return Generation(
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            stops=stops,
+            router=self.router,
+            tokenizer=self.tokenizer,
+            metrics=self.metrics,
+            arrival=arrival,
+            replayable=replayable,
+        )

@@ -1,0 +1,66 @@
+"""Checks on a request before any work is done for it: its body parsed into the request model, token ids in
+the vocabulary, max_tokens within the context. A refusal raises the `APIError` the client gets.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from gateway import errors
+from gateway.api import _Common, require_json_object, validation_message
+from gateway.state import Gateway
+
+
+def token_limit(gateway: Gateway, prompt: list[int], asked: int | None, param: str) -> int:
+    """max_tokens for this prompt: what was asked, if it fits in the context; all the room left if not asked."""
+    limit = gateway.max_model_len
+    if limit is None:
+        raise errors.no_executor(gateway.why_unavailable())
+    if not prompt:
+        raise errors.invalid_request("The prompt is empty.", param=param)
+    room = limit - len(prompt)
+    if asked is None:
+        if room < 1:
+            raise errors.context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {param} has "
+                f"{len(prompt)} tokens, leaving no room for the completion.",
+                param,
+            )
+        return room
+    if asked > room:
+        raise errors.context_length_exceeded(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + asked} tokens ({len(prompt)} in the {param}, {asked} for the completion). Please "
+            "reduce the length of the prompt or the completion.",
+            param,
+        )
+    return asked
+
+
+def check_token_ids(gateway: Gateway, tokens: list[int]) -> list[int]:
+    vocab = gateway.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise errors.invalid_request(f"prompt token ids must be in [0, {vocab}).", param="prompt")
+    return tokens
+
+
+def check_stop_token_ids(gateway: Gateway, body: _Common) -> None:
+    vocab = gateway.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+        raise errors.invalid_request(f"stop_token_ids must be token ids in [0, {vocab}).", param="stop_token_ids")
+
+
+async def parse_body(request: Request, model: type[_Common]) -> Any:
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise errors.invalid_request("The request body is not valid JSON.") from None
+    try:
+        return model.model_validate(require_json_object(raw))
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise errors.invalid_request(message, param=param) from None

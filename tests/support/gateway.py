@@ -1,0 +1,152 @@
+"""What the gateway tests share: the tiny model and the stacks of real processes they run on, a second gateway
+process, what blockd and the gateway report, transformers' reference text, and polling for a condition.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from common.net import free_ports
+from pagedkv.serve import LocalStack
+from pagedkv.tools.model_gen import write_model
+from tests.support.models import TINY
+from tests.support.waiting import wait_for
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------- models and stacks
+
+
+def tiny_model(root: Path, name: str, **overrides: Any) -> Path:
+    """A tiny llama checkpoint in root/name (overrides: write_model options, such as another vocab_size)."""
+    return write_model(root / name, arch="llama", quiet=True, **{**TINY, **overrides})
+
+
+def local_stack(model_dir: Path, log_dir: Path, **options: Any) -> LocalStack:
+    """blockd, two executors (8 MiB of KV cache each) and a gateway on a free port, without persistence; use
+    it as a context manager. `options` override LocalStack's (routing=..., gateway_args=[...])."""
+    settings: dict[str, Any] = dict(
+        executors=2, port=0, kv_cache_memory="8MiB", persistence=False, log_dir=log_dir, progress=None
+    )
+    return LocalStack(model_dir=model_dir, **{**settings, **options})
+
+
+class GatewayProcess:
+    """A gateway process of its own (`python -m gateway.server`), for instance in front of a stack's executors."""
+
+    def __init__(self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str) -> None:
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log.open("wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway.server",
+                "--model",
+                str(model_dir),
+                "--executors",
+                ",".join(executors),
+                "--blockd",
+                blockd,
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_listening(self) -> None:
+        def answers() -> bool:
+            assert self.process.poll() is None, "the gateway exited"
+            try:
+                httpx.get(f"{self.url}/health", timeout=2)
+                return True
+            except httpx.TransportError:
+                return False
+
+        wait_for(answers, timeout_s=60, what="the gateway to listen")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=15)
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------- what they report
+
+
+def health(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
+def healthy_pools(url: str) -> set[str]:
+    return {e["pool_id"] for e in health(url)["executors"] if e["healthy"]}
+
+
+def executor_state(url: str, pool_id: str) -> dict[str, Any]:
+    """The gateway's view of one executor (its /health entry): healthy, in_flight, running, ..."""
+    (entry,) = [e for e in health(url)["executors"] if e["pool_id"] == pool_id]
+    return entry
+
+
+def metric(url: str, name: str) -> float:
+    """An unlabelled metric's value on the gateway's /metrics (0 if absent)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def blockd_stats(stack: LocalStack) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "blockd.cli", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def blocks_in_use(stack: LocalStack) -> dict[str, int]:
+    return {p["pool_id"]: p["blocks_in_use"] for p in blockd_stats(stack)["pools"]}
+
+
+def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools: set[str] | None = None) -> None:
+    """Until no live sequence holds a block (in `pools`, or in any pool)."""
+    deadline = time.monotonic() + timeout_s
+    while (
+        held := {k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)}
+    ) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not held, f"blocks still held by live sequences: {held}"
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+@cache
+def _hf_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def reference_text(model_dir: Path, prompt: list[int], n: int) -> tuple[str, list[int]]:
+    """transformers' greedy continuation of `prompt` (n tokens, EOS ignored) and its text as transformers'
+    tokenizer decodes it: what the stack must answer at temperature 0."""
+    from tests.executor.harness import hf_greedy_ignoring_eos
+
+    tokens = hf_greedy_ignoring_eos(model_dir, prompt, n)
+    return _hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True), tokens
