@@ -6,6 +6,8 @@ gateway speak the executor's protocol without importing torch.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 MAX_LOGPROBS = 20
@@ -60,8 +62,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 return f"{name} must be in [-2, 2], got {value}"
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            return f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
+        if not 0.0 < self.repetition_penalty < math.inf:
+            return f"repetition_penalty must be a number above 0, got {self.repetition_penalty}"
         if not 0.0 <= self.min_p <= 1.0:
             return f"min_p must be in [0, 1], got {self.min_p}"
         if not 0 <= self.min_tokens <= self.max_tokens:

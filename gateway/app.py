@@ -432,7 +432,7 @@ async def _respond(
         gateway.generation(
             request_id if len(prompts) == 1 else f"{request_id}-{i}",
             prompt,
-            body.sampling(limit, logprobs),
+            body.sampling(limit, logprobs, gateway.tokenizer),
             body.stop_strings(),
             arrival,
             replayable=not body.stream,

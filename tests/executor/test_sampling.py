@@ -279,6 +279,7 @@ def test_rows_without_processing_are_left_alone_in_a_processed_batch():
         (SamplingParams(frequency_penalty=-2.1), "frequency_penalty"),
         (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
         (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty"),
         (SamplingParams(min_p=1.5), "min_p"),
         (SamplingParams(min_tokens=-1), "min_tokens"),
         (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
