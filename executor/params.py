@@ -107,12 +107,18 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
 
     @property
     def processes_logits(self) -> bool:
-        """Whether any processing beyond temperature, top-k and top-p applies (False: the sampler's plain path)."""
+        """Whether any processing beyond temperature, top-k and top-p applies (False: the sampler's plain path).
+        One tuple comparison: the sampler asks it of every row at every step."""
         return (
-            self.penalized
-            or self.min_p != 0.0
-            or self.min_tokens != 0
-            or bool(self.logit_bias)
-            or bool(self.bad_words_token_ids)
-            or self.allowed_token_ids is not None
-        )
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.min_p,
+            self.min_tokens,
+            self.logit_bias,
+            self.bad_words_token_ids,
+            self.allowed_token_ids,
+        ) != _NEUTRAL_PROCESSING
+
+
+_NEUTRAL_PROCESSING = (0.0, 0.0, 1.0, 0.0, 0, (), (), None)

@@ -9,8 +9,8 @@ Logits processing (vLLM's order and meaning) comes first, on a copy of the logit
 tensor ops over the rows that ask for it, and not at all when none does: allowed_token_ids (everything else to
 -inf), then one accumulating scatter for bad words (the last token of a banned sequence whose other tokens end the
 output), logit_bias, and min_tokens (end-of-sequence and stop tokens banned until then), then the penalties over
-per-row token counts built on the device from the rows' token ids (repetition over prompt and output, frequency
-and presence over the output, as OpenAI defines them). Greedy rows take the argmax of the processed logits;
+gathers and scatters over the rows' token ids (repetition over prompt and output, frequency and presence over
+the output, as OpenAI defines them). Greedy rows take the argmax of the processed logits;
 random rows then apply temperature, min_p, top-k and top-p.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits), before any processing,
@@ -126,13 +126,12 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_id
     params = [row.params for row in rows]
 
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
-    if allowed:
-        local = [j for j, i in enumerate(allowed) for _ in params[i].allowed_token_ids or ()]
-        ids = [t for i in allowed for t in params[i].allowed_token_ids or ()]
-        keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=device)
-        keep[torch.tensor(local, device=device), torch.tensor(ids, device=device)] = True
-        index = torch.tensor(allowed, device=device)
-        logits[index] = logits[index].masked_fill(~keep, _NEG_INF)
+    if allowed:  # keep the allowed logits aside, fill the rows with -inf, put them back
+        row_ids = torch.tensor([i for i in allowed for _ in params[i].allowed_token_ids or ()], device=device)
+        token_ids = torch.tensor([t for i in allowed for t in params[i].allowed_token_ids or ()], device=device)
+        kept = logits[row_ids, token_ids]
+        logits[torch.tensor(allowed, device=device)] = _NEG_INF
+        logits[row_ids, token_ids] = kept
 
     # Bad words, logit_bias and min_tokens only add to single logits (-inf bans them), so they commute and go in
     # one accumulating scatter: duplicate (row, token) pairs add up instead of overwriting each other.
@@ -196,39 +195,40 @@ def _bad_words(
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SampleRow], penalized: list[int]) -> None:
-    """Repetition (prompt and output), frequency and presence (output) penalties of the `penalized` rows,
-    from token counts scattered on the device."""
-    device = logits.device
-    params = [rows[i].params for i in penalized]
-    outputs = [rows[i].tokens[rows[i].prompt_len :] for i in penalized]
-    counts = torch.zeros(len(penalized), logits.shape[1], dtype=logits.dtype, device=device)
-    local = torch.tensor([j for j, out in enumerate(outputs) for _ in out], dtype=torch.long, device=device)
-    ids = torch.tensor(list(itertools.chain.from_iterable(outputs)), dtype=torch.long, device=device)
-    counts.index_put_((local, ids), torch.ones_like(ids, dtype=logits.dtype), accumulate=True)
-    index = torch.tensor(penalized, device=device)
-    sub = logits[index]
-    seen_output = counts > 0
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = seen_output.clone()
-        prompts = [
-            rows[i].tokens[: rows[i].prompt_len] if p.repetition_penalty != 1.0 else ()
-            for i, p in zip(penalized, params, strict=True)
-        ]
-        prompt_rows = torch.tensor(
-            [j for j, prompt in enumerate(prompts) for _ in prompt], dtype=torch.long, device=device
-        )
-        prompt_ids = torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.long, device=device)
-        seen[prompt_rows, prompt_ids] = True
-        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)
-        factor = torch.where(seen, repetition[:, None], torch.ones((), dtype=logits.dtype, device=device))
-        sub = torch.where(sub > 0, sub / factor, sub * factor)
-    if any(p.frequency_penalty != 0.0 for p in params):
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
-        sub = sub - frequency[:, None] * counts
-    if any(p.presence_penalty != 0.0 for p in params):
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
-        sub = sub - presence[:, None] * seen_output
-    logits[index] = sub
+    """Repetition (prompt and output), frequency and presence (output) penalties of the `penalized` rows, in
+    vLLM's order. Only the logits of tokens a row has seen change, so the ops are gathers and scatters over the
+    rows' token ids: their cost follows the number of tokens, not rows x vocabulary."""
+    device, dtype, vocab = logits.device, logits.dtype, logits.shape[1]
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(row.params, name) for row in rows], dtype=dtype, device=device)
+
+    repeating = [i for i in penalized if rows[i].params.repetition_penalty != 1.0]
+    if repeating:
+        row_ids, token_ids = _flat_tokens(rows, repeating, output_only=False, device=device)
+        factor = per_row("repetition_penalty")[row_ids]
+        values = logits[row_ids, token_ids]  # a token seen twice is gathered twice and written twice, alike
+        logits[row_ids, token_ids] = torch.where(values > 0, values / factor, values * factor)
+    counting = [i for i in penalized if rows[i].params.frequency_penalty != 0.0 or rows[i].params.presence_penalty]
+    if counting:
+        row_ids, token_ids = _flat_tokens(rows, counting, output_only=True, device=device)
+        if any(rows[i].params.frequency_penalty != 0.0 for i in counting):  # once per occurrence
+            logits.index_put_((row_ids, token_ids), -per_row("frequency_penalty")[row_ids], accumulate=True)
+        if any(rows[i].params.presence_penalty != 0.0 for i in counting):  # once per distinct token
+            seen = torch.unique(row_ids * vocab + token_ids)
+            row_ids, token_ids = seen // vocab, seen % vocab
+            logits.index_put_((row_ids, token_ids), -per_row("presence_penalty")[row_ids], accumulate=True)
+
+
+def _flat_tokens(
+    rows: Sequence[SampleRow], which: list[int], *, output_only: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every token of the rows `which` (their output only, or prompt and output)."""
+    tokens = [rows[i].tokens[rows[i].prompt_len :] if output_only else rows[i].tokens for i in which]
+    lengths = torch.tensor([len(t) for t in tokens], device=device)
+    row_ids = torch.repeat_interleave(torch.tensor(which, device=device), lengths)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.long, device=device)
+    return row_ids, token_ids
 
 
 def _scale_with_min_p(logits: torch.Tensor, params: list[SamplingParams], random: list[int]) -> torch.Tensor:
