@@ -8,10 +8,10 @@ which picks token i with probability p_i and needs one random vector per row.
 Logits processing (vLLM's order and meaning) comes first, on a copy of the logits, each step as a few batched
 tensor ops over the rows that ask for it, and not at all when none does: allowed_token_ids (everything else to
 -inf), then one accumulating scatter for bad words (the last token of a banned sequence whose other tokens end the
-output), logit_bias, and min_tokens (end-of-sequence and stop tokens banned until then), then the penalties over
-gathers and scatters over the rows' token ids (repetition over prompt and output, frequency and presence over
-the output, as OpenAI defines them). Greedy rows take the argmax of the processed logits;
-random rows then apply temperature, min_p, top-k and top-p.
+output), logit_bias, and min_tokens (end-of-sequence and stop tokens banned until then), then the penalties, as
+gathers and scatters over the rows' token ids (repetition over prompt and output as vLLM; frequency and presence
+over the output as OpenAI). Greedy rows take the argmax of the processed logits; random rows then apply
+temperature, min_p (batched), top-k and top-p.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits), before any processing,
 temperature and truncation, so they mean the same thing whatever the sampling settings (vLLM's default too).
