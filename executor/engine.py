@@ -58,7 +58,7 @@ class Engine:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             blocks=pool,
         )
-        self.sampler = Sampler(runner.device, seed)
+        self.sampler = Sampler(runner.device, seed, eos_token_ids=self.config.eos_token_ids)
         # The longest a sequence can grow, alone in the cache above the admission watermark.
         self.max_seq_tokens = (self.scheduler.num_blocks - self.scheduler.watermark) * runner.block_size
         self.requests: dict[str, Request] = {}
@@ -248,13 +248,14 @@ class Engine:
         row_of: list[int] = []  # logits row of each sample row
         choices: list[tuple[Sequence, int | None]] = []  # (sequence, index of a new choice or None)
         for i, seq in enumerate(sampling):
-            rows.append(SampleRow(seq.params, seq.generator))
+            rows.append(SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len))
             row_of.append(i)
             choices.append((seq, None))
             request = seq.request
             if seq.index == 0 and len(request.sequences) == 1 and request.params.n > 1 and seq.num_generated == 0:
                 for index in range(1, request.params.n):  # the other choices start from the same prompt logits
-                    rows.append(SampleRow(seq.params, choice_generator(seq.params, index, self.runner.device)))
+                    generator = choice_generator(seq.params, index, self.runner.device)
+                    rows.append(SampleRow(seq.params, generator, seq.tokens, seq.prompt_len))
                     row_of.append(i)
                     choices.append((seq, index))
         if not rows:

@@ -6,9 +6,13 @@ gateway speak the executor's protocol without importing torch.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 128  # token sequences per request (a word usually gives two: with and without a leading space)
+MAX_BAD_WORD_TOKENS = 64  # tokens per banned sequence
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -23,6 +27,15 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the chosen token's logprob and the k most likely
+    # Logits processing (vLLM's names and meaning); each one's neutral value costs the sampler nothing.
+    presence_penalty: float = 0.0  # minus this from each token seen in the output (OpenAI)
+    frequency_penalty: float = 0.0  # minus this times the count of each token in the output (OpenAI)
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logits > 0 divided by it, others multiplied
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely (after temperature)
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are banned until this many tokens are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each token once
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # last token banned where the output ends with the rest
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
 
     def validate(self, vocab_size: int) -> str | None:
         if not self.max_tokens >= 1:
@@ -42,8 +55,70 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             return f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"
+        return self._validate_processing(vocab_size)
+
+    def _validate_processing(self, vocab_size: int) -> str | None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                return f"{name} must be in [-2, 2], got {value}"
+        if not 0.0 < self.repetition_penalty < math.inf:
+            return f"repetition_penalty must be a number above 0, got {self.repetition_penalty}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            return "logit_bias names a token more than once"
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            return f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad[:3]}"
+        bad_bias = [b for _, b in self.logit_bias if not -100.0 <= b <= 100.0]
+        if bad_bias:
+            return f"logit_bias values must be in [-100, 100], got {bad_bias[:3]}"
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            return f"bad_words accepts at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_words_token_ids)}"
+        for word in self.bad_words_token_ids:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                return f"each of bad_words must be 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(word)}"
+            bad = [t for t in word if not 0 <= t < vocab_size]
+            if bad:
+                return f"bad_words token ids must be in [0, {vocab_size}), got {bad[:3]}"
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                return "allowed_token_ids must not be empty (leave it out to allow every token)"
+            if len(self.allowed_token_ids) > vocab_size:
+                return (
+                    f"allowed_token_ids has {len(self.allowed_token_ids)} ids, more than the vocabulary's {vocab_size}"
+                )
+            bad = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                return f"allowed_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"
         return None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any processing beyond temperature, top-k and top-p applies (False: the sampler's plain path).
+        One tuple comparison: the sampler asks it of every row at every step."""
+        return (
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.min_p,
+            self.min_tokens,
+            self.logit_bias,
+            self.bad_words_token_ids,
+            self.allowed_token_ids,
+        ) != _NEUTRAL_PROCESSING
+
+
+_NEUTRAL_PROCESSING = (0.0, 0.0, 1.0, 0.0, 0, (), (), None)

@@ -5,12 +5,22 @@ Greedy rows are one batched argmax. Random rows apply temperature, top-k and top
 alone, never on what else shares the batch. The draw is the exponential race (argmax of p / E with E ~ Exp(1)),
 which picks token i with probability p_i and needs one random vector per row.
 
-Logprobs are those of the model's distribution (log-softmax of the raw logits), before temperature and
-truncation, so they mean the same thing whatever the sampling settings.
+Logits processing (vLLM's order and meaning) comes first, on a copy of the logits, each step as a few batched
+tensor ops over the rows that ask for it, and not at all when none does: allowed_token_ids (everything else to
+-inf), then one accumulating scatter for bad words (the last token of a banned sequence whose other tokens end the
+output), logit_bias, and min_tokens (end-of-sequence and stop tokens banned until then), then the penalties, as
+gathers and scatters over the rows' token ids (repetition over prompt and output as vLLM; frequency and presence
+over the output as OpenAI). Greedy rows take the argmax of the processed logits; random rows then apply
+temperature, min_p (batched), top-k and top-p.
+
+Logprobs are those of the model's distribution (log-softmax of the raw logits), before any processing,
+temperature and truncation, so they mean the same thing whatever the sampling settings (vLLM's default too).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +41,13 @@ def choice_generator(params: SamplingParams, index: int, device: torch.device) -
 
 @dataclass
 class SampleRow:
-    """One row of logits to sample from, and whose generator draws."""
+    """One row of logits to sample from, whose generator draws, and (read only when its params process logits:
+    penalties, bad words, min_tokens) the sequence's token ids so far, the prompt's first."""
 
     params: SamplingParams
     generator: torch.Generator | None
+    tokens: Sequence[int] = ()
+    prompt_len: int = 0
 
 
 @dataclass
@@ -45,19 +58,28 @@ class Sampled:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+    def __init__(self, device: torch.device, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.shared = torch.Generator(device=device)
         if seed is None:
             self.shared.seed()
         else:
             self.shared.manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)  # banned (unless ignore_eos) while a row is short of min_tokens
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
-        """logits: float32 `[len(rows), vocab]`."""
-        tokens = torch.argmax(logits, dim=-1)
-        for i, row in enumerate(rows):
-            if not row.params.greedy:
-                tokens[i] = self._draw(logits[i], row.params, row.generator or self.shared)
+        """logits: float32 `[len(rows), vocab]` (not modified)."""
+        processed = logits
+        if any(row.params.processes_logits for row in rows):
+            processed = process_logits(logits.clone(), rows, self.eos_token_ids)
+        tokens = torch.argmax(processed, dim=-1)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random and any(rows[i].params.min_p != 0.0 for i in random):
+            scaled = _scale_with_min_p(processed, [rows[i].params for i in random], random)
+            for j, i in enumerate(random):
+                tokens[i] = self._draw(scaled[j], rows[i].params, rows[i].generator or self.shared, prescaled=True)
+        else:
+            for i in random:
+                tokens[i] = self._draw(processed[i], rows[i].params, rows[i].generator or self.shared)
         token_ids = tokens.tolist()
         want = [row.params.logprobs for row in rows]
         if all(k is None for k in want):
@@ -76,8 +98,11 @@ class Sampler:
         return Sampled(token_ids, out)
 
     @staticmethod
-    def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-        scaled = row / params.temperature
+    def _draw(
+        row: torch.Tensor, params: SamplingParams, generator: torch.Generator, prescaled: bool = False
+    ) -> torch.Tensor:
+        """One draw from a row's logits (already divided by the temperature when `prescaled`)."""
+        scaled = row if prescaled else row / params.temperature
         if params.top_k and params.top_k < scaled.shape[-1]:
             threshold = torch.topk(scaled, params.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
@@ -89,3 +114,130 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         race = torch.empty_like(probs).exponential_(generator=generator)
         return torch.argmax(probs / race)
+
+
+_NEG_INF = float("-inf")
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Apply every row's logits processing to `logits` `[len(rows), vocab]`, in place, as batched tensor ops;
+    each kind is skipped when no row uses it. Returns `logits`."""
+    device = logits.device
+    params = [row.params for row in rows]
+
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed:  # keep the allowed logits aside, fill the rows with -inf, put them back
+        row_ids = torch.tensor([i for i in allowed for _ in params[i].allowed_token_ids or ()], device=device)
+        token_ids = torch.tensor([t for i in allowed for t in params[i].allowed_token_ids or ()], device=device)
+        kept = logits[row_ids, token_ids]
+        logits[torch.tensor(allowed, device=device)] = _NEG_INF
+        logits[row_ids, token_ids] = kept
+
+    # Bad words, logit_bias and min_tokens only add to single logits (-inf bans them), so they commute and go in
+    # one accumulating scatter: duplicate (row, token) pairs add up instead of overwriting each other.
+    add_rows: list[int] = []
+    add_ids: list[int] = []
+    add_values: list[float] = []
+    banned = _bad_words(logits, rows, params)
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            add_rows.append(i)
+            add_ids.append(token)
+            add_values.append(bias)
+        if p.min_tokens and len(rows[i].tokens) - rows[i].prompt_len < p.min_tokens:
+            stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+            add_rows += [i] * len(stops)
+            add_ids += stops
+            add_values += [_NEG_INF] * len(stops)
+    if add_rows or banned is not None:
+        index_rows = torch.tensor(add_rows, dtype=torch.long, device=device)
+        index_ids = torch.tensor(add_ids, dtype=torch.long, device=device)
+        values = torch.tensor(add_values, dtype=logits.dtype, device=device)
+        if banned is not None:
+            index_rows = torch.cat([index_rows, banned[0]])
+            index_ids = torch.cat([index_ids, banned[1]])
+            values = torch.cat([values, banned[2]])
+        logits.index_put_((index_rows, index_ids), values, accumulate=True)
+
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if penalized:
+        _penalize(logits, rows, penalized)
+    return logits
+
+
+def _bad_words(
+    logits: torch.Tensor, rows: Sequence[SampleRow], params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, tokens, values) to add: -inf to the last token of each banned sequence whose other tokens end the
+    row's output, 0 where they do not. The match runs on the device for every (row, sequence) pair at once."""
+    pairs = [(i, word) for i, p in enumerate(params) for word in p.bad_words_token_ids]
+    if not pairs:
+        return None
+    device = logits.device
+    width = max(len(word) for _, word in pairs) - 1  # the longest prefix
+    pair_rows = torch.tensor([i for i, _ in pairs], device=device)
+    last = torch.tensor([word[-1] for _, word in pairs], device=device)
+    if width == 0:
+        return pair_rows, last, torch.full((len(pairs),), _NEG_INF, dtype=logits.dtype, device=device)
+    # Prefixes right-aligned, -2 (matches anything) on the left; the tails of the outputs right-aligned, -1 (no
+    # token: matches no prefix token) where the output is shorter.
+    prefixes = torch.tensor([[-2] * (width - len(word) + 1) + list(word[:-1]) for _, word in pairs], device=device)
+    tails = []
+    for row in rows:
+        tail = (
+            list(row.tokens[max(row.prompt_len, len(row.tokens) - width) :]) if row.params.bad_words_token_ids else []
+        )
+        tails.append([-1] * (width - len(tail)) + tail)
+    ends = torch.tensor(tails, device=device)[pair_rows]
+    match = ((prefixes == ends) | (prefixes == -2)).all(dim=1)
+    zero = torch.zeros((), dtype=logits.dtype, device=device)
+    return pair_rows, last, torch.where(match, torch.full_like(zero, _NEG_INF), zero)
+
+
+def _penalize(logits: torch.Tensor, rows: Sequence[SampleRow], penalized: list[int]) -> None:
+    """Repetition (prompt and output), frequency and presence (output) penalties of the `penalized` rows, in
+    vLLM's order. Only the logits of tokens a row has seen change, so the ops are gathers and scatters over the
+    rows' token ids: their cost follows the number of tokens, not rows x vocabulary."""
+    device, dtype, vocab = logits.device, logits.dtype, logits.shape[1]
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(row.params, name) for row in rows], dtype=dtype, device=device)
+
+    repeating = [i for i in penalized if rows[i].params.repetition_penalty != 1.0]
+    if repeating:
+        row_ids, token_ids = _flat_tokens(rows, repeating, output_only=False, device=device)
+        factor = per_row("repetition_penalty")[row_ids]
+        values = logits[row_ids, token_ids]  # a token seen twice is gathered twice and written twice, alike
+        logits[row_ids, token_ids] = torch.where(values > 0, values / factor, values * factor)
+    counting = [i for i in penalized if rows[i].params.frequency_penalty != 0.0 or rows[i].params.presence_penalty]
+    if counting:
+        row_ids, token_ids = _flat_tokens(rows, counting, output_only=True, device=device)
+        if any(rows[i].params.frequency_penalty != 0.0 for i in counting):  # once per occurrence
+            logits.index_put_((row_ids, token_ids), -per_row("frequency_penalty")[row_ids], accumulate=True)
+        if any(rows[i].params.presence_penalty != 0.0 for i in counting):  # once per distinct token
+            seen = torch.unique(row_ids * vocab + token_ids)
+            row_ids, token_ids = seen // vocab, seen % vocab
+            logits.index_put_((row_ids, token_ids), -per_row("presence_penalty")[row_ids], accumulate=True)
+
+
+def _flat_tokens(
+    rows: Sequence[SampleRow], which: list[int], *, output_only: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every token of the rows `which` (their output only, or prompt and output)."""
+    tokens = [rows[i].tokens[rows[i].prompt_len :] if output_only else rows[i].tokens for i in which]
+    lengths = torch.tensor([len(t) for t in tokens], device=device)
+    row_ids = torch.repeat_interleave(torch.tensor(which, device=device), lengths)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.long, device=device)
+    return row_ids, token_ids
+
+
+def _scale_with_min_p(logits: torch.Tensor, params: list[SamplingParams], random: list[int]) -> torch.Tensor:
+    """The random rows' logits divided by their temperatures, with min_p applied (tokens whose probability is
+    below min_p times the top one's set to -inf), as in vLLM: after temperature, before top-k and top-p."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    scaled = logits[torch.tensor(random, device=device)] / temperature[:, None]
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+    probs = torch.softmax(scaled, dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return scaled.masked_fill(probs < threshold, _NEG_INF)

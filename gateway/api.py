@@ -1,21 +1,28 @@
 """The OpenAI HTTP API as this gateway accepts it: request bodies, validated, and how they map to sampling.
 
 Unknown fields are refused (a setting that would be silently ignored is worse than an error); fields OpenAI
-defines that pagedkv does not implement are accepted only at their neutral value. Extensions, as in other
-open servers: `top_k`, `stop_token_ids`, `ignore_eos`.
+defines that pagedkv does not implement are accepted only at their neutral value. Extensions, with vLLM's names
+and meaning: `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `bad_words`
+(words: each is banned with and without a leading space, as vLLM does), `allowed_token_ids`, `priority` (0 only:
+requests are served first come, first served), `request_id`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from executor.params import MAX_LOGPROBS, SamplingParams
+from executor.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
+
+if TYPE_CHECKING:
+    from gateway.text import Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_N = 64
+MAX_BAD_WORD_STRINGS = MAX_BAD_WORDS // 2  # each gives up to two token sequences: with and without a leading space
+MAX_LOGIT_BIAS = 1024
 
 
 class ParamError(ValueError):
@@ -29,6 +36,7 @@ class ParamError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (accepted; see app.py)
 
 
 class _Common(BaseModel):
@@ -43,27 +51,51 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # extensions
     top_k: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORD_STRINGS)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    priority: int = 0
+    request_id: str | None = Field(default=None, max_length=200)
+
+    _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ParamError(name, f"{name} is not supported by pagedkv; leave it at 0")
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported by pagedkv")
+        self._check_logit_bias()
+        if self.bad_words is not None and any(not word.strip() for word in self.bad_words):
+            raise ParamError("bad_words", "bad_words must not contain empty strings")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParamError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        if self.priority != 0:
+            raise ParamError(
+                "priority", "priority scheduling is not supported by pagedkv (first come, first served): leave it at 0"
+            )
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
             raise ParamError("stop", f"stop accepts at most {MAX_STOP_STRINGS} strings")
         return self
+
+    def _check_logit_bias(self) -> None:
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                int(key)
+            except ValueError:
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            if not -100.0 <= bias <= 100.0:  # NaN too
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {key}")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -74,7 +106,26 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, tokenizer: Tokenizer | None = None) -> SamplingParams:
+        """What the executor is asked to do. With the tokenizer, token ids are checked against its vocabulary and
+        bad words become token sequences (raises APIError); without it, bad_words are not allowed."""
+        if self.min_tokens > max_tokens:
+            raise invalid_request(
+                f"min_tokens ({self.min_tokens}) must be at most the completion's token limit ({max_tokens})",
+                param="min_tokens",
+            )
+        logit_bias = tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+        if tokenizer is not None:
+            vocab = tokenizer.vocab_size
+            for param, ids in (
+                ("logit_bias", [t for t, _ in logit_bias]),
+                ("allowed_token_ids", self.allowed_token_ids),
+            ):
+                bad = [t for t in ids or () if not 0 <= t < vocab]
+                if bad:
+                    raise invalid_request(f"{param} must name token ids in [0, {vocab}), got {bad[:3]}", param=param)
+        if len({t for t, _ in logit_bias}) != len(logit_bias):
+            raise invalid_request("logit_bias names a token more than once", param="logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -85,7 +136,38 @@ class _Common(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            logit_bias=logit_bias,
+            bad_words_token_ids=self.bad_words_token_ids(tokenizer),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
+
+    def bad_words_token_ids(self, tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
+        """bad_words as token sequences, as vLLM makes them: each word (left-stripped) with and without a leading
+        space, so that it is banned both at the start of the text and after a space."""
+        if not self.bad_words:
+            return ()
+        if self._bad_words_ids is None:
+            if tokenizer is None:
+                raise ValueError("bad_words need the tokenizer")
+            sequences: dict[tuple[int, ...], None] = {}
+            for word in self.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = tuple(tokenizer.hf.encode(text, add_special_tokens=False))
+                    if len(ids) > MAX_BAD_WORD_TOKENS:
+                        raise invalid_request(
+                            f"each of bad_words must be at most {MAX_BAD_WORD_TOKENS} tokens long, {word[:40]!r} is "
+                            f"{len(ids)}",
+                            param="bad_words",
+                        )
+                    if ids:
+                        sequences[ids] = None
+            self._bad_words_ids = tuple(sequences)
+        return self._bad_words_ids
 
 
 class CompletionRequest(_Common):
@@ -103,7 +185,7 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of is not supported by pagedkv (only best_of == n)")
         if self.suffix:
-            raise ParamError("suffix", "suffix is not supported by pagedkv")
+            raise ParamError("suffix", "suffix is not supported by pagedkv (no fill-in-the-middle); leave it out")
         return self
 
     def prompts(self) -> list[str | list[int]]:

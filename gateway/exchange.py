@@ -264,7 +264,7 @@ async def respond(
         gateway.generation(
             request_id if len(prompts) == 1 else f"{request_id}-{i}",
             prompt,
-            body.sampling(limit, logprobs),
+            body.sampling(limit, logprobs, gateway.tokenizer),
             body.stop_strings(),
             arrival,
             replayable=not body.stream,

@@ -109,10 +109,64 @@ def test_validation_message_drops_body_and_value_error_prefix() -> None:
 
 
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
-def test_penalties_are_refused_unless_zero(field: str) -> None:
-    message, _ = refusal(ChatCompletionRequest, chat(**{field: 0.5}))
-    assert field in message and "not supported" in message
-    assert getattr(ChatCompletionRequest.model_validate(chat(**{field: 0})), field) == 0.0
+def test_openai_penalties_are_accepted_in_their_range(field: str) -> None:
+    for model, body in ((ChatCompletionRequest, chat), (CompletionRequest, completion)):
+        assert getattr(model.model_validate(body(**{field: -2.0})), field) == -2.0
+        assert getattr(model.model_validate(body(**{field: 1.5})), field) == 1.5
+        for value in (2.01, -3, float("nan")):
+            message, param = refusal(model, body(**{field: value}))
+            assert param == field and message.startswith(f"{field}: "), (message, param)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
+        ({"logit_bias": {"42": -100.5}}, "logit_bias"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {"42": "x"}}, "logit_bias.42"),
+        ({"bad_words": ["ok", "  "]}, "bad_words"),
+        ({"bad_words": ["w"] * 65}, "bad_words"),
+        ({"bad_words": "word"}, "bad_words"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, "x"]}, "allowed_token_ids.1"),
+        ({"priority": 1}, "priority"),
+        ({"request_id": "x" * 201}, "request_id"),
+        (
+            {"stream_options": {"continuous_usage_stats": "often"}, "stream": True},
+            "stream_options.continuous_usage_stats",
+        ),
+    ],
+)
+def test_bad_sampling_extensions_are_named(fields: dict[str, Any], param: str) -> None:
+    for model, body in ((ChatCompletionRequest, chat), (CompletionRequest, completion)):
+        message, named = refusal(model, body(**fields))
+        assert named == param, (fields, message, named)
+
+
+def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
+    fields = dict(
+        repetition_penalty=1.0,
+        min_p=0.0,
+        min_tokens=0,
+        bad_words=[],
+        priority=0,
+        request_id="abc-123",
+        logit_bias={},
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    for model, body in ((ChatCompletionRequest, chat), (CompletionRequest, completion)):
+        parsed = model.model_validate(body(**fields))
+        assert parsed.stream_options is not None and parsed.stream_options.continuous_usage_stats
+        assert parsed.sampling(16, None) == SamplingParams(max_tokens=16), "neutral values ask the sampler nothing"
 
 
 @pytest.mark.parametrize(
@@ -121,7 +175,6 @@ def test_penalties_are_refused_unless_zero(field: str) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"42": 5.0}}, "logit_bias"),
         ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
         ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS}"),
@@ -134,9 +187,7 @@ def test_unsupported_chat_settings_are_refused(fields: dict[str, Any], words: st
 
 def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
     body = ChatCompletionRequest.model_validate(
-        chat(
-            tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={}, stop=["x"] * MAX_STOP_STRINGS
-        )
+        chat(tools=[], tool_choice="none", response_format={"type": "text"}, stop=["x"] * MAX_STOP_STRINGS)
     )
     assert len(body.stop_strings()) == MAX_STOP_STRINGS
     assert CompletionRequest.model_validate(completion(n=2, best_of=2)).n == 2
@@ -146,8 +197,9 @@ def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
     "fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")]
 )
 def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], words: str) -> None:
-    message, _ = refusal(CompletionRequest, completion(**fields))
+    message, param = refusal(CompletionRequest, completion(**fields))
     assert words in message and "not supported" in message
+    assert param == words
 
 
 def test_stream_options_with_stream() -> None:
@@ -362,3 +414,71 @@ def test_chat_logprobs(tokenizer: Tokenizer) -> None:
     assert out[0]["top_logprobs"][1] == {"token": "<|im_start|>", "logprob": -1.0, "bytes": list(b"<|im_start|>")}
     assert out[-1]["token"] == "!" and out[-1]["logprob"] == -0.25
     assert responses.chat_logprobs(tokenizer, entries, top=0)[0]["top_logprobs"] == []
+
+
+# ------------------------------------------------------------------------------------------------ logits processing
+
+
+def test_processing_fields_map_to_sampling_params(tokenizer: Tokenizer) -> None:
+    fields = dict(
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        min_tokens=3,
+        logit_bias={"42": 5.0, "7": -100},
+        allowed_token_ids=[1, 2, 3],
+        max_tokens=10,
+    )
+    for model, body in ((ChatCompletionRequest, chat), (CompletionRequest, completion)):
+        params = model.model_validate(body(**fields)).sampling(10, None, tokenizer)
+        assert params == SamplingParams(
+            max_tokens=10,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            repetition_penalty=1.2,
+            min_p=0.05,
+            min_tokens=3,
+            logit_bias=((42, 5.0), (7, -100.0)),
+            allowed_token_ids=(1, 2, 3),
+        )
+        assert params.validate(tokenizer.vocab_size) is None
+
+
+def test_bad_words_become_token_sequences_with_and_without_a_leading_space(tokenizer: Tokenizer) -> None:
+    body = CompletionRequest.model_validate(completion(bad_words=["hello world", " again"]))
+    params = body.sampling(16, None, tokenizer)
+    expected = []
+    for text in ("hello world", " hello world", "again", " again"):
+        ids = tuple(tokenizer.hf.encode(text, add_special_tokens=False))
+        if ids not in expected:
+            expected.append(ids)
+    assert list(params.bad_words_token_ids) == expected
+    assert params.validate(tokenizer.vocab_size) is None
+    assert body.sampling(16, None, tokenizer).bad_words_token_ids is params.bad_words_token_ids  # tokenized once
+    with pytest.raises(ValueError):
+        CompletionRequest.model_validate(completion(bad_words=["x"])).sampling(16, None)
+
+
+def test_long_bad_words_are_refused(tokenizer: Tokenizer) -> None:
+    body = ChatCompletionRequest.model_validate(chat(bad_words=["a b c d e f g h " * 20]))
+    with pytest.raises(APIError) as info:
+        body.sampling(16, None, tokenizer)
+    assert info.value.status == 400 and info.value.param == "bad_words"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"logit_bias": {"512": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0, "05": 2.0}}, "logit_bias"),
+        ({"allowed_token_ids": [3, 100000]}, "allowed_token_ids"),
+        ({"min_tokens": 20}, "min_tokens"),  # more than the completion's limit, found when the limit is known
+    ],
+)
+def test_token_ids_are_checked_against_the_vocabulary(tokenizer: Tokenizer, fields: dict[str, Any], param: str) -> None:
+    body = ChatCompletionRequest.model_validate(chat(**fields))
+    with pytest.raises(APIError) as info:
+        body.sampling(16, None, tokenizer)
+    assert info.value.status == 400 and info.value.param == param, info.value.message

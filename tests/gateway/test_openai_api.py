@@ -253,10 +253,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny-chat", "prompt": list(range(600))}, 400, "prompt", None),
     ("/v1/completions", {"model": "tiny-chat", "prompt": [1, 2, 99999]}, 400, "prompt", None),
     ("/v1/completions", {"model": "tiny-chat", "prompt": ""}, 400, "prompt", None),
-    ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+    ("/v1/completions", {"model": "tiny-chat", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
     (
         "/v1/completions",
-        {"model": "tiny-chat", "prompt": "x", "repetition_penalty": 1.1},
+        {"model": "tiny-chat", "prompt": "x", "repetition_penalty": 0},
         400,
         "repetition_penalty",
         None,
