@@ -157,7 +157,7 @@ class _Common(BaseModel):
             sequences: dict[tuple[int, ...], None] = {}
             for word in self.bad_words:
                 for text in (word.lstrip(), " " + word.lstrip()):
-                    ids = tuple(tokenizer.hf.encode(text, add_special_tokens=False))
+                    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
                     if len(ids) > MAX_BAD_WORD_TOKENS:
                         raise invalid_request(
                             f"each of bad_words must be at most {MAX_BAD_WORD_TOKENS} tokens long, {word[:40]!r} is "

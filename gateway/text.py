@@ -176,8 +176,8 @@ class Tokenizer:
             special_tokens=list(dict.fromkeys(t for t in (bos, eos) if t)),
         )
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(
         self,

@@ -16,7 +16,7 @@ import transformers
 
 from executor.params import SamplingParams
 from tests.executor.harness import drive, hf_greedy, hf_model, make_engine, random_prompts
-from tests.executor.test_sampling import reference_processing
+from tests.support.sampling import reference_processing
 
 MAX_TOKENS = 20
 

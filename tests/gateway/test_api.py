@@ -450,7 +450,7 @@ def test_bad_words_become_token_sequences_with_and_without_a_leading_space(token
     params = body.sampling(16, None, tokenizer)
     expected = []
     for text in ("hello world", " hello world", "again", " again"):
-        ids = tuple(tokenizer.hf.encode(text, add_special_tokens=False))
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         if ids not in expected:
             expected.append(ids)
     assert list(params.bad_words_token_ids) == expected

@@ -20,9 +20,9 @@ from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
 from tests.executor.harness import hf_model
-from tests.executor.test_sampling import reference_processing
-from tests.gateway.test_openai_api import wait_until_no_live_blocks
+from tests.support.gateway import wait_until_no_live_blocks
 from tests.support.models import TINY
+from tests.support.sampling import reference_processing
 
 MAX_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -81,7 +81,7 @@ def hf_processed(model_dir: Path, prompt: list[int], n: int, processor: Any) -> 
 
 
 def text_of(tokenizer: Tokenizer, tokens: list[int]) -> str:
-    return tokenizer.hf.decode(tokens, skip_special_tokens=True)
+    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_repetition_penalty_matches_transformers(client, stack, model_dir, tokenizer) -> None:
@@ -128,7 +128,7 @@ def test_openai_penalties_and_logit_bias_in_chat_match_the_reference(client, sta
 def test_bad_words_min_p_min_tokens_and_allowed_token_ids_through_the_api(client, stack, model_dir, tokenizer) -> None:
     prompt = tokenizer.encode(PROMPT)
     plain = hf_processed(model_dir, prompt, MAX_TOKENS, lambda ids, scores: scores)
-    word = tokenizer.hf.decode(plain[2:4]).strip() or tokenizer.hf.decode(plain[:1]).strip()
+    word = tokenizer.decode(plain[2:4]).strip() or tokenizer.decode(plain[:1]).strip()
     body = CompletionRequest.model_validate({"prompt": PROMPT, "bad_words": [word]})
     params = SamplingParams(bad_words_token_ids=body.bad_words_token_ids(tokenizer))
     expected = hf_processed(model_dir, prompt, MAX_TOKENS, Reference(params, len(prompt)))
@@ -142,7 +142,7 @@ def test_bad_words_min_p_min_tokens_and_allowed_token_ids_through_the_api(client
     )
     assert result.choices[0].text == text_of(tokenizer, expected)
 
-    eos = tokenizer.hf.eos_token_id
+    eos = tokenizer.backend.token_to_id(tokenizer.special_tokens["eos_token"])
     result = client.completions.create(
         model=stack.model_name,
         prompt=PROMPT,
