@@ -133,13 +133,20 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def blockd_daemon(log: Path) -> Iterator[str]:
     """A blockd process on a free loopback port, without persistence; yields its endpoint, stops it after."""
+    with blockd_process(log) as (endpoint, _):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def blockd_process(log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As `blockd_daemon`, yielding the process too (to account for its CPU time)."""
     from pagedkv.bench.blockd import start_blockd
 
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    # A long lease: the pool is idle while the transformers side runs.
+    # A long lease: the pool is idle while the other system runs.
     process = start_blockd(endpoint, ["--no-persistence", "--lease-timeout", "3600"], log)
     try:
-        yield endpoint
+        yield endpoint, process
     finally:
         process.terminate()
         try:
@@ -780,4 +787,12 @@ def bench_throughput(
     )
 
 
-__all__ = ["HfRun", "PagedRun", "bench_throughput", "make_workload", "run_interleaved"]
+__all__ = [
+    "HfRun",
+    "PagedRun",
+    "bench_throughput",
+    "blockd_daemon",
+    "blockd_process",
+    "make_workload",
+    "run_interleaved",
+]
