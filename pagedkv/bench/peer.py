@@ -607,6 +607,12 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     show_default=True,
     help="Largest gap between transformers' top two logits that makes a divergence a near tie.",
 )
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="pagedkv's torch intra-op threads (default: torch's own choice, one per core).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workloads.")
 @click.pass_context
 def bench_peer(
@@ -626,6 +632,7 @@ def bench_peer(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     tie_tolerance: float,
+    threads: int | None,
     seed: int,
 ) -> None:
     import torch
@@ -638,7 +645,7 @@ def bench_peer(
     echo = click.echo
     specs = QUICK_WORKLOADS if quick else WORKLOADS
     if quick:
-        runs = int(unless_given(ctx, runs, "runs", 1))  # type: ignore[call-overload]
+        runs = unless_given(ctx, runs, "runs", 1)
     names = list(specs) if "all" in workloads else list(dict.fromkeys(workloads))
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter(
@@ -653,6 +660,8 @@ def bench_peer(
         raise click.ClickException(
             f"no vLLM environment: {python} does not exist. Build it with `make peer-env`, or give --vllm-python."
         )
+    if threads is not None:
+        torch.set_num_threads(threads)
     settings: list[tuple[str, str | None]] = []
     if vllm_threads in ("both", "default"):
         settings.append(("vllm-default", None))

@@ -260,8 +260,36 @@ def test_quick_run_against_a_fake_peer(tiny_models: dict[str, Path], tmp_path: P
 
 
 def test_a_near_tie_within_the_tolerance(tiny_models: dict[str, Path]) -> None:
-    result = _invoke(
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = _near_tie_run(tiny_models)
+    finally:
+        torch.set_num_threads(before)  # --threads sets this process's
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["pagedkv_threads"] == 1
+    assert figures["ratio_long"] is None and figures["ratio_prefix"] is None
+    assert figures["ratio_default"] > 0
+    work = figures["workloads"]["default"]
+    assert [(r["round"], r["system"]) for r in work["runs"]] == [
+        (1, "pagedkv"),
+        (1, "vllm-bind"),
+        (2, "pagedkv"),
+        (2, "vllm-bind"),
+    ]
+    assert work["equality"]["repeatable"] == {"pagedkv": True, "vllm-bind": True}
+    check = work["equality"]["against"]["vllm-bind"]
+    assert check["near_ties"] == 1 and check["divergences"][0]["position"] == 0
+    assert "NOT a near tie" not in result.stdout
+
+
+def _near_tie_run(tiny_models: dict[str, Path]):
+    return _invoke(
         "--quick",
+        "--threads",
+        "1",
         "--runs",
         "2",
         "--workload",
@@ -280,21 +308,6 @@ def test_a_near_tie_within_the_tolerance(tiny_models: dict[str, Path]) -> None:
         str(FAKE_DRIVER),
         env={"FAKE_PEER_SWAP": "r0:0"},
     )
-    assert result.exit_code == 0, result.output
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert figures["ratio_long"] is None and figures["ratio_prefix"] is None
-    assert figures["ratio_default"] > 0
-    work = figures["workloads"]["default"]
-    assert [(r["round"], r["system"]) for r in work["runs"]] == [
-        (1, "pagedkv"),
-        (1, "vllm-bind"),
-        (2, "pagedkv"),
-        (2, "vllm-bind"),
-    ]
-    assert work["equality"]["repeatable"] == {"pagedkv": True, "vllm-bind": True}
-    check = work["equality"]["against"]["vllm-bind"]
-    assert check["near_ties"] == 1 and check["divergences"][0]["position"] == 0
-    assert "NOT a near tie" not in result.stdout
 
 
 def test_a_failing_driver_is_reported(tiny_models: dict[str, Path]) -> None:
