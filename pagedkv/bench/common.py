@@ -52,10 +52,17 @@ def start_blockd(endpoint: str, flags: Sequence[str], log: Path, timeout_s: floa
 @contextlib.contextmanager
 def blockd_daemon(log: Path, *flags: str) -> Iterator[str]:
     """A blockd process on a free loopback port with these flags; yields its endpoint and stops it after."""
+    with blockd_process(log, *flags) as (endpoint, _):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def blockd_process(log: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As `blockd_daemon`, yielding the process too (to account for its CPU time)."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     process = start_blockd(endpoint, flags, log)
     try:
-        yield endpoint
+        yield endpoint, process
     finally:
         process.terminate()
         try:

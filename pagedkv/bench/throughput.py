@@ -745,4 +745,11 @@ def bench_throughput(
     )
 
 
-__all__ = ["HfRun", "PagedRun", "bench_throughput", "make_workload", "run_interleaved"]
+__all__ = [
+    "HfRun",
+    "PagedRun",
+    "bench_throughput",
+    "blockd_daemon",
+    "make_workload",
+    "run_interleaved",
+]
