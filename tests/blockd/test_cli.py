@@ -49,7 +49,10 @@ def test_stats_pools_seq_check_reset_against_a_live_daemon(redis_process, start_
     assert "87.5%" in table.stdout  # kv utilization 21/24
 
     pools = cli(daemon.endpoint, "pools", "--json")
-    assert json.loads(pools.stdout)["pools"][0]["epoch"] == ex.epoch
+    (info,) = json.loads(pools.stdout)["pools"]
+    assert "epoch" not in info and info["epoch_fingerprint"] == ex.epoch_fingerprint  # the epoch stays secret
+    assert str(ex.epoch) not in pools.stdout + cli(daemon.endpoint, "stats", "--json").stdout
+    assert ex.epoch_fingerprint in cli(daemon.endpoint, "pools").stdout
 
     seq = cli(daemon.endpoint, "seq", "live", "--json")
     assert json.loads(seq.stdout)["blocks"] == ex.seqs["live"].blocks
