@@ -85,6 +85,19 @@ def test_blockd_rejects_bad_flags_with_help():
     assert result.returncode == 2 and "is not a size" in result.stderr
     help_text = subprocess.run([str(BIN / "blockd"), "--help"], capture_output=True, text=True, timeout=30).stdout
     assert "--lease-timeout" in help_text and "--redis-url" in help_text
+    for flag in (
+        "--max-pools",
+        "--max-blocks-per-pool",
+        "--block-sizes",
+        "--max-lookup-tokens",
+        "--receive-queue",
+        "--redis-prefix",
+        "--persistence-queue",
+    ):
+        assert flag in help_text, flag
+    assert "8,16,32,64" in help_text  # the kernels' block sizes by default
+    bad = subprocess.run([str(BIN / "blockd"), "--block-sizes", "16,x"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--block-sizes" in bad.stderr
 
 
 def test_bench_blockd_quick_prints_tables_and_a_json_last_line():
