@@ -125,6 +125,19 @@ def stats(ctx: click.Context, as_json: bool, pool_id: str | None) -> None:
     click.echo(f"\npersistence: {ps.state}{detail}")
     if ps.last_error and ps.state == "degraded":
         click.echo(f"  last error: {ps.last_error}")
+    if ps.enabled:
+        click.echo(f"  keys: {ps.key_prefix}:*   writer queue: {ps.pending_batches}/{ps.queue_limit} batches")
+    problems = [
+        f"{n} {what}"
+        for n, what in (
+            (ps.skipped_records, "bad records skipped"),
+            (ps.writer_restarts, "writer restarts"),
+            (ps.dropped_batches, "batches dropped (writer queue full)"),
+        )
+        if n
+    ]
+    if problems:
+        click.echo(f"  {', '.join(problems)}")
     if result.dormant_pools:
         click.echo(f"dormant pools (restored, awaiting their executor): {', '.join(result.dormant_pools)}")
     click.echo(f"uptime: {result.uptime_s:.0f} s   version: {result.version}")
@@ -134,7 +147,9 @@ def stats(ctx: click.Context, as_json: bool, pool_id: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.pass_context
 def pools(ctx: click.Context, as_json: bool) -> None:
-    """Registered pools: their executor's epoch, shape and when it was last heard from."""
+    """Registered pools: their executor's epoch fingerprint (never the epoch itself, which is the executor's
+    proof of ownership; the executor logs the same fingerprint at start), shape and when it was last heard
+    from."""
     result = _run(ctx, lambda c: c.pools())
     if as_json:
         _json(result)
@@ -143,7 +158,7 @@ def pools(ctx: click.Context, as_json: bool) -> None:
         [
             i.pool_id,
             i.model_id,
-            str(i.epoch),
+            i.epoch_fingerprint,
             str(i.num_blocks),
             str(i.block_size),
             str(i.live_sequences),
@@ -151,7 +166,7 @@ def pools(ctx: click.Context, as_json: bool) -> None:
         ]
         for i in result.pools
     ]
-    click.echo(_table(["pool", "model", "epoch", "blocks", "block size", "seqs", "last seen"], rows))
+    click.echo(_table(["pool", "model", "epoch fp", "blocks", "block size", "seqs", "last seen"], rows))
     click.echo(f"\nlease timeout: {result.lease_timeout_s:g} s")
 
 

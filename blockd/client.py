@@ -9,6 +9,10 @@ or an expired lease it can re-register and re-send them: blockd rebuilds refcoun
 that got no answer is sent again only after that re-sync, which undoes whatever part of it blockd had applied.
 The mirror also counts how many of its tables hold each block: blockd's refcounts (invariant I2), so the executor
 knows, without asking, how many blocks are free; it is the only block accounting on the executor's side.
+Every request that changes the pool carries its epoch; when blockd answers `stale_epoch` (another executor took
+the pool over while this one was silent past its lease) the client raises `PoolFenced` and never re-registers:
+the pool is not this executor's any more. `start_heartbeats` renews the lease from a thread of its own (with its
+own socket), so a forward pass longer than the lease does not lose the pool.
 A client is not thread-safe: use one per thread.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import itertools
 import random
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -26,8 +31,10 @@ import zmq
 
 from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
+from blockd.hashing import epoch_fingerprint
+from blockd.manager import DEFAULT_MAX_LOOKUP_TOKENS
 from blockd.pool import AdmitResult, AppendResult, TokenIds
-from common.tokens import as_packed, unpack_tokens
+from common.tokens import TOKEN_BYTES, as_packed, unpack_tokens
 
 R = TypeVar("R")
 
@@ -39,9 +46,19 @@ class BlockdUnavailable(ConnectionError):
 class BlockdClient:
     """A connection to blockd. Every call either returns its result, raises BlockdError, or BlockdUnavailable."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 5.0,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        # blockd cuts off a peer that sends more than its limit (ZeroMQ MAXMSGSIZE) without a word: a request
+        # over the limit is refused here instead, with too_large.
+        self.max_message_bytes = max_message_bytes
         self._context = context or zmq.Context.instance()
         self._ids = itertools.count(random.randrange(1, 2**31))
         self._socket: zmq.Socket | None = None
@@ -81,6 +98,11 @@ class BlockdClient:
             raise RuntimeError("a request is still waiting for its reply on this client")
         request_id = next(self._ids)
         frame = p.encode(request_type(v=p.PROTOCOL_VERSION, id=request_id, **fields))
+        if len(frame) > self.max_message_bytes:
+            raise BlockdError(
+                ErrorCode.TOO_LARGE,
+                f"a request of {len(frame)} bytes is over blockd's limit of {self.max_message_bytes} (not sent)",
+            )
         self._connect().send(frame, copy=False)
         self._pending = request_id
         return request_id
@@ -129,9 +151,13 @@ class BlockdClient:
     def reset_prefix_cache(self, pool_id: str) -> int:
         return self.call(p.ResetPrefixCache, pool_id=pool_id).dropped
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
-        """Prompt tokens each registered pool has cached for this prompt (the gateway routes on it)."""
-        return self.call(p.Lookup, tokens=as_packed(tokens), cache_salt=cache_salt).cached_tokens
+    def lookup(
+        self, tokens: Sequence[int], cache_salt: str | None = None, max_tokens: int = DEFAULT_MAX_LOOKUP_TOKENS
+    ) -> dict[str, int]:
+        """Prompt tokens each registered pool has cached for this prompt (the gateway routes on it). Only the
+        first `max_tokens` are looked up (blockd refuses longer lookups: --max-lookup-tokens)."""
+        packed = as_packed(tokens)[: max_tokens * TOKEN_BYTES]
+        return self.call(p.Lookup, tokens=bytes(packed), cache_salt=cache_salt).cached_tokens
 
 
 class MirroredSequence(msgspec.Struct):
@@ -146,6 +172,11 @@ class MirroredSequence(msgspec.Struct):
 
 class StepFailed(BlockdError):
     """A single-op convenience call whose op failed (out of blocks, unknown sequence, ...)."""
+
+
+class PoolFenced(BlockdError):
+    """blockd refused this pool's request: another executor holds the pool (stale_epoch, pool_held). Retrying
+    cannot help; the executor must stop using the pool."""
 
 
 class PoolClient:
@@ -177,6 +208,13 @@ class PoolClient:
         self.lease_timeout_s: float | None = None
         self.resyncs = 0
         self._in_flight: list[p.StepOp] | None = None
+        self._heartbeats: _Heartbeats | None = None
+        self.needs_resync = False  # set by the heartbeat thread: blockd lost the pool (restarted, expired)
+        self.fenced: str | None = None  # set when blockd says another executor holds the pool
+
+    @property
+    def epoch_fingerprint(self) -> str:
+        return epoch_fingerprint(self.epoch)
 
     @property
     def free_blocks(self) -> int:
@@ -201,7 +239,7 @@ class PoolClient:
 
     def register(self) -> p.RegisterResult:
         """(Re-)register the pool with every live sequence and block generation this executor holds."""
-        result: p.RegisterResult = self.client.call(
+        result: p.RegisterResult = self._fenced_call(
             p.Register,
             pool_id=self.pool_id,
             num_blocks=self.num_blocks,
@@ -215,13 +253,50 @@ class PoolClient:
             generations=self.generations,
         )
         self.lease_timeout_s = result.lease_timeout_s
+        self.needs_resync = False
         return result
 
+    def _fenced_call(self, request_type: type[p.Request], **fields: Any) -> Any:
+        """A call whose stale_epoch / pool_held answer becomes PoolFenced."""
+        try:
+            return self.client.call(request_type, **fields)
+        except BlockdError as exc:
+            raise self._fence(exc) from None
+
+    def _fence(self, exc: BlockdError) -> BlockdError:
+        if exc.code in (ErrorCode.STALE_EPOCH, ErrorCode.POOL_HELD):
+            self.fenced = exc.message
+            return PoolFenced(exc.code, exc.message)
+        return exc
+
     def unregister(self) -> None:
-        self.client.call(p.Unregister, pool_id=self.pool_id, epoch=self.epoch)
+        self.stop_heartbeats()
+        self._fenced_call(p.Unregister, pool_id=self.pool_id, epoch=self.epoch)
 
     def heartbeat(self) -> None:
-        self._with_resync(lambda: self.client.call(p.Heartbeat, pool_id=self.pool_id, epoch=self.epoch))
+        """Renew the lease now; re-register first if blockd lost the pool."""
+        self._with_resync(lambda: self._fenced_call(p.Heartbeat, pool_id=self.pool_id, epoch=self.epoch))
+
+    def reset_prefix_cache(self) -> int:
+        return self._fenced_call(p.ResetPrefixCache, pool_id=self.pool_id, epoch=self.epoch).dropped
+
+    def start_heartbeats(self, interval_s: float | None = None) -> None:
+        """Renew the lease every `interval_s` (default: a quarter of the lease) from a thread with its own
+        socket, whatever the caller's thread is doing (a long forward pass, say). The thread never registers:
+        when blockd has lost the pool it sets `needs_resync` for the owner's thread to act on."""
+        if self._heartbeats is None:
+            client = BlockdClient(self.client.endpoint, timeout_s=self.client.timeout_s, context=self.client._context)
+            self._heartbeats = _Heartbeats(self, client, interval_s)
+            self._heartbeats.start()
+
+    @property
+    def heartbeats_running(self) -> bool:
+        return self._heartbeats is not None and self._heartbeats.is_alive()
+
+    def stop_heartbeats(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.stop()
+            self._heartbeats = None
 
     def _with_resync(self, attempt: Any) -> Any:
         """Run `attempt`; if blockd lost this pool or did not answer, re-register and try again until retry_for_s."""
@@ -230,6 +305,8 @@ class PoolClient:
             try:
                 return attempt()
             except BlockdError as exc:
+                if exc.code in (ErrorCode.STALE_EPOCH, ErrorCode.POOL_HELD):
+                    raise self._fence(exc) from None
                 if exc.code != ErrorCode.UNKNOWN_POOL or time.monotonic() > deadline:
                     raise
             except BlockdUnavailable:
@@ -266,7 +343,7 @@ class PoolClient:
         if self._in_flight is not None:
             raise RuntimeError("a step is already in flight: finish_step() it first")
         self._in_flight = list(ops)
-        self.client.send(p.Step, pool_id=self.pool_id, ops=self._in_flight)
+        self.client.send(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=self._in_flight)
 
     def finish_step(self) -> list[p.StepOpResult]:
         """The results of the step in flight, after a re-sync and a resend if blockd lost it."""
@@ -280,7 +357,7 @@ class PoolClient:
             if not answered_in_flight:
                 answered_in_flight = True
                 return self.client.receive(p.StepResult)
-            return self.client.call(p.Step, pool_id=self.pool_id, ops=ops)
+            return self.client.call(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=ops)
 
         result: p.StepResult = self._with_resync(attempt)
         for op, outcome in zip(ops, result.results, strict=True):
@@ -341,3 +418,45 @@ class PoolClient:
 
     def free(self, seq_id: str) -> int:
         return self._one(p.Free(seq_id)).freed
+
+
+class _Heartbeats(threading.Thread):
+    """Renews a pool's lease on a socket of its own (ZeroMQ sockets are not thread-safe)."""
+
+    def __init__(self, pool: PoolClient, client: BlockdClient, interval_s: float | None) -> None:
+        super().__init__(name=f"heartbeat-{pool.pool_id}", daemon=True)
+        self.pool = pool
+        self.client = client
+        self.interval_s = interval_s
+        self.sent = 0
+        self.failed = 0
+        self._halt = threading.Event()
+
+    def _interval(self) -> float:
+        if self.interval_s is not None:
+            return self.interval_s
+        return max((self.pool.lease_timeout_s or 10.0) / 4, 0.05)
+
+    def run(self) -> None:
+        pool = self.pool
+        try:
+            while not self._halt.wait(self._interval()):
+                try:
+                    self.client.call(p.Heartbeat, pool_id=pool.pool_id, epoch=pool.epoch)
+                    self.sent += 1
+                except BlockdUnavailable:
+                    self.failed += 1
+                except BlockdError as exc:
+                    self.failed += 1
+                    if exc.code == ErrorCode.UNKNOWN_POOL:
+                        pool.needs_resync = True
+                    elif exc.code in (ErrorCode.STALE_EPOCH, ErrorCode.POOL_HELD):
+                        pool.fenced = exc.message
+                        return
+        finally:
+            self.client.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self is not threading.current_thread():
+            self.join(timeout=5)

@@ -17,6 +17,14 @@ class ErrorCode(StrEnum):
     SEQUENCE_EXISTS = "sequence_exists"
     DOUBLE_FREE = "double_free"  # the sequence was freed already
     OUT_OF_BLOCKS = "out_of_blocks"  # not enough free blocks; nothing changed
+    # Fencing: a pool is changed only by the executor that holds it, proven by its epoch.
+    STALE_EPOCH = "stale_epoch"  # the request's epoch is not the pool's: another executor holds it now
+    POOL_HELD = "pool_held"  # register with a new epoch while the pool's executor is alive (its lease runs)
+    # Bounds, checked before any work: the request changes nothing.
+    TOO_MANY_POOLS = "too_many_pools"  # a new pool past --max-pools
+    POOL_TOO_LARGE = "pool_too_large"  # num_blocks past --max-blocks-per-pool
+    UNSUPPORTED_BLOCK_SIZE = "unsupported_block_size"  # a block size outside --block-sizes
+    TOO_MANY_TOKENS = "too_many_tokens"  # a lookup past --max-lookup-tokens, or more tokens than a pool holds
     INTERNAL = "internal"
 
     @classmethod

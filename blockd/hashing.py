@@ -56,3 +56,11 @@ def chain_hashes(
         h = state.digest()
         hashes.append(h)
     return hashes
+
+
+def epoch_fingerprint(epoch: int) -> str:
+    """A short one-way digest of a pool's epoch, for people to tell executors apart (`blockd-cli pools`, the
+    executor's start-up log line). 32 bits of a 62-bit random epoch: it names the epoch without revealing it, so
+    showing it gives nobody the means to act on the pool."""
+    data = b"pagedkv-epoch\0" + epoch.to_bytes(16, "little", signed=True)
+    return blake2b(data, digest_size=4).hexdigest()

@@ -7,6 +7,13 @@ Pool lifecycle:
   dormant (restored from Redis at start) ──(register, same epoch)──▶ registered, index validated and kept
                                           ──(register, new epoch)──▶ registered clean
                                           ──(lease_timeout after start)──▶ dropped
+Fencing: the epoch is the executor's proof that it holds the pool. Requests that change a pool must carry it
+(`stale_epoch` otherwise, nothing changed). A new epoch takes a pool over only when its lease has run out (the
+executor that held it is gone or silent) or the pool is dormant (no executor has claimed it since blockd
+started); while the lease runs, `register` with a new epoch is refused with `pool_held`.
+
+Bounds (Limits): pools, blocks per pool, block sizes and lookup lengths are checked before any work is done.
+
 Re-registration with the same epoch (the executor lived on; blockd restarted or the executor reconnected)
 takes the executor's live sequences as the truth, rebuilds every refcount from their block tables, and keeps only
 index entries whose (block, generation) the executor's generations still back. A new epoch means the
@@ -16,13 +23,30 @@ executor's KV memory is gone: the pool starts clean.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 import msgspec
 
 from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
+from blockd.hashing import epoch_fingerprint
 from blockd.pool import BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
+from common.limits import SUPPORTED_BLOCK_SIZES
+
+DEFAULT_MAX_POOLS = 64
+DEFAULT_MAX_BLOCKS_PER_POOL = 1 << 20  # ~160 MB of blockd memory and ~0.4 s to register on a small machine
+DEFAULT_MAX_LOOKUP_TOKENS = 1 << 17  # a 128k-token prompt: ~0.25 s of hashing
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of blockd; checked before any work. None: no limit on that (unit tests)."""
+
+    max_pools: int = DEFAULT_MAX_POOLS
+    max_blocks_per_pool: int = DEFAULT_MAX_BLOCKS_PER_POOL
+    block_sizes: Collection[int] | None = SUPPORTED_BLOCK_SIZES
+    max_lookup_tokens: int = DEFAULT_MAX_LOOKUP_TOKENS
 
 
 class DormantPool(msgspec.Struct):
@@ -56,13 +80,16 @@ class BlockManager:
         deployment: str = "pagedkv",
         events: PoolEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
     ) -> None:
         self.lease_timeout_s = lease_timeout_s
+        self.limits = limits or Limits(block_sizes=None)
         self.deployment = deployment
         self.events = events or PoolEvents()
         self.clock = clock
         self.pools: dict[str, BlockPool] = {}
         self.last_seen: dict[str, float] = {}
+        self.registered_at: dict[str, float] = {}  # wall-clock time of the pool's registration with its epoch
         self.dormant: dict[str, DormantPool] = {}
 
     # ------------------------------------------------------------------------------------ registry
@@ -74,11 +101,45 @@ class BlockManager:
             raise BlockdError(ErrorCode.UNKNOWN_POOL, f"pool {pool_id!r} is not registered{hint}")
         return pool
 
-    def touch(self, pool_id: str) -> BlockPool:
-        """The pool's executor was heard from: its lease is renewed."""
+    def owned(self, pool_id: str, epoch: int) -> BlockPool:
+        """The pool, if `epoch` is its epoch; otherwise stale_epoch (the request is not its executor's)."""
         pool = self.pool(pool_id)
+        if pool.spec.epoch != epoch:
+            raise BlockdError(
+                ErrorCode.STALE_EPOCH,
+                f"pool {pool_id!r} is held by another executor (epoch {epoch_fingerprint(pool.spec.epoch)}, "
+                f"not {epoch_fingerprint(epoch)}): this request changes nothing",
+            )
+        return pool
+
+    def touch(self, pool_id: str, epoch: int) -> BlockPool:
+        """The pool's executor was heard from: its lease is renewed."""
+        pool = self.owned(pool_id, epoch)
         self.last_seen[pool_id] = self.clock()
         return pool
+
+    def _lease_alive(self, pool_id: str) -> bool:
+        seen = self.last_seen.get(pool_id)
+        return seen is not None and self.clock() - seen <= self.lease_timeout_s
+
+    def _check_register_bounds(self, req: p.Register) -> None:
+        limits = self.limits
+        if limits.block_sizes is not None and req.block_size not in limits.block_sizes:
+            allowed = ", ".join(map(str, sorted(limits.block_sizes)))
+            raise BlockdError(
+                ErrorCode.UNSUPPORTED_BLOCK_SIZE, f"block size {req.block_size} is not one of {allowed} (--block-sizes)"
+            )
+        if req.num_blocks > limits.max_blocks_per_pool:
+            raise BlockdError(
+                ErrorCode.POOL_TOO_LARGE,
+                f"{req.num_blocks} blocks is more than the {limits.max_blocks_per_pool} this blockd allows a pool "
+                "(--max-blocks-per-pool)",
+            )
+        known = req.pool_id in self.pools or req.pool_id in self.dormant
+        if not known and len(self.pools) + len(self.dormant) >= limits.max_pools:
+            raise BlockdError(
+                ErrorCode.TOO_MANY_POOLS, f"this blockd holds {limits.max_pools} pools already (--max-pools)"
+            )
 
     def restore(self, specs: Iterable[PoolSpec], records: dict[str, dict[int, BlockRecord]]) -> None:
         """Take pools and their index as persisted; they stay dormant until their executors re-register."""
@@ -87,15 +148,27 @@ class BlockManager:
             self.dormant[spec.pool_id] = DormantPool(spec, records.get(spec.pool_id, {}), now)
 
     def register(self, req: p.Register) -> p.RegisterResult:
+        self._check_register_bounds(req)
         spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch)
         previous = self.pools.get(req.pool_id)
+        if previous is not None and previous.spec.epoch != req.epoch and self._lease_alive(req.pool_id):
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.registered_at.get(req.pool_id, 0.0)))
+            silent = self.clock() - self.last_seen[req.pool_id]
+            raise BlockdError(
+                ErrorCode.POOL_HELD,
+                f"pool {req.pool_id} is held by a live executor since {since} (epoch "
+                f"{epoch_fingerprint(previous.spec.epoch)}, last heard from {silent:.1f} s ago): give this executor "
+                f"another --pool-id, or stop the other one (its pool is free {self.lease_timeout_s:g} s after it "
+                "goes silent)",
+            )
         dormant = self.dormant.get(req.pool_id)
         known = previous.spec if previous is not None else dormant.spec if dormant is not None else None
         resync = known is not None and known.epoch == spec.epoch
         if resync and known != spec:
             raise BlockdError(
                 ErrorCode.POOL_MISMATCH,
-                f"pool {req.pool_id!r} epoch {spec.epoch} was registered as {known}, not {spec}",
+                f"pool {req.pool_id!r} was registered with {known.num_blocks} blocks of {known.block_size} tokens "
+                f"for model {known.model_id!r}, not {spec.num_blocks} of {spec.block_size} for {spec.model_id!r}",
             )
         if req.generations is not None and len(req.generations) != spec.num_blocks:
             raise BlockdError(
@@ -124,6 +197,8 @@ class BlockManager:
         self.pools[req.pool_id] = pool
         self.dormant.pop(req.pool_id, None)
         self.last_seen[req.pool_id] = self.clock()
+        if not resync or req.pool_id not in self.registered_at:
+            self.registered_at[req.pool_id] = time.time()
         self.events.pool_registered(pool)
         return p.RegisterResult(
             resynced=resync,
@@ -134,16 +209,16 @@ class BlockManager:
         )
 
     def unregister(self, pool_id: str, epoch: int) -> int:
-        pool = self.pool(pool_id)
-        if pool.spec.epoch != epoch:
-            raise BlockdError(
-                ErrorCode.POOL_MISMATCH, f"pool {pool_id!r} is registered with epoch {pool.spec.epoch}, not {epoch}"
-            )
+        self.owned(pool_id, epoch)
         return self._drop(pool_id)
+
+    def heartbeat(self, pool_id: str, epoch: int) -> None:
+        self.touch(pool_id, epoch)
 
     def _drop(self, pool_id: str) -> int:
         pool = self.pools.pop(pool_id, None)
         self.last_seen.pop(pool_id, None)
+        self.registered_at.pop(pool_id, None)
         dormant = self.dormant.pop(pool_id, None)
         self.events.pool_dropped(pool_id)
         if pool is not None:
@@ -164,9 +239,10 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ operations
 
-    def step(self, pool_id: str, ops: list[p.StepOp]) -> p.StepResult:
-        """Apply one scheduler step's ops in order; each op succeeds or fails on its own."""
-        pool = self.touch(pool_id)
+    def step(self, pool_id: str, epoch: int, ops: list[p.StepOp]) -> p.StepResult:
+        """Apply one scheduler step's ops in order; each op succeeds or fails on its own. A step with another
+        epoch than the pool's is refused whole (stale_epoch) and neither changes the pool nor renews its lease."""
+        pool = self.touch(pool_id, epoch)
         results: list[p.StepOpResult] = []
         append = results.append
         for op in ops:
@@ -188,6 +264,13 @@ class BlockManager:
 
     def lookup(self, tokens: bytes, cache_salt: str | None) -> dict[str, int]:
         """Cached prompt tokens per pool; the prompt is hashed once per (block size, model), not once per pool."""
+        limit = self.limits.max_lookup_tokens
+        if len(tokens) // 4 > limit:
+            raise BlockdError(
+                ErrorCode.TOO_MANY_TOKENS,
+                f"a lookup of {len(tokens) // 4} tokens is longer than {limit} (--max-lookup-tokens): "
+                "look up the prompt's first tokens",
+            )
         chains: dict[tuple[int, str], list[bytes]] = {}
         found: dict[str, int] = {}
         for pool_id, pool in self.pools.items():
@@ -197,8 +280,10 @@ class BlockManager:
             found[pool_id] = len(pool.cached_prefix_blocks(chains[kind], len(chains[kind]))) * pool.block_size
         return found
 
-    def reset_prefix_cache(self, pool_id: str) -> int:
-        return self.pool(pool_id).reset_prefix_cache()
+    def reset_prefix_cache(self, pool_id: str, epoch: int | None = None) -> int:
+        """Forget the pool's cached prefixes; with an epoch (an executor's request) only if it is the pool's."""
+        pool = self.pool(pool_id) if epoch is None else self.owned(pool_id, epoch)
+        return pool.reset_prefix_cache()
 
     def sequence(self, seq_id: str, pool_id: str | None) -> p.SequenceInfo:
         pools = [self.pool(pool_id)] if pool_id is not None else list(self.pools.values())
@@ -222,7 +307,7 @@ class BlockManager:
             p.PoolInfo(
                 pool_id=pid,
                 model_id=pool.spec.model_id,
-                epoch=pool.spec.epoch,
+                epoch_fingerprint=epoch_fingerprint(pool.spec.epoch),
                 num_blocks=pool.num_blocks,
                 block_size=pool.block_size,
                 live_sequences=len(pool.seqs),

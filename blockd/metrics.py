@@ -36,6 +36,19 @@ class BlockdMetrics:
         self.persistence_lag = Gauge(
             "blockd_persistence_lag_seconds", "Age of the oldest index change not yet in Redis", registry=r
         )
+        self.persistence_skipped = Gauge(
+            "blockd_persistence_skipped_records",
+            "Corrupt or unknown-version records found in Redis and left out",
+            registry=r,
+        )
+        self.persistence_writer_restarts = Gauge(
+            "blockd_persistence_writer_restarts", "Times the Redis writer thread died and was restarted", registry=r
+        )
+        self.persistence_dropped_batches = Gauge(
+            "blockd_persistence_dropped_batches",
+            "Index-change batches dropped because the Redis writer's queue was full",
+            registry=r,
+        )
         self.expired_pools = Counter("blockd_expired_pools", "Pools dropped after their lease ran out", registry=r)
         self._known_pools: set[str] = set()
 
@@ -66,3 +79,6 @@ class BlockdMetrics:
         self._known_pools = set(pools)
         self.persistence_degraded.set(1 if persistence.state == "degraded" else 0)
         self.persistence_lag.set(persistence.lag_s)
+        self.persistence_skipped.set(persistence.skipped_records)
+        self.persistence_writer_restarts.set(persistence.writer_restarts)
+        self.persistence_dropped_batches.set(persistence.dropped_batches)

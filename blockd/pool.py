@@ -38,7 +38,7 @@ import msgspec
 
 from blockd.block_rule import growth
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import chain_hashes, extra_key, root_hash
+from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
 from common.tokens import as_packed, unpack_tokens
 
@@ -117,7 +117,7 @@ class PoolCounters(msgspec.Struct):
 
 class PoolStats(msgspec.Struct):
     pool_id: str
-    epoch: int
+    epoch_fingerprint: str  # see hashing.epoch_fingerprint: the epoch itself never leaves blockd
     model_id: str
     block_size: int
     blocks_total: int
@@ -259,6 +259,12 @@ class BlockPool:
         if n == 0:
             raise BlockdError(ErrorCode.INVALID_REQUEST, "a sequence needs at least one prompt token")
         bs = self.block_size
+        if n > self.num_blocks * bs:  # checked before hashing: the whole pool could never hold it
+            self.counters.admit_failures += 1
+            raise BlockdError(
+                ErrorCode.TOO_MANY_TOKENS,
+                f"a prompt of {n} tokens is more than pool {self.spec.pool_id!r} holds ({self.num_blocks * bs})",
+            )
         extra = self.extra_for(cache_salt)
         hashes = chain_hashes(packed, bs, self.root, extra)
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs)
@@ -503,7 +509,7 @@ class BlockPool:
         c = self.counters
         return PoolStats(
             pool_id=self.spec.pool_id,
-            epoch=self.spec.epoch,
+            epoch_fingerprint=epoch_fingerprint(self.spec.epoch),
             model_id=self.spec.model_id,
             block_size=bs,
             blocks_total=self.num_blocks,

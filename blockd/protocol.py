@@ -7,6 +7,12 @@ id `id` that its reply echoes. A request is a map with an `op` tag naming its ty
 Token ids are sent packed (see PackedTokens). One scheduler step of an executor is one `step` request carrying
 every admit, append, commit, fork and free of that step; the reply holds one result per op, in order. Ops are
 independent: one failing (say, out of blocks) leaves the others applied and changes nothing itself.
+
+Fencing: every request that changes a pool (`step`, `heartbeat`, `unregister`, and `reset_prefix_cache` sent by
+an executor) carries the pool's epoch, a random number its executor drew at start and only blockd and that
+executor know. A request with another epoch is refused with `stale_epoch` and changes nothing; `register` with a
+new epoch while the pool's lease runs is refused with `pool_held`. No reply carries an epoch: `pools` and `stats`
+show a short fingerprint of it (blockd.hashing.epoch_fingerprint), which the executor logs at start.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from blockd.pool import AdmitResult, AppendResult, PoolStats
 PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5557"
+#: Most ops one step may carry (a scheduler step holds a few per running sequence).
+MAX_STEP_OPS: Final = 65_536
 
 #: Token ids travel packed: little-endian uint32, 4 bytes each (common.tokens.pack_tokens). Compact, decoded
 #: without per-id work, and hashed as they are.
@@ -123,7 +131,8 @@ class Heartbeat(Request, tag="heartbeat"):
 
 class Step(Request, tag="step"):
     pool_id: Name
-    ops: list[StepOp]
+    epoch: int
+    ops: Annotated[list[StepOp], msgspec.Meta(max_length=MAX_STEP_OPS)]
 
 
 class Lookup(Request, tag="lookup"):
@@ -149,7 +158,11 @@ class Check(Request, tag="check"):
 
 
 class ResetPrefixCache(Request, tag="reset_prefix_cache"):
+    """Drop a pool's cached prefixes. An executor sends its epoch (a mismatch is `stale_epoch`); an operator
+    (blockd-cli) sends none."""
+
     pool_id: Name
+    epoch: int | None = None
 
 
 AnyRequest = Register | Unregister | Heartbeat | Step | Lookup | Stats | Pools | GetSequence | Check | ResetPrefixCache
@@ -188,6 +201,11 @@ class PersistenceStats(msgspec.Struct):
     entries_written: int
     full_rewrites: int
     last_error: str | None = None
+    key_prefix: str = ""  # every key blockd writes starts with it (--redis-prefix)
+    skipped_records: int = 0  # corrupt or unknown-version records found in Redis and left out
+    writer_restarts: int = 0  # the writer thread died and was started again
+    dropped_batches: int = 0  # batches not queued for Redis because the writer's queue was full
+    queue_limit: int = 0  # batches the writer's queue holds at most
 
 
 class Totals(msgspec.Struct):
@@ -215,7 +233,7 @@ class StatsResult(msgspec.Struct):
 class PoolInfo(msgspec.Struct):
     pool_id: str
     model_id: str
-    epoch: int
+    epoch_fingerprint: str  # not the epoch: a short one-way digest of it (the epoch is its executor's secret)
     num_blocks: int
     block_size: int
     live_sequences: int

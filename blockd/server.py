@@ -2,6 +2,12 @@
 
 One thread owns all state, so no request ever waits on a lock; Redis writes happen on a writer thread behind
 it (see persistence.py), and Prometheus is served from its own thread.
+
+Every input is bounded before work is done on it: a message over --max-message-bytes is cut off by ZeroMQ
+(MAXMSGSIZE) before it is read, each peer's receive queue holds at most --receive-queue messages (RCVHWM), and
+--max-pools, --max-blocks-per-pool, --block-sizes and --max-lookup-tokens bound what one request may ask for.
+Error codes (blockd.errors.ErrorCode): stale_epoch, pool_held (fencing); too_many_pools, pool_too_large,
+unsupported_block_size, too_many_tokens, too_large (bounds); and the codes of malformed requests.
 """
 
 from __future__ import annotations
@@ -21,10 +27,19 @@ import zmq
 from blockd import protocol as p
 from blockd.embedded_redis import EmbeddedRedis
 from blockd.errors import BlockdError, ErrorCode
-from blockd.manager import BlockManager, totals
+from blockd.hashing import epoch_fingerprint
+from blockd.manager import (
+    DEFAULT_MAX_BLOCKS_PER_POOL,
+    DEFAULT_MAX_LOOKUP_TOKENS,
+    DEFAULT_MAX_POOLS,
+    BlockManager,
+    Limits,
+    totals,
+)
 from blockd.metrics import BlockdMetrics
-from blockd.persistence import NoPersistence, RedisPersistence
+from blockd.persistence import DEFAULT_QUEUE_LIMIT, NoPersistence, RedisKeys, RedisPersistence
 from common import __version__
+from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
 
@@ -96,23 +111,23 @@ class BlockdServer:
         return reply
 
     def _step(self, req: p.Step) -> p.StepResult:
-        return self.manager.step(req.pool_id, req.ops)
+        return self.manager.step(req.pool_id, req.epoch, req.ops)
 
     def _heartbeat(self, req: p.Heartbeat) -> p.HeartbeatResult:
-        pool = self.manager.pool(req.pool_id)
-        if pool.spec.epoch != req.epoch:
-            raise BlockdError(
-                ErrorCode.UNKNOWN_POOL, f"pool {req.pool_id!r} is registered with another epoch: register again"
-            )
-        self.manager.touch(req.pool_id)
+        self.manager.heartbeat(req.pool_id, req.epoch)
         return p.HeartbeatResult(self.manager.lease_timeout_s)
 
     def _register(self, req: p.Register) -> p.RegisterResult:
-        result = self.manager.register(req)
+        try:
+            result = self.manager.register(req)
+        except BlockdError as exc:
+            if exc.code == ErrorCode.POOL_HELD:
+                self.log.warning("register refused: pool held", pool=req.pool_id, reason=exc.message)
+            raise
         self.log.info(
             "pool registered",
             pool=req.pool_id,
-            epoch=req.epoch,
+            epoch=epoch_fingerprint(req.epoch),
             blocks=req.num_blocks,
             block_size=req.block_size,
             model=req.model_id,
@@ -152,7 +167,7 @@ class BlockdServer:
         return p.CheckResult(self.manager.check())
 
     def _reset(self, req: p.ResetPrefixCache) -> p.ResetResult:
-        dropped = self.manager.reset_prefix_cache(req.pool_id)
+        dropped = self.manager.reset_prefix_cache(req.pool_id, req.epoch)
         self.log.info("prefix cache reset", pool=req.pool_id, entries=dropped)
         return p.ResetResult(dropped)
 
@@ -225,8 +240,53 @@ class BlockdServer:
     help="Serve Prometheus metrics on this port (0: off).",
 )
 @click.option("--metrics-host", default="127.0.0.1", help="Address the metrics endpoint listens on.")
-@click.option("--max-message-bytes", default="64MiB", help="Largest request accepted (bigger ones get too_large).")
+@click.option(
+    "--max-message-bytes",
+    default="64MiB",
+    help="Largest request accepted. ZeroMQ cuts off a peer that sends more (MAXMSGSIZE); blockd's clients refuse "
+    "to send it (too_large).",
+)
+@click.option(
+    "--receive-queue",
+    type=click.IntRange(min=1),
+    default=1000,
+    help="Requests queued per peer before ZeroMQ stops reading from it (RCVHWM).",
+)
+@click.option(
+    "--max-pools", type=click.IntRange(min=1), default=DEFAULT_MAX_POOLS, help="Most pools (new ones: too_many_pools)."
+)
+@click.option(
+    "--max-blocks-per-pool",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BLOCKS_PER_POOL,
+    help="Most blocks one pool may register (more: pool_too_large).",
+)
+@click.option(
+    "--block-sizes",
+    default=",".join(map(str, SUPPORTED_BLOCK_SIZES)),
+    help="Block sizes a pool may register with (others: unsupported_block_size); by default those the attention "
+    "kernels support.",
+)
+@click.option(
+    "--max-lookup-tokens",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_LOOKUP_TOKENS,
+    help="Most tokens one lookup may carry (more: too_many_tokens).",
+)
 @click.option("--deployment", default="pagedkv", help="Namespace of the block hashes (the chain's root).")
+@click.option(
+    "--redis-prefix",
+    default=None,
+    help="Prefix of every Redis key blockd writes ('<prefix>:blockd:v1:...'), so deployments can share a Redis. "
+    "Default: the --deployment name.",
+)
+@click.option(
+    "--persistence-queue",
+    type=click.IntRange(min=1),
+    default=DEFAULT_QUEUE_LIMIT,
+    help="Batches waiting for the Redis writer; past it, index changes are dropped (never requests) until the "
+    "writer catches up and re-writes the whole index.",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     endpoint: str,
@@ -238,7 +298,14 @@ def main(
     metrics_port: int,
     metrics_host: str,
     max_message_bytes: str,
+    receive_queue: int,
+    max_pools: int,
+    max_blocks_per_pool: int,
+    block_sizes: str,
+    max_lookup_tokens: int,
     deployment: str,
+    redis_prefix: str | None,
+    persistence_queue: int,
     log_level: str,
 ) -> None:
     """blockd: the block-manager daemon of pagedkv.
@@ -254,12 +321,28 @@ def main(
         limit = parse_size(max_message_bytes)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-message-bytes") from None
+    try:
+        sizes = tuple(sorted({int(x) for x in block_sizes.split(",") if x.strip()}))
+    except ValueError:
+        raise click.BadParameter(
+            f"{block_sizes!r}: give block sizes like 8,16,32", param_hint="--block-sizes"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter("give at least one positive block size", param_hint="--block-sizes")
+    limits = Limits(
+        max_pools=max_pools,
+        max_blocks_per_pool=max_blocks_per_pool,
+        block_sizes=sizes,
+        max_lookup_tokens=max_lookup_tokens,
+    )
     # Bind first: a second blockd on the same endpoint fails here, before it touches anyone's Redis.
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects under its old identity takes it over
-    socket.setsockopt(zmq.MAXMSGSIZE, limit * 2)  # far past the limit, a peer is cut off before it fills memory
+    socket.setsockopt(zmq.MAXMSGSIZE, limit)  # a peer that sends more is cut off before it is read
+    socket.setsockopt(zmq.RCVHWM, receive_queue)  # a flooding peer waits in its own TCP buffers, not in ours
+    socket.setsockopt(zmq.SNDHWM, receive_queue)  # replies to a peer that does not read are dropped past it
     try:
         socket.bind(endpoint)
     except zmq.ZMQError as exc:
@@ -278,8 +361,13 @@ def main(
                 context.destroy(linger=0)
                 raise click.ClickException(str(exc)) from None
             log.info("embedded redis started", url=redis_url, state_dir=str(state_dir))
-        store = RedisPersistence(redis_url, flush_interval_s=flush_interval)
-    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store)
+        store = RedisPersistence(
+            redis_url,
+            flush_interval_s=flush_interval,
+            keys=RedisKeys(redis_prefix or deployment),
+            queue_limit=persistence_queue,
+        )
+    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store, limits=limits)
     specs, records = store.load()
     manager.restore(specs, records)
     store.start()
@@ -306,6 +394,11 @@ def main(
         persisted_blocks=sum(len(r) for r in records.values()),
         lease_timeout_s=lease_timeout,
         metrics_port=metrics_port or None,
+        max_message_bytes=limit,
+        max_pools=max_pools,
+        max_blocks_per_pool=max_blocks_per_pool,
+        block_sizes=list(sizes),
+        redis_keys=store.stats(time.monotonic()).key_prefix or None,
     )
     try:
         server.serve(socket)

@@ -1,6 +1,8 @@
 """The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER). msgpack via msgspec.
 
 Gateway -> executor: `Submit`, `Abort`, `GetLoad`, `GetInfo`; each carries the protocol version `v`.
+A message over the executor's --max-message-bytes is not read at all: ZeroMQ drops the connection it came on.
+
 Executor -> gateway: for a submitted request, a stream of `Delta`s (new tokens of one choice, incremental; the
 last one of each choice has `finish_reason`), or one `Rejected` if the request is invalid; `LoadReport` and
 `Info` answer their queries. Anything undecodable is answered with `Rejected` (request_id "" when unknown).
@@ -68,7 +70,10 @@ class Delta(Message, tag="delta"):
 
 class Rejected(Message, tag="rejected"):
     request_id: str
-    code: str  # "invalid_request" | "context_length_exceeded" | "capacity_exceeded" | "duplicate_request" | ...
+    # "invalid_request" | "unsupported_version" | "context_length_exceeded" | "capacity_exceeded" |
+    # "duplicate_request" | "queue_full" (past --max-queued-requests) | "not_owner" (an Abort from a connection
+    # that did not submit the request)
+    code: str
     message: str
 
 

@@ -1,8 +1,19 @@
 """`pagedkv-executor`: one process per device, serving gateways over ZeroMQ and driving the engine.
 
 The loop is single-threaded: take in every message waiting on the socket (submits, aborts, queries), run one
-engine step if there is work, send its deltas to the gateways that asked, heartbeat blockd when idle. A bad
-message is answered with `Rejected` and changes nothing else.
+engine step if there is work, send its deltas to the gateways that asked. The pool's lease at blockd is renewed by
+a heartbeat thread of the pool client (its own socket), so a forward pass longer than the lease loses nothing.
+A bad message is answered with `Rejected` and changes nothing else.
+
+Bounds, checked before any work: a message over --max-message-bytes is cut off by ZeroMQ (MAXMSGSIZE) unread;
+a submit past --max-queued-requests is rejected with `queue_full`; a prompt's length is checked (packed size,
+context length) before it is unpacked; an `Abort` is taken only from the connection that submitted the request
+(`not_owner` otherwise).
+
+Fencing: if blockd refuses this executor's pool (`pool_held` at start: another live executor registered the same
+--pool-id; `stale_epoch` later: another executor took the pool over while this one was silent past its lease),
+the executor ends every request with finish_reason "error" and exits (78 at start, 75 later): the pool is not
+its own, and using it would mix another GPU's KV into its outputs.
 """
 
 from __future__ import annotations
@@ -20,38 +31,78 @@ import structlog
 import torch
 import zmq
 
-from blockd.client import BlockdUnavailable, PoolClient
+from blockd.client import BlockdUnavailable, PoolClient, PoolFenced
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
+from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
-from common.tokens import unpack_tokens
+from common.tokens import TOKEN_BYTES, unpack_tokens
+from common.units import parse_size
 from executor import protocol as ep
 from executor.checkpoint import CheckpointError, UnsupportedModel
 from executor.engine import Engine, EngineLimits, RequestRejected
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.runner import DTYPES, load_model
+from executor.sequence import Status
 
 log = structlog.get_logger("executor")
 
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+EX_FENCED = 75  # the pool was taken over by another executor while this one ran
+EX_POOL_HELD = 78  # at start: another live executor holds this --pool-id
+
+
+class Fenced(RuntimeError):
+    """blockd says the pool is another executor's now."""
+
 
 class ExecutorServer:
-    def __init__(self, engine: Engine, bind: str, info: ep.Info, *, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        bind: str,
+        info: ep.Info,
+        *,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    ) -> None:
         self.engine = engine
         self.info = info
+        self.max_queued_requests = max_queued_requests
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a peer that sends more is cut off unread
+        self.socket.setsockopt(zmq.RCVHWM, max(1000, 4 * max_queued_requests))  # then a peer waits in TCP buffers
         self.socket.bind(bind)
         self.owners: dict[str, bytes] = {}  # request id -> the gateway connection it came from
         self.stopping = False
         self.last_blockd_contact = time.monotonic()
 
     def serve(self) -> None:
+        """Serve until stopped; raises Fenced (after ending every request) if the pool is not ours any more."""
+        try:
+            self._loop()
+        except (Fenced, PoolFenced) as exc:
+            reason = self.engine.pool.fenced or str(exc)
+            log.error("pool_fenced", pool_id=self.engine.pool.pool_id, reason=reason)
+            self._fail_all()
+            self.engine.pool.stop_heartbeats()
+            self.socket.close(linger=0)
+            raise Fenced(reason) from None
+        self._shutdown()
+
+    def _loop(self) -> None:
         engine = self.engine
+        pool = engine.pool
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        heartbeat_s = max((engine.pool.lease_timeout_s or 10.0) / 4, 0.2)
+        heartbeat_s = max((pool.lease_timeout_s or 10.0) / 4, 0.2)
         while not self.stopping:
+            if pool.fenced:
+                raise Fenced(pool.fenced)
             busy = engine.has_work()
             events = dict(poller.poll(0 if busy else 50))
             if events:
@@ -62,13 +113,36 @@ class ExecutorServer:
                 except BlockdUnavailable:
                     continue  # the step stays pending; keep answering gateways meanwhile
                 self.last_blockd_contact = time.monotonic()
-            elif time.monotonic() - self.last_blockd_contact > heartbeat_s:
+            elif pool.needs_resync or (
+                not pool.heartbeats_running and time.monotonic() - self.last_blockd_contact > heartbeat_s
+            ):
                 try:
-                    engine.pool.heartbeat()
+                    pool.heartbeat()  # re-registers first if blockd lost the pool
                     self.last_blockd_contact = time.monotonic()
                 except BlockdUnavailable:
                     log.warning("blockd_unreachable", during="heartbeat")
-        self._shutdown()
+
+    def _fail_all(self) -> None:
+        """End every request in flight with finish_reason "error" (the pool is gone: nothing can continue)."""
+        for request_id, request in list(self.engine.requests.items()):
+            identity = self.owners.pop(request_id, None)
+            if identity is None:
+                continue
+            for index in range(request.params.n):
+                seq = next((q for q in request.sequences if q.index == index), None)
+                if seq is not None and seq.status is Status.FINISHED:
+                    continue
+                delta = ep.Delta(
+                    request_id=request_id,
+                    index=index,
+                    token_ids=[],
+                    finish_reason="error",
+                    prompt_tokens=len(request.prompt),
+                    completion_tokens=seq.num_generated if seq is not None else 0,
+                    cached_tokens=request.num_cached_tokens,
+                )
+                self.socket.send_multipart([identity, ep.encode(delta)])
+        self.engine.requests.clear()
 
     def _drain(self) -> None:
         while True:
@@ -102,8 +176,7 @@ class ExecutorServer:
             return
         if type(message) is ep.Submit:
             try:
-                if len(message.prompt) % 4:
-                    raise RequestRejected("invalid_request", "prompt must be packed uint32 token ids")
+                self._check_submit(message)
                 self.engine.add_request(
                     message.request_id, unpack_tokens(message.prompt), message.params, message.cache_salt
                 )
@@ -112,11 +185,44 @@ class ExecutorServer:
                 return
             self.owners[message.request_id] = identity
         elif type(message) is ep.Abort:
+            owner = self.owners.get(message.request_id)
+            if owner is None:
+                return  # unknown or finished already: nothing to stop
+            if owner != identity:
+                self._reply(
+                    identity,
+                    ep.Rejected(
+                        request_id=message.request_id,
+                        code="not_owner",
+                        message="a request can be aborted only on the connection that submitted it",
+                    ),
+                )
+                return
             self._send(self.engine.abort(message.request_id, message.index))
         elif type(message) is ep.GetLoad:
             self._reply(identity, self.engine.load())
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
+
+    def _check_submit(self, message: ep.Submit) -> None:
+        """What can be refused before the prompt is unpacked: the queue is full, or the prompt is malformed or
+        too long (its packed length says how many tokens it holds)."""
+        if len(self.engine.requests) >= self.max_queued_requests:
+            raise RequestRejected(
+                "queue_full",
+                f"this executor holds {self.max_queued_requests} requests already (--max-queued-requests): "
+                "try again later or another executor",
+            )
+        if len(message.prompt) % TOKEN_BYTES:
+            raise RequestRejected("invalid_request", "prompt must be packed uint32 token ids")
+        n = len(message.prompt) // TOKEN_BYTES
+        limit = self.engine.config.max_model_len
+        if n >= limit:
+            raise RequestRejected(
+                "context_length_exceeded",
+                f"the prompt has {n} tokens; this model's context is {limit} tokens, including at least one to "
+                "generate",
+            )
 
     def _send(self, deltas: list[ep.Delta]) -> None:
         for delta in deltas:
@@ -139,6 +245,9 @@ class ExecutorServer:
             engine.pool.unregister()
         except BlockdUnavailable:
             log.warning("blockd_unreachable", during="shutdown")
+        except PoolFenced as exc:
+            log.warning("pool_fenced", during="shutdown", reason=exc.message)
+        engine.pool.stop_heartbeats()
         self.socket.close(linger=0)
 
 
@@ -198,7 +307,12 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 )
 @click.option("--bind", default=ep.DEFAULT_BIND, help="Where gateways reach this executor (ZeroMQ ROUTER).")
 @click.option("--pool-id", default=None, help="This executor's pool name at blockd. Default: host-device-port.")
-@click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16", help="Tokens per KV block.")
+@click.option(
+    "--block-size",
+    type=click.Choice([str(b) for b in SUPPORTED_BLOCK_SIZES]),
+    default="16",
+    help="Tokens per KV block.",
+)
 @click.option(
     "--num-blocks",
     type=click.IntRange(min=1),
@@ -237,6 +351,24 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     default=60.0,
     help="Seconds to wait for blockd at startup before giving up (exit 69).",
 )
+@click.option(
+    "--pool-wait",
+    type=click.FloatRange(min=0),
+    default=15.0,
+    help="Seconds to wait at startup while another live executor holds --pool-id (a predecessor's lease may "
+    "still run) before giving up (exit 78).",
+)
+@click.option(
+    "--max-message-bytes",
+    default="8MiB",
+    help="Largest message a gateway may send; ZeroMQ cuts off a peer that sends more.",
+)
+@click.option(
+    "--max-queued-requests",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_QUEUED_REQUESTS,
+    help="Requests held at once (running or waiting); more are rejected with queue_full.",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     model_dir,
@@ -253,6 +385,9 @@ def main(
     kernels,
     seed,
     blockd_wait,
+    pool_wait,
+    max_message_bytes,
+    max_queued_requests,
     log_level,
 ) -> None:
     """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
@@ -264,6 +399,10 @@ def main(
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
+    try:
+        message_limit = parse_size(max_message_bytes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-message-bytes") from None
     if model_dir is None:
         from common.default_model import ensure_default_model
 
@@ -291,7 +430,8 @@ def main(
         retry_for_s=2.0,
     )
     runner = engine.runner
-    _register(engine.pool, blockd_endpoint, blockd_wait)
+    _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
+    engine.pool.start_heartbeats()
     info = ep.Info(
         pool_id=pool_id,
         model_id=loaded.config.model_id,
@@ -303,7 +443,9 @@ def main(
         device=str(device),
         eos_token_ids=list(loaded.config.eos_token_ids),
     )
-    server = ExecutorServer(engine, bind, info)
+    server = ExecutorServer(
+        engine, bind, info, max_message_bytes=message_limit, max_queued_requests=max_queued_requests
+    )
     log.info(
         "executor_ready",
         model=str(model_dir),
@@ -320,6 +462,7 @@ def main(
         kernels=kernels,
         bind=bind,
         pool_id=pool_id,
+        epoch=engine.pool.epoch_fingerprint,
         blockd=blockd_endpoint,
         pid=os.getpid(),
     )
@@ -329,17 +472,31 @@ def main(
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    server.serve()
+    try:
+        server.serve()
+    except Fenced as exc:
+        click.echo(f"error: pool {pool_id} is not this executor's any more: {exc}", err=True)
+        sys.exit(EX_FENCED)
     log.info("executor_stopped", pool_id=pool_id)
 
 
-def _register(pool: PoolClient, endpoint: str, wait_s: float) -> None:
-    """blockd may still be starting (compose, `pagedkv serve`): wait for it, saying so."""
+def _register(pool: PoolClient, endpoint: str, wait_s: float, pool_wait_s: float) -> None:
+    """blockd may still be starting (compose, `pagedkv serve`): wait for it, saying so. If another live executor
+    holds the pool, wait up to pool_wait_s (a predecessor's lease may be running out), then exit 78."""
     deadline = time.monotonic() + wait_s
+    held_until = time.monotonic() + pool_wait_s
     while True:
         try:
             pool.register()
             return
+        except PoolFenced as exc:
+            if time.monotonic() >= held_until:
+                log.error("pool_held", pool_id=pool.pool_id, reason=exc.message)
+                click.echo(f"error: {exc.message}", err=True)
+                sys.exit(EX_POOL_HELD)
+            log.info("waiting_for_pool", pool_id=pool.pool_id, reason=exc.message)
+            time.sleep(min(0.5, max(held_until - time.monotonic(), 0.0)))
+            pool.fenced = None
         except BlockdUnavailable:
             if time.monotonic() > deadline:
                 log.error("blockd_unreachable", blockd=endpoint, waited_s=wait_s)

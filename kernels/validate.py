@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.limits import SUPPORTED_BLOCK_SIZES
+
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 192, 256)
-SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 

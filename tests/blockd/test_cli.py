@@ -51,7 +51,10 @@ def test_stats_pools_seq_check_reset_against_a_live_daemon(redis_process, start_
     assert "87.5%" in table.stdout  # kv utilization 21/24
 
     pools = cli(daemon.endpoint, "pools", "--json")
-    assert json.loads(pools.stdout)["pools"][0]["epoch"] == ex.epoch
+    (info,) = json.loads(pools.stdout)["pools"]
+    assert "epoch" not in info and info["epoch_fingerprint"] == ex.epoch_fingerprint  # the epoch stays secret
+    assert str(ex.epoch) not in pools.stdout + cli(daemon.endpoint, "stats", "--json").stdout
+    assert ex.epoch_fingerprint in cli(daemon.endpoint, "pools").stdout
 
     seq = cli(daemon.endpoint, "seq", "live", "--json")
     assert json.loads(seq.stdout)["blocks"] == ex.seqs["live"].blocks
@@ -84,6 +87,19 @@ def test_blockd_rejects_bad_flags_with_help():
     assert result.returncode == 2 and "is not a size" in result.stderr
     help_text = subprocess.run([str(BIN / "blockd"), "--help"], capture_output=True, text=True, timeout=30).stdout
     assert "--lease-timeout" in help_text and "--redis-url" in help_text
+    for flag in (
+        "--max-pools",
+        "--max-blocks-per-pool",
+        "--block-sizes",
+        "--max-lookup-tokens",
+        "--receive-queue",
+        "--redis-prefix",
+        "--persistence-queue",
+    ):
+        assert flag in help_text, flag
+    assert "8,16,32,64" in help_text  # the kernels' block sizes by default
+    bad = subprocess.run([str(BIN / "blockd"), "--block-sizes", "16,x"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--block-sizes" in bad.stderr
 
 
 def test_bench_blockd_quick_prints_tables_and_a_json_last_line():

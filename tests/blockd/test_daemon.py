@@ -7,7 +7,7 @@ import time
 import pytest
 
 from blockd import protocol as p
-from blockd.client import BlockdClient, PoolClient, StepFailed
+from blockd.client import BlockdClient, PoolClient, PoolFenced, StepFailed
 from blockd.errors import BlockdError, ErrorCode
 from blockd.persistence import POOLS_KEY, load_pool_records
 from common.tokens import pack_tokens
@@ -85,8 +85,11 @@ def test_operations_over_the_wire(redis_process, start_blockd):
         assert stats.counters.hit_tokens == 12
 
     with pytest.raises(StepFailed) as err:
-        ex.admit("huge", prompt(0, 64 * BS + 1))
+        ex.admit("huge", prompt(0, 63 * BS + 1))  # fits the pool, not its free blocks
     assert err.value.code == ErrorCode.OUT_OF_BLOCKS and err.value.missing_blocks > 0
+    with pytest.raises(StepFailed) as err:
+        ex.admit("huger", prompt(0, 64 * BS + 1))  # more than the whole pool: refused before any hashing
+    assert err.value.code == ErrorCode.TOO_MANY_TOKENS
     for seq_id in list(ex.seqs):
         ex.free(seq_id)
     with daemon.client() as operator:
@@ -202,7 +205,12 @@ def test_silent_pool_expires_and_resyncs_when_it_returns(redis_process, start_bl
         assert operator.check() == []
 
     fresh = PoolClient(daemon.client(), pool_id="ex0", num_blocks=32, block_size=BS, model_id="tiny", epoch=8)
-    result = fresh.register()  # a restarted executor: new epoch, clean pool
+    with pytest.raises(PoolFenced) as held:  # a new epoch while the pool's lease runs: refused
+        fresh.register()
+    assert held.value.code == ErrorCode.POOL_HELD and "held by a live executor since" in held.value.message
+    with daemon.client() as operator:
+        wait_for(lambda: not operator.pools().pools, timeout_s=5, what="lease expiry")
+    result = fresh.register()  # a restarted executor after the old one's lease ran out: new epoch, clean pool
     assert not result.resynced and result.restored_sequences == 0
     with daemon.client() as operator:
         assert operator.stats("ex0").pools[0].blocks_in_use == 0
@@ -230,7 +238,7 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         return p.decode_reply(raw.recv())
 
     enc = msgspec.msgpack.encode
-    step = {"v": 1, "id": 11, "op": "step", "pool_id": "ex0"}
+    step = {"v": 1, "id": 11, "op": "step", "pool_id": "ex0", "epoch": ex.epoch}
     cases = [
         ((b"\x00\xffgarbage",), ErrorCode.BAD_MESSAGE),
         ((enc([1, 2, 3]),), ErrorCode.BAD_MESSAGE),
@@ -240,7 +248,6 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "x", "tokens": [1, 5]}]}),), ErrorCode.INVALID_REQUEST),
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "", "tokens": b"\0" * 4}]}),), ErrorCode.INVALID_REQUEST),
         ((enc({"v": 1, "id": 3, "op": "register", "pool_id": "ex0"}),), ErrorCode.INVALID_REQUEST),
-        ((enc({**step, "ops": [{"type": "append", "seq_id": "a", "tokens": bytes(80000)}]}),), ErrorCode.TOO_LARGE),
         ((enc({**step, "pool_id": "ghost", "ops": []}),), ErrorCode.UNKNOWN_POOL),
         ((b"two", b"frames"), ErrorCode.BAD_MESSAGE),
         (
@@ -269,6 +276,18 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         assert reply.error.code == code, (frames, reply.error)
         assert reply.error.message
     assert ask(enc({"v": 1, "id": 77, "op": "launch_missiles"})).id == 77  # the id is echoed when readable
+
+    # Over --max-message-bytes: ZeroMQ cuts the sender off before blockd reads a byte of it (MAXMSGSIZE)...
+    oversized = context.socket(zmq.DEALER)
+    oversized.setsockopt(zmq.LINGER, 0)
+    oversized.connect(daemon.endpoint)
+    oversized.send(enc({**step, "ops": [{"type": "append", "seq_id": "a", "tokens": bytes(80000)}]}))
+    assert not oversized.poll(1000), "an oversized message must not be read"
+    oversized.close()
+    # ... and blockd's own client refuses to send it, with a clear error.
+    with pytest.raises(BlockdError) as too_large, BlockdClient(daemon.endpoint, max_message_bytes=64 * 1024) as client:
+        client.lookup(list(range(20000)))
+    assert too_large.value.code == ErrorCode.TOO_LARGE
 
     per_op = ex.step([p.Free("ghost"), p.Append("ghost", pack_tokens([1])), p.Commit("a", 999), p.Fork("ghost", "g2")])
     assert [r.code for r in per_op] == [

@@ -72,7 +72,7 @@ def test_log_and_compaction_rebuild_the_exact_index(store, redis_process, monkey
     for _ in range(30):
         churn(manager, rng, 20)
         assert store.flush_now(manager)
-        _, persisted, _ = load(redis)
+        persisted = load(redis).records
         pool = manager.pools["p"]
         assert validated(persisted["p"], pool) == blocks_and_generations(index_view(pool))
         compacted |= redis.llen(log_key("p")) == 0 and redis.llen(snapshot_key("p")) > 0
@@ -108,7 +108,7 @@ def test_a_restarted_store_continues_the_log_it_found(store, redis_process):
         churn(restarted, rng, 60)
         assert second.flush_now(restarted)
         pool = restarted.pools["p"]
-        assert validated(load(redis_process.client())[1]["p"], pool) == blocks_and_generations(index_view(pool))
+        assert validated(load(redis_process.client()).records["p"], pool) == blocks_and_generations(index_view(pool))
     finally:
         second.close()
 
@@ -120,9 +120,10 @@ def test_dropping_a_pool_removes_its_keys(store, redis_process):
     register(manager)
     churn(manager, random.Random(3), 30)
     assert store.flush_now(manager)
-    assert wait_for(lambda: load(redis_process.client())[1].get("p"), what="index persisted")
+    assert wait_for(lambda: load(redis_process.client()).records.get("p"), what="index persisted")
     manager.unregister("p", 3)
     assert store.flush_now(manager)
     redis = redis_process.client()
-    assert load(redis) == ([], {}, {})
+    loaded = load(redis)
+    assert (loaded.specs, loaded.records, loaded.logged, loaded.skipped) == ([], {}, {}, [])
     assert not redis.exists(snapshot_key("p"), log_key("p"))

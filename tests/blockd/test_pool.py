@@ -82,14 +82,18 @@ def test_hits_on_cached_free_blocks_are_not_evicted_by_the_same_admit() -> None:
 
 
 def test_admit_counts_cached_free_hits_against_the_free_blocks() -> None:
-    pool = make_pool(4, 2)
+    pool = make_pool(6, 2)
+    pool.admit("live", [7])
     pool.admit("a", [1, 2, 3, 4, 5])
     pool.commit("a", 4)
     pool.free("a")
     before = pool_state(pool)
-    # 9 tokens: 5 blocks, 2 of them hits, so 3 new ones; 4 blocks are free but 2 of those are the hits.
-    err = expect_error(ErrorCode.OUT_OF_BLOCKS, pool.admit, "b", [1, 2, 3, 4, 9, 9, 9, 9, 9])
+    # 11 tokens: 6 blocks, 2 of them hits, so 4 new ones; 5 blocks are free but 2 of those are the hits.
+    err = expect_error(ErrorCode.OUT_OF_BLOCKS, pool.admit, "b", [1, 2, 3, 4, *[9] * 7])
     assert err.missing_blocks == 1
+    assert pool_state(pool) == before
+    # More tokens than the whole pool holds: refused before any hashing.
+    expect_error(ErrorCode.TOO_MANY_TOKENS, pool.admit, "c", [1] * 13)
     assert pool_state(pool) == before
     assert pool.lookup([1, 2, 3, 4, 5]) == 4  # the cached chain survived the failed admit
 

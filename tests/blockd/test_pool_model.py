@@ -128,6 +128,9 @@ class Model:
         n = len(tokens)
         if n == 0 or any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
+        if n > self.n * self.bs:  # more than the whole pool holds: refused before any hashing
+            self.counters["admit_failures"] += 1
+            raise ModelError(ErrorCode.TOO_MANY_TOKENS)
         hits = []
         for i in range((n - 1) // self.bs):
             b = self.find(self.block_key(salt, tokens, i))
