@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint serve bench-blockd clean
+.PHONY: setup test lint serve bench-blockd compose-test clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ serve: setup
 
 bench-blockd: setup
 	$(VENV)/bin/pagedkv bench blockd
+
+# The compose stack built and run for real (CPU image): needs a Docker engine with Compose >= 2.24, takes
+# minutes, and is not part of `make test`. Where Docker Hub is unreachable: eval "$$(../shared/tools/docker-here)"
+compose-test: setup
+	$(PY) -m tests.compose.compose_e2e $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
