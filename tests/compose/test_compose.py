@@ -663,7 +663,8 @@ def test_no_url_leaves_the_deployment() -> None:
     """Every URL in compose/ points into the stack itself: no package index or other outside host."""
     services = yaml.safe_load(RAW_TEXT)["services"]
     local = {"127.0.0.1", "0.0.0.0", "localhost", *services}
-    for path in (DOCKERFILE, ENV_EXAMPLE, COMPOSE_FILE, CPU_FILE, README, DOCKERIGNORE):
+    observability = sorted(p for p in (COMPOSE_DIR / "observability").rglob("*") if p.is_file())
+    for path in (DOCKERFILE, ENV_EXAMPLE, COMPOSE_FILE, CPU_FILE, README, DOCKERIGNORE, *observability):
         for url in re.findall(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"`)]+", path.read_text()):
             host = urlsplit(url).hostname or ""
             ok = host in local or re.fullmatch(r"executor-\d+", host)  # the README's next executor
