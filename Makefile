@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+K8S_VENV  ?= .venv-k8s
+K8S_STAMP := $(K8S_VENV)/.installed
 
-.PHONY: setup test lint serve bench-blockd compose-test clean
+.PHONY: setup k8s-tools test lint serve bench-blockd compose-test clean
 
 setup: $(STAMP)
 
@@ -14,14 +16,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# kubernetes-validate and checkov for the Kubernetes manifests' tests (tests/deploy), in an environment of their own.
+k8s-tools: $(K8S_STAMP)
+
+$(K8S_STAMP): deploy/k8s/tools-requirements.txt
+	$(PYTHON) -m venv $(K8S_VENV)
+	$(K8S_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(K8S_VENV)/bin/python -m pip install --quiet -r deploy/k8s/tools-requirements.txt
+	touch $(K8S_STAMP)
+
 # The linters and the import-layer contract first: they take seconds, the tests minutes.
 lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: lint k8s-tools
+	PAGEDKV_K8S_TOOLS=$(abspath $(K8S_VENV))/bin $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # A whole local stack (blockd, executors, gateway) until Ctrl-C; e.g. make serve SERVE_ARGS='--executors 2'
 serve: setup
@@ -36,4 +47,4 @@ compose-test: setup
 	$(PY) -m tests.compose.compose_e2e $(COMPOSE_TEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(K8S_VENV) build *.egg-info .pytest_cache .hypothesis
