@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from pagedkv.serve import LocalStack, free_ports
+from common.net import free_ports
+from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
 from tests.blockd.conftest import wait_for
 from tests.gateway.test_openai_api import wait_until_no_live_blocks
