@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 K8S_VENV  ?= .venv-k8s
 K8S_STAMP := $(K8S_VENV)/.installed
 
-.PHONY: setup k8s-tools test lint serve bench-blockd compose-test clean
+.PHONY: setup k8s-tools compose-cli test lint serve bench-blockd compose-test clean
 
 setup: $(STAMP)
 
@@ -25,13 +25,17 @@ $(K8S_STAMP): deploy/k8s/tools-requirements.txt
 	$(K8S_VENV)/bin/python -m pip install --quiet -r deploy/k8s/tools-requirements.txt
 	touch $(K8S_STAMP)
 
+# The Compose v2 CLI for tests/compose where `docker compose` is not installed (see the script).
+compose-cli:
+	sh compose/fetch-compose-cli.sh .compose-cli
+
 # The linters and the import-layer contract first: they take seconds, the tests minutes.
 lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint k8s-tools
+test: lint k8s-tools compose-cli
 	PAGEDKV_K8S_TOOLS=$(abspath $(K8S_VENV))/bin $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # A whole local stack (blockd, executors, gateway) until Ctrl-C; e.g. make serve SERVE_ARGS='--executors 2'
@@ -47,4 +51,4 @@ compose-test: setup
 	$(PY) -m tests.compose.compose_e2e $(COMPOSE_TEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(K8S_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(K8S_VENV) .compose-cli build *.egg-info .pytest_cache .hypothesis

@@ -60,22 +60,39 @@ class ComposeRefused(Exception):
     """`docker compose config` exited non-zero; the message is its stderr."""
 
 
+# Where `docker compose` is not installed, `make compose-cli` (part of make test) puts the standalone Compose v2
+# binary here.
+STANDALONE = ROOT / ".compose-cli" / "docker-compose"
+
+
+def _compose_command() -> tuple[list[str] | None, str]:
+    """How to run Compose v2 here (`docker compose`, or the standalone binary), or None and why not."""
+    why = "the docker CLI is not installed"
+    for command in (["docker", "compose"], [str(STANDALONE)]):
+        try:
+            result = subprocess.run(
+                [*command, "version", "--short"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (FileNotFoundError, PermissionError):
+            continue
+        if result.returncode == 0 and result.stdout.strip().lstrip("v").startswith("2"):
+            return command, ""
+        if command[0] == "docker":
+            first = (result.stderr.strip().splitlines() or ["no output"])[0]
+            why = f"`docker compose` (the Compose v2 CLI plugin) is not installed ({first[:120]})"
+    return None, f"{why}, nor {STANDALONE.relative_to(ROOT)} (`make compose-cli` fetches it)"
+
+
+COMPOSE, _WHY_NO_COMPOSE = _compose_command()
+
+
 def _compose_missing() -> str | None:
     """Why `docker compose config` cannot run here, or None."""
-    try:
-        result = subprocess.run(
-            ["docker", "compose", "version", "--short"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except FileNotFoundError:
-        return "the docker CLI is not installed (these checks read the files through `docker compose config`)"
-    if result.returncode != 0:
-        first = (result.stderr.strip().splitlines() or ["no output"])[0]
-        return f"`docker compose` (the Compose v2 CLI plugin) is not installed ({first[:120]})"
-    return None
+    return None if COMPOSE is not None else _WHY_NO_COMPOSE
 
 
 COMPOSE_MISSING = _compose_missing()
-needs_compose = pytest.mark.skipif(COMPOSE_MISSING is not None, reason=f"{COMPOSE_MISSING}; docker-here sets it up")
+needs_compose = pytest.mark.skipif(COMPOSE_MISSING is not None, reason=str(COMPOSE_MISSING))
 
 
 def _base_env() -> dict[str, str]:
@@ -93,7 +110,8 @@ def docker_compose(
     profiles: Sequence[str] = (),
 ) -> str:
     """stdout of `docker compose -f ... [--profile ...] <args>` with exactly `env` (and env_file, not compose/.env)."""
-    command = ["docker", "compose", "--env-file", str(env_file or os.devnull)]
+    assert COMPOSE is not None, _WHY_NO_COMPOSE
+    command = [*COMPOSE, "--env-file", str(env_file or os.devnull)]
     for file in files:
         command += ["-f", str(file)]
     for profile in profiles:
