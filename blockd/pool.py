@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 
@@ -62,6 +62,21 @@ def _packed(tokens: TokenIds) -> bytes | bytearray:
         return as_packed(tokens)
     except (OverflowError, TypeError, ValueError) as exc:
         raise BlockdError(ErrorCode.INVALID_REQUEST, f"token ids must be integers in [0, 2**32): {exc}") from None
+
+
+class KvEventSink(Protocol):
+    """Hears every change of a pool's prefix index as it happens (blockd.kv_events publishes them)."""
+
+    def stored(
+        self, spec: PoolSpec, parent: bytes | None, block_hash: bytes, tokens: bytes | bytearray, i: int
+    ) -> None:
+        """Block i of a sequence (packed tokens `tokens`) entered the index; parent: block i-1's hash or None."""
+
+    def removed(self, spec: PoolSpec, block_hash: bytes) -> None:
+        """An entry left the index: its block was evicted for new content."""
+
+    def cleared(self, spec: PoolSpec) -> None:
+        """Every entry left the index."""
 
 
 class PoolSpec(msgspec.Struct, frozen=True):
@@ -165,6 +180,7 @@ class BlockPool:
         self.seqs: dict[str, SeqState] = {}
         self.counters = PoolCounters()
         self.journal = journal
+        self.kv_events: KvEventSink | None = None  # set by blockd.kv_events when blockd publishes KV events
         self._clock = 0
         self._recently_freed: OrderedDict[str, None] = OrderedDict()
 
@@ -202,6 +218,8 @@ class BlockPool:
                 del index[old]
                 block_hash[block] = None
                 evicted += 1
+                if self.kv_events is not None:
+                    self.kv_events.removed(self.spec, old)
             generation[block] += 1
             refcount[block] = 1
             granted.append(block)
@@ -367,6 +385,8 @@ class BlockPool:
             added += 1
             if self.journal is not None:
                 self.journal[b] = (h, self.generation[b], self._clock)
+            if self.kv_events is not None:
+                self.kv_events.stored(self.spec, hashes[i - 1] if i else None, h, seq.tokens, i)
         seq.committed = full
         return added
 
@@ -418,6 +438,8 @@ class BlockPool:
             if self.refcount[b] == 0:
                 self.free_queue.move_to_end(b, last=False)
         self.index.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared(self.spec)
         return dropped
 
     # ----------------------------------------------------------------------------- restore and re-sync

@@ -28,6 +28,7 @@ from blockd import protocol as p
 from blockd.embedded_redis import EmbeddedRedis
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
+from blockd.kv_events import KvEventPublisher
 from blockd.manager import (
     DEFAULT_MAX_BLOCKS_PER_POOL,
     DEFAULT_MAX_LOOKUP_TOKENS,
@@ -62,8 +63,10 @@ class BlockdServer:
         metrics: BlockdMetrics | None = None,
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
         log: Any = None,
+        kv_events: KvEventPublisher | None = None,
     ) -> None:
         self.manager = manager
+        self.kv_events = kv_events
         self.persistence = persistence
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
@@ -181,6 +184,8 @@ class BlockdServer:
                 if self.metrics is not None:
                     self.metrics.expired_pools.inc()
         self.persistence.tick(self.manager, now)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.metrics is not None and now >= self._next_metrics:
             self._next_metrics = now + 1.0
             self.metrics.update(self.manager.pools, self.persistence.stats(now))
@@ -287,6 +292,19 @@ class BlockdServer:
     help="Batches waiting for the Redis writer; past it, index changes are dropped (never requests) until the "
     "writer catches up and re-writes the whole index.",
 )
+@click.option(
+    "--kv-events-endpoint",
+    envvar="BLOCKD_KV_EVENTS_ENDPOINT",
+    default=None,
+    help="Publish KV cache events in vLLM's format on this ZeroMQ PUB endpoint, e.g. tcp://*:5570 (bound if it "
+    "has * or ::, connected to otherwise, as vLLM does). Default: off.",
+)
+@click.option(
+    "--kv-events-replay-endpoint",
+    envvar="BLOCKD_KV_EVENTS_REPLAY_ENDPOINT",
+    default=None,
+    help="ROUTER endpoint answering replay requests for missed KV event batches, e.g. tcp://*:5571.",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     endpoint: str,
@@ -306,6 +324,8 @@ def main(
     deployment: str,
     redis_prefix: str | None,
     persistence_queue: int,
+    kv_events_endpoint: str | None,
+    kv_events_replay_endpoint: str | None,
     log_level: str,
 ) -> None:
     """blockd: the block-manager daemon of pagedkv.
@@ -316,6 +336,8 @@ def main(
     """
     if lease_timeout <= 0 or flush_interval <= 0:
         raise click.BadParameter("--lease-timeout and --flush-interval must be positive")
+    if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
+        raise click.BadParameter("needs --kv-events-endpoint", param_hint="--kv-events-replay-endpoint")
     log = configure_logging("blockd", log_level)
     try:
         limit = parse_size(max_message_bytes)
@@ -367,7 +389,15 @@ def main(
             keys=RedisKeys(redis_prefix or deployment),
             queue_limit=persistence_queue,
         )
-    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store, limits=limits)
+    kv_events = None
+    if kv_events_endpoint is not None:
+        try:
+            kv_events = KvEventPublisher(store, kv_events_endpoint, kv_events_replay_endpoint)
+        except zmq.ZMQError as exc:
+            context.destroy(linger=0)
+            raise click.ClickException(f"cannot open the KV events endpoints: {exc}") from None
+    events = store if kv_events is None else kv_events  # the publisher hears pool changes and passes them on
+    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=events, limits=limits)
     specs, records = store.load()
     manager.restore(specs, records)
     store.start()
@@ -382,7 +412,7 @@ def main(
     metrics = BlockdMetrics() if metrics_port else None
     if metrics is not None:
         metrics.serve(metrics_port, metrics_host)
-    server = BlockdServer(manager, store, metrics=metrics, max_message_bytes=limit, log=log)
+    server = BlockdServer(manager, store, metrics=metrics, max_message_bytes=limit, log=log, kv_events=kv_events)
 
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
@@ -399,6 +429,7 @@ def main(
         max_blocks_per_pool=max_blocks_per_pool,
         block_sizes=list(sizes),
         redis_keys=store.stats(time.monotonic()).key_prefix or None,
+        kv_events=kv_events.endpoint if kv_events is not None else None,
     )
     try:
         server.serve(socket)
@@ -406,6 +437,8 @@ def main(
         flushed = store.flush_now(manager)
         log.info("blockd stopping", flushed=flushed)
         socket.close()
+        if kv_events is not None:
+            kv_events.close()
         context.term()
         store.close()
         if embedded is not None:

@@ -400,10 +400,32 @@ class LocalStack:
             return None
         self._last_health = f"{response.status_code} {body}"
         executors = body.get("executors") if isinstance(body, dict) else None
+        self._check_refused(body, executors)
         healthy = [e for e in executors or [] if isinstance(e, dict) and e.get("healthy") is True]
         if response.status_code == 200 and len(executors or []) == self.executors == len(healthy):
             return f"{self.base_url} (model {self.model_name})"
         return None
+
+    def _check_refused(self, body: Any, executors: Any) -> None:
+        """StackFailed when the gateway refused an executor (another model: e.g. a tokenizer larger than the
+        executor's vocabulary). That is final: the stack waits for every executor, and the refused one stays
+        out of rotation, so waiting on would only print "still waiting for gateway" until the timeout."""
+        refused = [e for e in executors or [] if isinstance(e, dict) and e.get("refused")]
+        if not refused:
+            return
+        reasons = "\n".join(f"  {e.get('endpoint')}: {e['refused']}" for e in refused)
+        summary = (
+            "it refused every executor"
+            if len(refused) == len(executors)
+            else f"it refused {len(refused)} of {len(executors)} executors"
+        )
+        tail = _tail(self.log_path("gateway"))
+        raise StackFailed(
+            f"the gateway cannot serve with these executors: {summary}, because\n{reasons}\n"
+            f"the last lines of {self.log_path('gateway')}:\n{tail}",
+            component="gateway",
+            log_tail=tail,
+        )
 
     def check(self) -> None:
         """StackFailed naming the first child that has exited (with its exit code and log tail), if any."""
@@ -576,7 +598,10 @@ def serve(
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             stack.stop()
-            raise click.ClickException(str(exc)) from None
+            message = str(exc)
+            if state_dir is None and log_dir is None and stack.processes:
+                message += "\n(the logs were in a temporary directory, now removed: keep them with --log-dir)"
+            raise click.ClickException(message) from None
         finally:
             stack.stop()
     finally:

@@ -1,9 +1,11 @@
-"""compose/: the Docker Compose deployment, checked without a Docker engine.
+"""compose/: the Docker Compose deployment, checked as compose itself reads it.
 
-The compose file is loaded, its `${VAR:-default}` interpolations are resolved the way compose resolves them, and
-every pagedkv command in it (service commands and healthchecks) is parsed by the real click command behind its
-console script in pyproject.toml, under the service's own environment. So a renamed flag, an environment variable
-no option reads, endpoints that disagree or a variable missing from .env.example fail here, not at `compose up`.
+`docker compose config` (the Compose v2 CLI; no engine needed) resolves the files, overrides and variables, and
+every pagedkv command in the result (service commands and healthchecks) is parsed by the real click command
+behind its console script in pyproject.toml, under the service's own environment. So a renamed flag, an
+environment variable no option reads, endpoints that disagree or a variable missing from .env.example fail here,
+not at `compose up`. Where `docker compose` is not installed, those tests skip and say so. `make compose-test`
+(tests/compose/compose_e2e.py) builds the image and runs the stack for real.
 
 Each check is a function returning a list of problems, so the negative tests can show it catches a broken file.
 """
@@ -13,11 +15,12 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import json
 import os
 import re
+import subprocess
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -31,103 +34,100 @@ from click.core import ParameterSource
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+CPU_FILE = COMPOSE_DIR / "docker-compose.cpu.yml"
 ENV_EXAMPLE = COMPOSE_DIR / ".env.example"
 DOCKERFILE = COMPOSE_DIR / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
 README = COMPOSE_DIR / "README.md"
 
 IMAGE = "pagedkv:latest"
+CPU_IMAGE = "pagedkv:cpu"
 SERVICE_SCRIPTS = ("blockd", "pagedkv-executor", "pagedkv-gateway")
 # Variables with these prefixes are meant for a pagedkv CLI: each must reach an option of the service's command.
 CLI_ENV_PREFIXES = ("PAGEDKV_EXECUTOR_", "PAGEDKV_GATEWAY_", "BLOCKD_")
 MODEL_MOUNT = "/models/model"
+GPU = (COMPOSE_FILE,)
+CPU = (COMPOSE_FILE, CPU_FILE)
+CPU_PROFILES = ("executor-2",)  # the CPU file's on-demand third executor
 
 Compose = dict[str, Any]
 
 
-# ---------------------------------------------------------------------------------------------- interpolation
+# ------------------------------------------------------------------------------------------ docker compose
 
 
-class InterpolationError(ValueError):
-    pass
+class ComposeRefused(Exception):
+    """`docker compose config` exited non-zero; the message is its stderr."""
 
 
-# $$ (a literal $), ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}, $NAME; anything
-# else after a $ is an error, as in compose.
-_REFERENCE = re.compile(
-    r"\$(?:(?P<escaped>\$)"
-    r"|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|-|:\?|\?)(?P<arg>[^}]*))?\}"
-    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*)"
-    r"|(?P<invalid>))"
-)
+# Where `docker compose` is not installed, `make compose-cli` (part of make test) puts the standalone Compose v2
+# binary here.
+STANDALONE = ROOT / ".compose-cli" / "docker-compose"
 
 
-@dataclass(frozen=True)
-class Reference:
-    name: str
-    default: str | None  # None: the variable has no default and must be set
-
-
-def _references(text: str) -> Iterator[tuple[re.Match[str], Reference | None]]:
-    for match in _REFERENCE.finditer(text):
-        if match["escaped"]:
-            yield match, None
+def _compose_command() -> tuple[list[str] | None, str]:
+    """How to run Compose v2 here (`docker compose`, or the standalone binary), or None and why not."""
+    why = "the docker CLI is not installed"
+    for command in (["docker", "compose"], [str(STANDALONE)]):
+        try:
+            result = subprocess.run(
+                [*command, "version", "--short"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (FileNotFoundError, PermissionError):
             continue
-        if match["invalid"] is not None:
-            raise InterpolationError(f"a $ that starts no variable in {text!r} (write $$ for a literal $)")
-        arg = match["arg"]
-        if arg is not None and "$" in arg:
-            raise InterpolationError(f"nested interpolation in {text!r} is not supported by this check")
-        default = arg if match["op"] in (":-", "-") else None
-        yield match, Reference(match["name"] or match["bare"], default)
+        if result.returncode == 0 and result.stdout.strip().lstrip("v").startswith("2"):
+            return command, ""
+        if command[0] == "docker":
+            first = (result.stderr.strip().splitlines() or ["no output"])[0]
+            why = f"`docker compose` (the Compose v2 CLI plugin) is not installed ({first[:120]})"
+    return None, f"{why}, nor {STANDALONE.relative_to(ROOT)} (`make compose-cli` fetches it)"
 
 
-def references(text: str) -> list[Reference]:
-    return [ref for _, ref in _references(text) if ref is not None]
+COMPOSE, _WHY_NO_COMPOSE = _compose_command()
 
 
-def interpolate(text: str, env: Mapping[str, str]) -> str:
-    """`text` with every variable replaced from `env` or its default; a variable without either is an error."""
-    out: list[str] = []
-    last = 0
-    for match, ref in _references(text):
-        out.append(text[last : match.start()])
-        last = match.end()
-        if ref is None:
-            out.append("$")
-            continue
-        value, op = env.get(ref.name), match["op"]
-        if op == ":-":
-            out.append(value if value else match["arg"])
-        elif op == "-":
-            out.append(match["arg"] if value is None else value)
-        elif value is None or (op == ":?" and not value):
-            raise InterpolationError(f"${{{ref.name}}} is not set and has no default ({match['arg'] or text!r})")
-        else:
-            out.append(value)
-    out.append(text[last:])
-    return "".join(out)
+def _compose_missing() -> str | None:
+    """Why `docker compose config` cannot run here, or None."""
+    return None if COMPOSE is not None else _WHY_NO_COMPOSE
 
 
-def strings(node: Any) -> Iterator[str]:
-    """Every string value in a loaded YAML document (compose interpolates values, not keys)."""
-    if isinstance(node, str):
-        yield node
-    elif isinstance(node, list):
-        for item in node:
-            yield from strings(item)
-    elif isinstance(node, dict):
-        for item in node.values():
-            yield from strings(item)
+COMPOSE_MISSING = _compose_missing()
+needs_compose = pytest.mark.skipif(COMPOSE_MISSING is not None, reason=str(COMPOSE_MISSING))
 
 
-def resolve(node: Any, env: Mapping[str, str]) -> Any:
-    if isinstance(node, str):
-        return interpolate(node, env)
-    if isinstance(node, list):
-        return [resolve(item, env) for item in node]
-    if isinstance(node, dict):
-        return {key: resolve(value, env) for key, value in node.items()}
-    return node
+def _base_env() -> dict[str, str]:
+    """Only what the docker CLI needs to find itself and its plugins: none of the caller's compose variables."""
+    keep = ("PATH", "HOME", "DOCKER_CONFIG", "DOCKER_HOST", "DOCKER_CONTEXT", "XDG_RUNTIME_DIR")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+def docker_compose(
+    files: Sequence[Path],
+    args: Sequence[str],
+    env: Mapping[str, str] = {},
+    *,
+    env_file: Path | None = None,
+    profiles: Sequence[str] = (),
+) -> str:
+    """stdout of `docker compose -f ... [--profile ...] <args>` with exactly `env` (and env_file, not compose/.env)."""
+    assert COMPOSE is not None, _WHY_NO_COMPOSE
+    command = [*COMPOSE, "--env-file", str(env_file or os.devnull)]
+    for file in files:
+        command += ["-f", str(file)]
+    for profile in profiles:
+        command += ["--profile", profile]
+    result = subprocess.run(
+        [*command, *args],
+        env={**_base_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+    )
+    if result.returncode != 0:
+        raise ComposeRefused(result.stderr.strip())
+    return result.stdout
 
 
 def read_env_file(path: Path) -> tuple[dict[str, str], dict[str, str]]:
@@ -149,25 +149,54 @@ def read_env_file(path: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 RAW_TEXT = COMPOSE_FILE.read_text()
-RAW: Compose = yaml.safe_load(RAW_TEXT)
 EXAMPLE, EXAMPLE_COMMENTS = read_env_file(ENV_EXAMPLE)
-REFERENCES = [ref for text in strings(RAW) for ref in references(text)]
 
 
-def defaults_env(refs: list[Reference], example: Mapping[str, str]) -> dict[str, str]:
-    """What a fresh user sets: only the variables without a default, with .env.example's values."""
+def required_variables(files: Sequence[Path], profiles: Sequence[str] = ()) -> dict[str, str]:
+    """The variables compose refuses to run without (`${NAME:?...}`), each with .env.example's value: found by
+    asking compose with nothing set, adding the variable it names, and asking again."""
     env: dict[str, str] = {}
-    for ref in refs:
-        if ref.default is None:
-            if ref.name not in example:
-                raise InterpolationError(f"${{{ref.name}}} has no default and is not in .env.example")
-            env[ref.name] = example[ref.name]
-    return env
+    while True:
+        try:
+            docker_compose(files, ["config", "--quiet"], env, profiles=profiles)
+            return env
+        except ComposeRefused as exc:
+            missing = re.search(r"required variable (\w+) is missing a value", str(exc))
+            if not missing or missing[1] in env:
+                raise
+            name = missing[1]
+            assert name in EXAMPLE, f"compose requires ${{{name}}}, which .env.example does not list"
+            env[name] = EXAMPLE[name]
 
 
-def load_compose() -> Compose:
-    """The compose file as compose would run it with nothing but the required variables set."""
-    return resolve(copy.deepcopy(RAW), defaults_env(REFERENCES, EXAMPLE))
+def config_variables(files: Sequence[Path], profiles: Sequence[str] = ()) -> dict[str, str | None]:
+    """Every variable the files read -> its default in them (None: required, no default), as compose lists them."""
+    required = required_variables(files, profiles)
+    out = docker_compose(files, ["config", "--variables"], required, profiles=profiles)
+    rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
+    variables: dict[str, str | None] = {}
+    for row in rows:  # NAME REQUIRED [DEFAULT [ALTERNATE]]: an empty default leaves its column blank
+        variables[row[0]] = None if row[1] == "true" else (row[2] if len(row) > 2 else "")
+    # A ${NAME:?} in a long-syntax volume is not listed by every compose version: the probe above found it.
+    for name in required:
+        variables[name] = None
+    return variables
+
+
+@functools.cache
+def _config(files: tuple[Path, ...], profiles: tuple[str, ...], example: bool) -> str:
+    required = required_variables(files, profiles)
+    if example:
+        return docker_compose(files, ["config", "--format", "json"], env_file=ENV_EXAMPLE, profiles=profiles)
+    return docker_compose(files, ["config", "--format", "json"], required, profiles=profiles)
+
+
+def load_compose(files: Sequence[Path] = GPU, profiles: Sequence[str] = (), *, example: bool = False) -> Compose:
+    """The files as compose runs them with nothing but the required variables set (or with all of
+    .env.example's), every profile given active."""
+    if COMPOSE_MISSING:
+        pytest.skip(COMPOSE_MISSING)
+    return json.loads(_config(tuple(files), tuple(profiles), example))
 
 
 # ---------------------------------------------------------------------------------------- the real commands
@@ -229,8 +258,10 @@ def environment(service: Mapping[str, Any]) -> dict[str, str]:
     return {key: "" if value is None else str(value) for key, value in env.items()}
 
 
-def pagedkv_services(compose: Compose) -> dict[str, dict[str, Any]]:
-    return {name: s for name, s in compose["services"].items() if s.get("image") == IMAGE}
+def pagedkv_services(compose: Compose, *images: str) -> dict[str, dict[str, Any]]:
+    """The services running a pagedkv image (the GPU or the CPU one, unless `images` names some)."""
+    wanted = images or (IMAGE, CPU_IMAGE)
+    return {name: s for name, s in compose["services"].items() if s.get("image") in wanted}
 
 
 def services_running(compose: Compose, script: str) -> dict[str, dict[str, Any]]:
@@ -322,12 +353,8 @@ def _only(services: Mapping[str, Any], what: str) -> str:
 
 
 def _published(service: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """(host side, container port) of each `ports` entry in the short syntax."""
-    out = []
-    for entry in service.get("ports") or []:
-        host, _, container = str(entry).rpartition(":")
-        out.append((host, int(container.split("/")[0])))
-    return out
+    """(published host port, container port) of each `ports` entry, as compose config writes them."""
+    return [(str(entry.get("published")), int(entry["target"])) for entry in service.get("ports") or []]
 
 
 def check_endpoints(compose: Compose) -> list[str]:
@@ -448,24 +475,27 @@ def compose() -> Compose:
     return load_compose()
 
 
+@pytest.fixture
+def cpu_compose() -> Compose:
+    return load_compose(CPU, CPU_PROFILES)
+
+
 def _report(problems: list[str]) -> str:
     return "\n".join(problems)
 
 
-def test_interpolation_follows_compose_rules() -> None:
-    env = {"SET": "x", "EMPTY": ""}
-    assert interpolate("${SET:-d}/${UNSET:-d}/${EMPTY:-d}/${EMPTY-d}/${UNSET-d}", env) == "x/d/d//d"
-    assert interpolate("$SET ${SET} ${SET:?needed} $$SET", env) == "x x x $SET"
-    for text in ("${UNSET}", "$UNSET", "${UNSET:?needed}", "${EMPTY:?needed}"):
-        with pytest.raises(InterpolationError):
-            interpolate(text, env)
-    with pytest.raises(InterpolationError, match=r"not in \.env\.example"):
-        defaults_env(references("${MODEL_DIR:?required} ${NOT_LISTED}"), {"MODEL_DIR": "/m"})
+@needs_compose
+def test_compose_refuses_to_run_without_a_model() -> None:
+    with pytest.raises(ComposeRefused, match="MODEL_DIR"):
+        docker_compose(GPU, ["config", "--quiet"])
+    assert set(required_variables(GPU)) == {"MODEL_DIR"}
+    assert set(required_variables(CPU, CPU_PROFILES)) == {"MODEL_DIR"}
 
 
 def test_compose_defines_the_stack_and_executors_share_the_anchor() -> None:
-    assert {"redis", "blockd", "executor-0", "executor-1", "gateway"} <= set(RAW["services"])
-    assert "x-executor" in RAW, "the executor definition is the x-executor anchor"
+    raw = yaml.safe_load(RAW_TEXT)
+    assert {"redis", "blockd", "executor-0", "executor-1", "gateway"} <= set(raw["services"])
+    assert "x-executor" in raw, "the executor definition is the x-executor anchor"
     # The merge key must point at the very x-executor node, so a change there reaches every executor.
     root = yaml.compose(RAW_TEXT)
     top = {key.value: value for key, value in root.value}
@@ -475,65 +505,128 @@ def test_compose_defines_the_stack_and_executors_share_the_anchor() -> None:
         assert merged and merged[0] is top["x-executor"], f"{name} is not defined by `<<: *executor`"
 
 
-def test_pagedkv_services_build_one_image_and_restart(compose: Compose) -> None:
-    assert set(pagedkv_services(compose)) == {"blockd", "executor-0", "executor-1", "gateway"}
-    for name, service in pagedkv_services(compose).items():
-        assert service["build"] == {"context": "..", "dockerfile": "compose/Dockerfile"}, name
-    for name, service in compose["services"].items():
-        assert service.get("restart") == "unless-stopped", f"{name}: restart must be unless-stopped"
+def _build_args(service: Mapping[str, Any]) -> dict[str, str]:
+    return service["build"].get("args") or {}
 
 
+def test_pagedkv_services_build_one_image_and_restart(compose: Compose, cpu_compose: Compose) -> None:
+    for config, image, torch in ((compose, IMAGE, "cuda"), (cpu_compose, CPU_IMAGE, "cpu")):
+        services = pagedkv_services(config, image)
+        expected = {"blockd", "executor-0", "executor-1", "gateway"} | (
+            {"executor-2"} if config is cpu_compose else set()
+        )
+        assert set(services) == expected, sorted(config["services"])
+        for name, service in services.items():
+            assert Path(service["build"]["context"]) == ROOT and service["build"]["dockerfile"] == "compose/Dockerfile"
+            args = _build_args(service)
+            assert args.get("TORCH") == torch, f"{name}: the {image} image is built with TORCH={args.get('TORCH')}"
+            assert args.get("BASE_IMAGE") == "python:3.12-slim", f"{name}: the default base is the Hub's python"
+            assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"} <= set(args), name
+        for name, service in config["services"].items():
+            assert service.get("restart") == "unless-stopped", f"{name}: restart must be unless-stopped"
+
+
+@needs_compose
+def test_build_arguments_and_redis_image_come_from_variables() -> None:
+    env = {
+        **required_variables(CPU, CPU_PROFILES),
+        "BASE_IMAGE": "local/python:3.11",
+        "REDIS_IMAGE": "local/redis:7",
+        "BUILD_PIP_FIND_LINKS": "http://localhost:8999/",
+        "BUILD_PIP_EXTRA_INDEX_URL": "http://127.0.0.1:9/simple",
+        "BUILD_NETWORK": "host",
+    }
+    config = json.loads(docker_compose(CPU, ["config", "--format", "json"], env, profiles=CPU_PROFILES))
+    assert config["services"]["redis"]["image"] == "local/redis:7"
+    for name, service in pagedkv_services(config, CPU_IMAGE).items():
+        args = _build_args(service)
+        assert args["BASE_IMAGE"] == "local/python:3.11" and args["TORCH"] == "cpu", name
+        assert args["PIP_FIND_LINKS"] == "http://localhost:8999/", name
+        assert args["PIP_EXTRA_INDEX_URL"] == "http://127.0.0.1:9/simple" and args["PIP_INDEX_URL"] == "", name
+        assert service["build"]["network"] == "host", name
+    dockerfile_args = {args.split("=")[0] for kind, args in _dockerfile_instructions() if kind == "ARG"}
+    assert set(_build_args(config["services"]["blockd"])) <= dockerfile_args, "a build arg the Dockerfile ignores"
+
+
+@needs_compose
 def test_every_variable_is_in_env_example_with_the_compose_default() -> None:
-    names = {ref.name for ref in REFERENCES}
-    assert names <= set(EXAMPLE), f"read by the compose file, missing from .env.example: {sorted(names - set(EXAMPLE))}"
+    variables = {**config_variables(GPU), **config_variables(CPU, CPU_PROFILES)}
+    names = set(variables)
+    assert names <= set(EXAMPLE), (
+        f"read by the compose files, missing from .env.example: {sorted(names - set(EXAMPLE))}"
+    )
     assert set(EXAMPLE) <= names, f"in .env.example, read by nothing: {sorted(set(EXAMPLE) - names)}"
-    for ref in REFERENCES:
-        if ref.default is not None:
-            assert EXAMPLE[ref.name] == ref.default, (
-                f".env.example says {ref.name}={EXAMPLE[ref.name]}, the compose file defaults it to {ref.default!r}"
+    for name, default in variables.items():
+        if default is not None:
+            assert EXAMPLE[name] == default, (
+                f".env.example says {name}={EXAMPLE[name]}, the compose files default it to {default!r}"
             )
     undocumented = sorted(set(EXAMPLE) - set(EXAMPLE_COMMENTS))
     assert not undocumented, f"give each a comment line in .env.example: {undocumented}"
     # With the whole example file as the environment, compose runs the very same services.
-    assert resolve(copy.deepcopy(RAW), EXAMPLE) == load_compose()
+    assert load_compose(example=True) == load_compose()
+    assert load_compose(CPU, CPU_PROFILES, example=True) == load_compose(CPU, CPU_PROFILES)
 
 
-def test_commands_and_environments_are_accepted_by_the_real_clis(compose: Compose) -> None:
+def test_commands_and_environments_are_accepted_by_the_real_clis(compose: Compose, cpu_compose: Compose) -> None:
     for script in SERVICE_SCRIPTS:
         assert script in console_scripts(), f"pyproject.toml [project.scripts] has no {script!r}"
     assert check_commands(compose) == [], _report(check_commands(compose))
+    assert check_commands(cpu_compose) == [], _report(check_commands(cpu_compose))
 
 
-def test_endpoints_agree(compose: Compose) -> None:
+def test_endpoints_agree(compose: Compose, cpu_compose: Compose) -> None:
     assert check_endpoints(compose) == [], _report(check_endpoints(compose))
-    assert _published(compose["services"]["gateway"]) == [(EXAMPLE["GATEWAY_PORT"], 8000)], "publish GATEWAY_PORT"
+    assert check_endpoints(cpu_compose) == [], _report(check_endpoints(cpu_compose))
+    for config in (compose, cpu_compose):
+        assert _published(config["services"]["gateway"]) == [(EXAMPLE["GATEWAY_PORT"], 8000)], "publish GATEWAY_PORT"
 
 
-def test_depends_on_names_defined_services(compose: Compose) -> None:
-    assert check_depends_on(compose) == [], _report(check_depends_on(compose))
-    assert compose["services"]["gateway"]["depends_on"]["blockd"]["condition"] == "service_healthy"
+def test_depends_on_names_defined_services(compose: Compose, cpu_compose: Compose) -> None:
+    for config in (compose, cpu_compose):
+        assert check_depends_on(config) == [], _report(check_depends_on(config))
+        assert config["services"]["gateway"]["depends_on"]["blockd"]["condition"] == "service_healthy"
 
 
 def test_every_executor_reserves_its_own_gpu(compose: Compose) -> None:
     assert check_gpus(compose) == [], _report(check_gpus(compose))
 
 
-def test_model_is_mounted_read_only_where_the_clis_look(compose: Compose) -> None:
-    for name in (*services_running(compose, "pagedkv-executor"), *services_running(compose, "pagedkv-gateway")):
-        service = compose["services"][name]
-        assert parse_service(name, service)[0].params["model_dir"] == Path(MODEL_MOUNT), name
-        assert f"{EXAMPLE['MODEL_DIR']}:{MODEL_MOUNT}:ro" in service.get("volumes", []), (
-            f"{name}: MODEL_DIR must be mounted read-only at {MODEL_MOUNT}"
-        )
+def test_cpu_executors_reserve_no_gpu_and_run_on_the_cpu(cpu_compose: Compose) -> None:
+    executors = services_running(cpu_compose, "pagedkv-executor")
+    assert set(executors) == {"executor-0", "executor-1", "executor-2"}
+    for name, service in executors.items():
+        assert "deploy" not in service, f"{name}: reserves {service['deploy']} on a host without GPUs"
+        params = parse_service(name, service)[0].params
+        assert params["device_spec"] == "cpu", name
+        assert params["kv_cache_memory"] == "512MiB", f"{name}: a KV cache in bytes on the CPU"
+        assert cpu_compose["services"][name]["environment"]["OMP_NUM_THREADS"], name
+    assert cpu_compose["services"]["executor-2"].get("profiles") == ["executor-2"], "executor-2 starts on demand"
+    # Without its profile, executor-2 is not part of the stack, and nothing waits for it.
+    plain = load_compose(CPU)
+    assert "executor-2" not in plain["services"]
+    assert "executor-2" not in plain["services"]["gateway"].get("depends_on", {})
+
+
+def test_model_is_mounted_read_only_where_the_clis_look(compose: Compose, cpu_compose: Compose) -> None:
+    for config in (compose, cpu_compose):
+        for name in (*services_running(config, "pagedkv-executor"), *services_running(config, "pagedkv-gateway")):
+            service = config["services"][name]
+            assert parse_service(name, service)[0].params["model_dir"] == Path(MODEL_MOUNT), name
+            mounts = [(v["type"], v["source"], v["target"], v.get("read_only")) for v in service.get("volumes", [])]
+            assert ("bind", EXAMPLE["MODEL_DIR"], MODEL_MOUNT, True) in mounts, (
+                f"{name}: MODEL_DIR must be mounted read-only at {MODEL_MOUNT}: {mounts}"
+            )
 
 
 def test_redis_persists_to_a_named_volume(compose: Compose) -> None:
     redis = compose["services"]["redis"]
-    assert redis["image"].startswith("redis:")
+    assert redis["image"] == EXAMPLE["REDIS_IMAGE"] and redis["image"].startswith("redis:"), "the Hub's redis"
     command = redis["command"]
     assert "--appendonly" in command and command[command.index("--appendonly") + 1] == "yes"
-    volume, _, target = redis["volumes"][0].partition(":")
-    assert target == "/data" and volume in (compose.get("volumes") or {}), "redis' /data must be a named volume"
+    (volume,) = redis["volumes"]
+    assert volume["type"] == "volume" and volume["target"] == "/data", "redis' /data must be a named volume"
+    assert volume["source"] in (compose.get("volumes") or {})
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     blockd = parse_service("blockd", compose["services"]["blockd"])[0].params
     assert urlsplit(blockd["redis_url"]).hostname == "redis"
@@ -543,6 +636,30 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
     text = DOCKERFILE.read_text().replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def _packages() -> list[str]:
+    """The top-level packages pyproject.toml installs."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    return sorted(p.rstrip("*") for p in include)
+
+
+def test_dockerfile_installs_every_package_from_a_variable_base(compose: Compose) -> None:
+    instructions = _dockerfile_instructions()
+    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.12-slim") and instructions[1] == ("FROM", "${BASE_IMAGE}")
+    copied = {args.split()[0] for kind, args in instructions if kind == "COPY"}
+    missing = [p for p in _packages() if p not in copied]
+    assert not missing, f"the image would lack {missing}: COPY every package pyproject.toml installs"
+    runs = " ".join(args for kind, args in instructions if kind == "RUN")
+    assert 'pip install "torch==2.13.0+cpu"' in runs, "the CPU variant installs the CPU torch first"
+    assert "pip install . " in runs, "the project is installed with `pip install .`"
+
+
+def test_dockerignore_keeps_the_context_to_the_packages() -> None:
+    lines = [line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and line[0] != "#"]
+    assert lines[0] == "*", "exclude everything, then let in what the image is built from"
+    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    assert allowed == {"pyproject.toml", "README.md", *_packages()}, allowed
 
 
 def test_dockerfile_exposes_every_port_and_runs_unprivileged(compose: Compose) -> None:
@@ -558,10 +675,6 @@ def test_dockerfile_exposes_every_port_and_runs_unprivileged(compose: Compose) -
     assert used <= exposed, f"EXPOSE {sorted(exposed)} misses {sorted(used - exposed)}"
     users = [args for kind, args in instructions if kind == "USER"]
     assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
-    assert any(
-        kind == "RUN" and "pip install" in args and args.split("&&")[0].strip().endswith(" .")
-        for kind, args in instructions
-    ), "the project is installed with `pip install .`"
 
 
 def test_dockerfile_copies_every_package_pip_installs() -> None:
@@ -574,10 +687,12 @@ def test_dockerfile_copies_every_package_pip_installs() -> None:
     assert wanted <= copied, f"the Dockerfile does not COPY {sorted(wanted - copied)}"
 
 
-def test_no_url_leaves_the_deployment(compose: Compose) -> None:
+def test_no_url_leaves_the_deployment() -> None:
     """Every URL in compose/ points into the stack itself: no package index or other outside host."""
-    local = {"127.0.0.1", "0.0.0.0", "localhost", *compose["services"]}
-    for path in (DOCKERFILE, ENV_EXAMPLE, COMPOSE_FILE, README):
+    services = yaml.safe_load(RAW_TEXT)["services"]
+    local = {"127.0.0.1", "0.0.0.0", "localhost", *services}
+    observability = sorted(p for p in (COMPOSE_DIR / "observability").rglob("*") if p.is_file())
+    for path in (DOCKERFILE, ENV_EXAMPLE, COMPOSE_FILE, CPU_FILE, README, DOCKERIGNORE, *observability):
         for url in re.findall(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"`)]+", path.read_text()):
             host = urlsplit(url).hostname or ""
             ok = host in local or re.fullmatch(r"executor-\d+", host)  # the README's next executor
@@ -588,7 +703,16 @@ def test_readme_covers_every_variable_and_the_operator_commands() -> None:
     text = README.read_text()
     missing = [name for name in EXAMPLE if name not in text]
     assert not missing, f"README.md does not explain {missing}"
-    for needed in ("--env-file", "/v1/models", "/v1/chat/completions", "blockd-cli stats", "device_ids"):
+    for needed in (
+        "--env-file",
+        "/v1/models",
+        "/v1/chat/completions",
+        "blockd-cli stats",
+        "device_ids",
+        "docker-compose.cpu.yml",
+        "--profile executor-2",
+        "make compose-test",
+    ):
         assert needed in text, f"README.md does not show {needed}"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("serve-model") / "tiny-serve", arch="llama", quiet=True, **TINY)
 
 
+@pytest.fixture(scope="module")
+def mismatched_model(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """The tiny model's weights (a vocabulary of 512) with the tokenizer of a model twice its vocabulary."""
+    root = tmp_path_factory.mktemp("mismatched")
+    bigger = write_model(root / "bigger", arch="llama", quiet=True, **{**TINY, "vocab_size": 1024})
+    model = root / "tiny-mismatched"
+    shutil.copytree(tiny_model, model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(bigger / name, model / name)
+    return model
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     """A loopback port something listens on for the test's duration."""
@@ -48,6 +61,20 @@ def running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains text."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and running(int(proc.name)):
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(proc.name))
+    return found
 
 
 # ------------------------------------------------------------------------------------------ without a gateway
@@ -266,6 +293,53 @@ def test_serve_exits_nonzero_naming_a_child_that_dies(
     assert "executor-0 was killed by SIGKILL" in serve.err.read_text()
     for name, pid in pids.items():
         assert not running(pid), f"{name} ({pid}) survived\n{serve.output()}"
+
+
+def test_serve_fails_fast_saying_why_when_the_gateway_refuses_every_executor(
+    tmp_path: Path, mismatched_model: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
+    # The executors load the weights happily; only the gateway sees that its tokenizer (1024 ids) cannot
+    # drive a model of 512. serve used to print "still waiting for gateway" until its 300 s timeout.
+    serve = serve_process(
+        "--model",
+        str(mismatched_model),
+        "--executors",
+        "2",
+        "--port",
+        "0",
+        "--kv-cache-memory",
+        "64MiB",
+        "--state-dir",
+        str(tmp_path / "state"),
+    )
+    code = serve.process.wait(timeout=90)
+    err = serve.err.read_text()
+    assert code == 1, serve.output()
+    assert "the gateway cannot serve with these executors: it refused every executor" in err, err
+    assert "vocabulary of 512 tokens" in err and "has 1024: another model" in err, err
+    assert "the last lines of" in err and "gateway.log" in err and "executor_refused" in err, err
+    assert "still waiting for gateway" not in err, err
+    assert "Ctrl-C stops everything" not in serve.out.read_text()
+    # serve never printed its children's pids: look for any process still serving this checkpoint.
+    assert not processes_mentioning(str(tmp_path / "state")), serve.output()
+    assert (tmp_path / "state" / "logs" / "gateway.log").is_file()
+
+
+def test_local_stack_reports_a_refused_executor_within_seconds(tmp_path: Path, mismatched_model: Path) -> None:
+    progress: list[str] = []
+    stack = LocalStack(
+        model_dir=mismatched_model, port=0, kv_cache_memory="64MiB", persistence=False, progress=progress.append
+    )
+    with pytest.raises(StackFailed) as failure:
+        stack.start()
+    assert failure.value.component == "gateway" and failure.value.returncode is None
+    assert "executor_refused" in failure.value.log_tail
+    # Everything was up, and it all stopped again: nothing stays running behind the failure.
+    assert set(stack.processes) == {"blockd", "executor-0", "gateway"}
+    for name, process in stack.processes.items():
+        assert process.returncode is not None and not running(process.pid), name
+    gateway_ready = [line for line in progress if line.startswith("still waiting for gateway")]
+    assert not gateway_ready, progress  # failed before the first 15 s note
 
 
 def test_local_stack_api(tmp_path: Path, tiny_model: Path) -> None:
