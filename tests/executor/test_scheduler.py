@@ -41,7 +41,7 @@ class InProcessBlockd:
         if isinstance(request, p.Register):
             result: msgspec.Struct = self.manager.register(request)
         elif isinstance(request, p.Step):
-            result = self.manager.step(request.pool_id, request.ops)
+            result = self.manager.step(request.pool_id, request.epoch, request.ops)
         else:
             raise NotImplementedError(request_type)
         self._reply = msgspec.msgpack.encode(result)
