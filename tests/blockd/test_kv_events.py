@@ -29,7 +29,8 @@ from blockd.client import BlockdClient, PoolClient
 from blockd.hashing import chain_hashes, extra_key, root_hash
 from blockd.kv_events import END_SEQ, KvEventPublisher
 from blockd.manager import BlockManager, PoolEvents
-from tests.blockd.conftest import BlockdProcess, free_port
+from common.net import free_port
+from tests.support.processes import BlockdProcess
 
 VLLM_VERSION = "0.33.0"
 SOURCES = {"kv_events": "vllm/distributed/kv_events.py", "kv_cache_utils": "vllm/v1/core/kv_cache_utils.py"}
