@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.executors import ExecutorLink
@@ -21,7 +21,7 @@ class _ExecutorCollector(Collector):
     def __init__(self, links: Sequence[ExecutorLink]) -> None:
         self.links = links
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily(
             "pagedkv_executor_healthy", "1 while the executor is in rotation", labels=["executor"]
         )
@@ -35,6 +35,12 @@ class _ExecutorCollector(Collector):
         utilization = GaugeMetricFamily(
             "pagedkv_executor_kv_utilization", "KV blocks held by live sequences", labels=["executor"]
         )
+        # The executor's own count since it started (a restart starts it again at 0, as a counter may).
+        preemptions = CounterMetricFamily(
+            "pagedkv_executor_preemptions",
+            "Preemptions at the executor: a running sequence gave its KV blocks back, to be recomputed later",
+            labels=["executor"],
+        )
         for link in self.links:
             name = [link.endpoint]
             healthy.add_metric(name, 1.0 if link.healthy else 0.0)
@@ -43,7 +49,8 @@ class _ExecutorCollector(Collector):
                 running.add_metric(name, link.load.running)
                 free.add_metric(name, link.load.free_blocks)
                 utilization.add_metric(name, link.load.kv_utilization)
-        return [healthy, waiting, running, free, utilization]
+                preemptions.add_metric(name, link.load.preemptions)
+        return [healthy, waiting, running, free, utilization, preemptions]
 
 
 class GatewayMetrics:
