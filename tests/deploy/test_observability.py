@@ -4,7 +4,8 @@ The exported names come from the services' own metric classes (blockd.metrics.Bl
 gateway.metrics.GatewayMetrics, each with its own fresh CollectorRegistry), every labelled metric given a child
 and an executor link with a load report, then rendered in Prometheus' text format and parsed back: exactly the
 sample names and labels a scrape sees. Each PromQL expression of the dashboard is reduced to the metric names and
-label names it uses, and every one must be among them.
+label names it uses, and every one must be among them. The blockd half is checked once more against a scrape of
+a running blockd (the gateway's /metrics is scraped from a running gateway in tests/gateway/test_openai_api.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,9 +24,13 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from blockd.client import PoolClient
 from blockd.metrics import BlockdMetrics
+from common.net import free_port
 from executor import protocol as ep
 from gateway.metrics import GatewayMetrics
+from tests.support.processes import BlockdProcess
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "compose" / "observability"
@@ -154,6 +160,43 @@ def test_blockd_ops_named_in_queries_are_real_ops() -> None:
     ops = {cls.__struct_config__.tag for cls in p.Request.__subclasses__()}
     named = {op for _, expr in queries(dashboard()) for op in re.findall(r'\bop=~?"(\w+)"', expr)}
     assert named and named <= ops, named - ops
+
+
+def _scrape(port: int) -> dict[str, set[str]]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            names.setdefault(sample.name, set()).update(sample.labels)
+    return names
+
+
+def test_a_real_blockd_exports_what_the_dashboard_asks_of_it(tmp_path: Path) -> None:
+    """The same check against a scrape of a running blockd with one pool that has admitted a sequence."""
+    port = free_port()
+    daemon = BlockdProcess(["--no-persistence", "--metrics-port", str(port)], tmp_path / "blockd.log")
+    daemon.start()
+    try:
+        pool = PoolClient(daemon.client(), pool_id="executor-0", num_blocks=16, block_size=4, model_id="tiny")
+        pool.register()
+        pool.admit("s", list(range(9)))
+
+        def with_pools() -> dict[str, set[str]] | None:
+            names = _scrape(port)
+            return names if "blockd_pool_blocks_in_use" in names else None
+
+        scraped = wait_for(with_pools, timeout_s=10, what="blockd's pool gauges")
+    finally:
+        daemon.kill9()
+    used = [(where, *promql_names(expr)) for where, expr in queries(dashboard())]
+    asked = {m for _, metrics, _ in used for m in metrics if m.startswith("blockd_")}
+    assert asked, "the dashboard shows nothing of blockd"
+    assert asked <= scraped.keys(), asked - scraped.keys()
+    for where, metrics, labels in used:
+        mine = metrics & asked
+        if mine:
+            known = set().union(*(scraped[m] for m in mine)) | TARGET_LABELS
+            assert labels <= known, (where, labels - known)
 
 
 def test_the_check_catches_a_metric_that_does_not_exist() -> None:
