@@ -35,9 +35,10 @@ class _ExecutorCollector(Collector):
         utilization = GaugeMetricFamily(
             "pagedkv_executor_kv_utilization", "KV blocks held by live sequences", labels=["executor"]
         )
+        # The executor's own count since it started (a restart starts it again at 0, as a counter may).
         preemptions = CounterMetricFamily(
             "pagedkv_executor_preemptions",
-            "Sequences the executor preempted (KV blocks ran out), since it started",
+            "Preemptions at the executor: a running sequence gave its KV blocks back, to be recomputed later",
             labels=["executor"],
         )
         for link in self.links:

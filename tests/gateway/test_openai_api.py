@@ -332,6 +332,7 @@ def test_models_health_and_metrics(stack) -> None:
         "pagedkv_gateway_generated_tokens_total",
         "pagedkv_gateway_requests_in_flight",
         "pagedkv_executor_waiting_requests",
+        "pagedkv_executor_preemptions_total",
         "pagedkv_gateway_prefix_cache_hit_rate",
     ):
         assert name in metrics, name
