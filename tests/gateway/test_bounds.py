@@ -6,6 +6,8 @@ processes): body size (413), JSON depth (400), content type (415), a batch count
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -135,3 +137,10 @@ def test_route_labels_stay_few_whatever_the_paths(stack: LocalStack) -> None:
     assert "/v1/models/{name:path}" in routes
     assert not any("no-such-model" in r or "nowhere" in r for r in routes)
     assert len(routes) <= 6, routes
+
+
+def test_a_bad_body_limit_is_a_usage_error() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "gateway.server", "--max-body-bytes", "lots"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2 and "--max-body-bytes" in run.stderr
