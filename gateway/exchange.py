@@ -255,9 +255,14 @@ async def respond(
     prompts: list[list[int]],
     max_tokens: list[int],
     logprobs: int | None,
+    admission: contextlib.ExitStack | None = None,
 ) -> Response:
-    """Run a checked request's prompts (each with its max_tokens) as generations, holding a queue slot while
-    they run, and answer: a stream of events, or one body once every choice is done."""
+    """Run a checked request's prompts (each with its max_tokens) as generations, holding their places in the
+    queue while they run (`admission`, taken by the caller before tokenizing; taken here if not given), and
+    answer: a stream of events, or one body once every choice is done."""
+    if admission is None:
+        admission = contextlib.ExitStack()
+        admission.enter_context(gateway.admitted(len(prompts) * body.n))
     arrival = time.monotonic()
     request_id = uuid.uuid4().hex
     generations = [
@@ -272,8 +277,7 @@ async def respond(
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]
     exchange = Exchange(gateway, kind, body, generations, logprobs)
-    release = contextlib.ExitStack()
-    release.enter_context(gateway.admitted())
+    release = admission
     handed_over = False  # to the streaming response, which then releases the queue slot and the generations
     try:  # errors before the first event still get a status code
         first = await _unless_disconnected(request, anext(exchange.events))

@@ -4,9 +4,10 @@ A link owns one DEALER socket and one task. The task reads everything the execut
 stream of their request, load reports and info refresh the link's state) and asks for the executor's load a few
 times a second, which doubles as the health check. An executor is healthy while it answers; it is taken out of
 rotation when its connection drops (a killed process: seen at once through the socket monitor) or when it has
-been silent for `timeout_s`. Then every request in flight on it gets `ExecutorLost` (the generation decides
-whether to retry elsewhere), and the socket is replaced, so nothing queued for the lost executor reaches a
-restarted one. It rejoins when it answers again.
+been silent for `timeout_s` after a question (judged only after reading what already came in, so a busy
+event loop does not pass for a silent executor). Then every request in flight on it gets `ExecutorLost` (the
+generation decides whether to retry elsewhere) and is aborted there, and the socket is replaced, so nothing
+queued for the lost executor reaches a restarted one. It rejoins when it answers again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ExecutorLink:
         self.healthy = False
         self.connected = False
         self.last_heard = 0.0
+        self._unanswered_since: float | None = None  # when the first question since the last answer was sent
         self.streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._socket: zmq.asyncio.Socket | None = None  # polled by the task
         self._sync: zmq.Socket | None = None  # the same socket, for non-blocking sends and reads
@@ -156,7 +158,7 @@ class ExecutorLink:
         if self._socket is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.disable_monitor()
-            self._socket.close(linger=0)
+            self._socket.close()  # LINGER: 0, or a second for the aborts `_lose` sent
             self._socket = None
             self._sync = None
         if self._monitor is not None:
@@ -170,7 +172,8 @@ class ExecutorLink:
             if now >= next_poll:
                 self._ask_for_load()
                 next_poll = now + self.poll_interval_s
-            if self.healthy and now - self.last_heard > self.timeout_s:
+            self._drain()  # what already came in counts before silence is judged (the loop may have been busy)
+            if self.healthy and self._unanswered_since is not None and now - self._unanswered_since > self.timeout_s:
                 self._lose(f"silent for {self.timeout_s:g} s")
                 self._close_sockets()
                 self._open()
@@ -182,13 +185,17 @@ class ExecutorLink:
             if self._monitor in events:
                 self._on_monitor_event(await self._monitor.recv_multipart())
             if self._socket in events:
-                assert self._sync is not None
-                for _ in range(1000):  # drain what is waiting, then look at the clock again
-                    try:
-                        frame = self._sync.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_frame(frame)
+                self._drain()
+
+    def _drain(self) -> None:
+        """Handle what is waiting on the socket (up to 1000 frames), then look at the clock again."""
+        assert self._sync is not None
+        for _ in range(1000):
+            try:
+                frame = self._sync.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_frame(frame)
 
     def _ask_for_load(self) -> None:
         assert self._sync is not None
@@ -196,6 +203,8 @@ class ExecutorLink:
         for message in messages:
             with contextlib.suppress(zmq.Again):
                 self._sync.send(ep.encode(message), zmq.NOBLOCK)
+                if self._unanswered_since is None:  # silence counts from a question, not from a busy loop
+                    self._unanswered_since = time.monotonic()
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
@@ -214,6 +223,7 @@ class ExecutorLink:
             log.warning("bad_frame_from_executor", executor=self.endpoint, error=str(exc))
             return
         self.last_heard = time.monotonic()
+        self._unanswered_since = None
         kind = type(message)
         if kind is ep.Delta or kind is ep.Rejected:
             stream = self.streams.get(message.request_id)
@@ -234,7 +244,17 @@ class ExecutorLink:
             log.info("executor_in_rotation", executor=self.endpoint, pool_id=self.info.pool_id)
 
     def _lose(self, reason: str) -> None:
-        """Out of rotation: every request in flight here hears that its deltas will not come."""
+        """Out of rotation: every request in flight here hears that its deltas will not come, and is aborted at
+        the executor (which may only be stopped, not dead), so a generation retried elsewhere does not also
+        keep running here. The aborts go on the connection that submitted the requests (the executor takes an
+        abort only from there), which lingers a second to deliver them once the socket is replaced."""
+        if self._sync is not None:
+            for request_id in self.streams:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sync.send(ep.encode(ep.Abort(request_id=request_id)), zmq.NOBLOCK)
+            if self.streams and self._socket is not None:
+                self._socket.setsockopt(zmq.LINGER, 1000)
+        self._unanswered_since = None
         self.healthy = False
         self.info = None  # asked for again: a restarted executor may have a new pool or model
         self.load = None

@@ -1,8 +1,9 @@
 """The gateway's HTTP app: OpenAI's completions, chat completions and models routes, health and metrics, and
 the error handlers that answer in OpenAI's error shape.
 
-A request is parsed and checked here (model, parameters, context length), tokenized, then handed to
-`exchange.respond`, which runs its generations and answers.
+A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
+prompts x n against --max-queue), tokenized off the event loop (the gateway's text pool), checked against the
+context length, then handed to `exchange.respond`, which runs its generations and answers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from gateway import errors
 from gateway.api import ChatCompletionRequest, CompletionRequest
@@ -39,10 +41,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedkv gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
 
+    def route_label(request: Request) -> str:
+        """The metric label of a request's route: its template (/v1/models/{name:path}), never the raw path, so
+        the label's values stay few whatever clients send; paths no route matches share one label."""
+        route = request.scope.get("route")
+        path = getattr(route, "path", None)
+        if isinstance(path, str):
+            return path
+        for candidate in app.router.routes:
+            if candidate.matches(request.scope)[0] == Match.FULL:
+                return getattr(candidate, "path", "other")
+        return "unmatched"
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path.startswith("/v1/"):
-            gateway.metrics.requests.labels(route=request.url.path, status=str(exc.status)).inc()
+            gateway.metrics.requests.labels(route=route_label(request), status=str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -53,33 +67,46 @@ def create_app(config: GatewayConfig) -> FastAPI:
             error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
         return JSONResponse(error.body(), status_code=error.status)
 
+    def encode_prompts(raw: list[str | list[int]]) -> list[list[int]]:
+        return [gateway.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(gateway, p) for p in raw]
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        body: CompletionRequest = await parse_body(request, CompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
         check_stop_token_ids(gateway, body)
-        prompts = []
-        for prompt in body.prompts():
-            tokens = gateway.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(gateway, prompt)
-            prompts.append(tokens)
-        if not prompts:
+        raw_prompts = body.prompts()
+        if not raw_prompts:
             raise errors.invalid_request("The prompt is empty.", param="prompt")
-        limits = [token_limit(gateway, p, body.max_tokens, "prompt") for p in prompts]
-        return await respond(gateway, request, "completion", body, prompts, limits, body.logprobs)
+        admission = contextlib.ExitStack()  # its place in the queue first, then the work of tokenizing
+        admission.enter_context(gateway.admitted(len(raw_prompts) * body.n))
+        try:
+            prompts = await gateway.off_loop(encode_prompts, raw_prompts)
+            limits = [token_limit(gateway, p, body.max_tokens, "prompt") for p in prompts]
+        except BaseException:
+            admission.close()
+            raise
+        return await respond(gateway, request, "completion", body, prompts, limits, body.logprobs, admission)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
         check_stop_token_ids(gateway, body)
+        admission = contextlib.ExitStack()
+        admission.enter_context(gateway.admitted(body.n))
         try:
-            prompt = gateway.tokenizer.encode_chat(
-                [m.for_template() for m in body.messages], body.add_generation_prompt
+            prompt = await gateway.off_loop(
+                gateway.tokenizer.encode_chat, [m.for_template() for m in body.messages], body.add_generation_prompt
             )
+            limit = token_limit(gateway, prompt, body.token_limit, "messages")
         except PromptError as exc:
+            admission.close()
             raise errors.invalid_request(str(exc), param="messages") from None
-        limit = token_limit(gateway, prompt, body.token_limit, "messages")
-        return await respond(gateway, request, "chat", body, [prompt], [limit], body.logprobs_k)
+        except BaseException:
+            admission.close()
+            raise
+        return await respond(gateway, request, "chat", body, [prompt], [limit], body.logprobs_k, admission)
 
     def model_card() -> dict[str, Any]:
         return {

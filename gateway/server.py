@@ -14,6 +14,7 @@ import click
 
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from common.logs import configure_logging
+from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
 from gateway import ROUTING_POLICIES
 
@@ -108,6 +109,12 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     help="Seconds an executor may stay silent before it is taken out of rotation.",
 )
 @click.option(
+    "--max-body-bytes",
+    default="4MiB",
+    envvar="PAGEDKV_GATEWAY_MAX_BODY_BYTES",
+    help="Largest request body accepted (bytes, or with a unit: 4MiB); a larger one gets 413 unread.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -124,12 +131,17 @@ def main(
     served_model_name: str | None,
     max_queue: int,
     executor_timeout: float,
+    max_body_bytes: str,
     log_level: str,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) in front of executors.
 
     Every option can also be set by an environment variable: PAGEDKV_GATEWAY_ and the option's name in capitals
     with underscores (PAGEDKV_GATEWAY_EXECUTORS, PAGEDKV_GATEWAY_PORT, ...)."""
+    try:
+        body_limit = parse_size(max_body_bytes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-body-bytes") from None
     configure_logging("gateway", log_level)
     from gateway.state import GatewayConfig
 
@@ -146,6 +158,7 @@ def main(
         served_model_name=served_model_name,
         max_queue=max_queue,
         executor_timeout_s=executor_timeout,
+        max_body_bytes=body_limit,
     )
     run_gateway(config, host=host, port=port, log_level=log_level)
 

@@ -4,11 +4,14 @@ the router, the metrics, the bound on requests in flight).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 import zmq.asyncio
@@ -22,6 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import PrefixLookup, Router
 from gateway.text import Tokenizer
 
+T = TypeVar("T")
 log = structlog.get_logger("gateway")
 
 
@@ -35,6 +39,8 @@ class GatewayConfig:
     served_model_name: str | None = None
     max_queue: int = 512
     executor_timeout_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    tokenizer_threads: int = 2
 
 
 class Gateway:
@@ -52,7 +58,10 @@ class Gateway:
         ]
         self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
-        self.in_flight = 0
+        self.in_flight = 0  # generations admitted (a request's prompts x n), bounded by max_queue
+        # Tokenizing and chat templating run here, off the event loop: a huge prompt must not stall the links'
+        # health checks or other requests. Admission comes first, so at most max_queue requests wait for it.
+        self.text_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-text")
         self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
 
     def _compatible(self, info: ExecutorInfo) -> str | None:
@@ -81,6 +90,11 @@ class Gateway:
         if self.lookup is not None:
             self.lookup.close()
         self.context.term()
+        self.text_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, work: Callable[..., T], *args: object) -> T:
+        """`work(*args)` on the text pool, so the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, work, *args)
 
     @property
     def max_model_len(self) -> int | None:
@@ -92,14 +106,24 @@ class Gateway:
         return "; ".join(refused) if refused else "every executor is out of rotation"
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        if self.in_flight >= self.config.max_queue:
-            raise errors.queue_full(self.config.max_queue)
-        self.in_flight += 1
+    def admitted(self, generations: int = 1) -> Iterator[None]:
+        """A place in the queue for a request of `generations` generations (its prompts x n), taken before any
+        work is done for it: 429 while the queue is full, 400 if the request alone exceeds it."""
+        limit = self.config.max_queue
+        if generations > limit:
+            raise errors.invalid_request(
+                f"This request asks for {generations} generations (prompts x n); this gateway holds at most "
+                f"{limit} in flight (--max-queue). Split it into smaller requests.",
+                param="prompt",
+                code="too_many_generations",
+            )
+        if self.in_flight + generations > limit:
+            raise errors.queue_full(limit)
+        self.in_flight += generations
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= generations
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -1,5 +1,7 @@
-"""Checks on a request before any work is done for it: its body parsed into the request model, token ids in
-the vocabulary, max_tokens within the context. A refusal raises the `APIError` the client gets.
+"""Checks on a request before any work is done for it: its body read within `--max-body-bytes` (413, judged
+from Content-Length and again while the body streams in), declared as JSON (415), parsed (400, also for JSON
+nested too deep to parse) into the request model, token ids in the vocabulary, max_tokens within the context.
+A refusal raises the `APIError` the client gets.
 """
 
 from __future__ import annotations
@@ -54,13 +56,51 @@ def check_stop_token_ids(gateway: Gateway, body: _Common) -> None:
         raise errors.invalid_request(f"stop_token_ids must be token ids in [0, {vocab}).", param="stop_token_ids")
 
 
-async def parse_body(request: Request, model: type[_Common]) -> Any:
+def _too_large(limit: int) -> errors.APIError:
+    return errors.APIError(
+        413,
+        f"The request body is larger than this gateway accepts ({limit} bytes; --max-body-bytes).",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 415 unless it is declared as JSON, and with 413 once it passes `limit` bytes
+    (before reading anything when Content-Length says so)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise errors.APIError(
+            415,
+            f"The request body must be JSON, sent with Content-Type: application/json (not {media_type or 'none'!r}).",
+            type="invalid_request_error",
+            code="unsupported_media_type",
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[_Common], limit: int) -> Any:
+    raw_body = await read_body(request, limit)
     try:
-        raw = await request.json()
+        raw = json.loads(raw_body)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise errors.invalid_request("The request body is not valid JSON.") from None
+    except RecursionError:
+        raise errors.invalid_request("The request body is JSON nested too deeply.") from None
     try:
         return model.model_validate(require_json_object(raw))
     except ValidationError as exc:
         message, param = validation_message(exc.errors())
         raise errors.invalid_request(message, param=param) from None
+    except RecursionError:
+        raise errors.invalid_request("The request body is JSON nested too deeply.") from None

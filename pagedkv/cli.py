@@ -1,4 +1,4 @@
-"""The umbrella command `pagedkv`: serve (a whole local stack), make-model, benchmarks."""
+"""The umbrella command `pagedkv`: serve (a whole local stack), make-model, chaos (faults and attacks), benchmarks."""
 
 from __future__ import annotations
 
@@ -25,7 +25,12 @@ class LazyGroup(click.Group):
 
 
 @click.group(
-    cls=LazyGroup, lazy={"make-model": "pagedkv.tools.model_gen.cli:make_model", "serve": "pagedkv.serve:serve"}
+    cls=LazyGroup,
+    lazy={
+        "make-model": "pagedkv.tools.model_gen.cli:make_model",
+        "serve": "pagedkv.serve:serve",
+        "chaos": "pagedkv.tools.chaos:chaos",
+    },
 )
 @click.version_option(package_name="pagedkv")
 def main() -> None:

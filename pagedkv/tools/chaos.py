@@ -1,0 +1,730 @@
+"""`pagedkv chaos`: faults and attacks against a stack of real processes, under greedy load with reference
+outputs.
+
+The stack: a real redis-server, blockd persisting to it, two CPU executors of a tiny generated model and a
+gateway, each under a supervisor loop that starts it again when it exits. First every prompt's greedy output is
+taken from the clean stack (the reference); then clients keep asking for those prompts (streamed or not) while
+the scenarios run, and every complete answer is compared with its reference.
+
+Scenarios: kill -9 and SIGSTOP/SIGCONT of each service and of Redis; a second executor with a duplicated
+--pool-id (it must exit, outputs unchanged); steps, unregisters and resets for another executor's pool from a
+foreign DEALER (refused: stale_epoch); malformed ZeroMQ frames to blockd (each timed: its reply to every single
+frame) and to the executors (random bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized
+registers and lookups); the gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts,
+clients that disconnect mid-stream).
+
+Afterwards: blocks still held once the load has drained (leaked), `blockd-cli check`, the slowest blockd reply,
+each service's peak RSS against its idle RSS. A table, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+import msgspec
+import zmq
+
+from blockd import protocol as bp
+from blockd.client import BlockdClient, BlockdUnavailable
+from blockd.embedded_redis import find_redis_server
+from common.net import free_port
+from common.tokens import pack_tokens
+from executor import protocol as ep
+from executor.params import SamplingParams
+from pagedkv.bench.common import table_lines
+
+MODEL = dict(hidden_size=128, layers=2, heads=4, kv_heads=2, vocab_size=512, max_position=512, seed=0)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Once upon a time in a land far away",
+    "PagedAttention keeps the KV cache in blocks",
+    "A B C D E F G H I J K L M N O P",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Redis, ZeroMQ and msgpack walk into a bar",
+    "It was the best of times, it was the worst of times",
+]
+
+
+def _log(line: str) -> None:
+    click.echo(line, err=True)
+
+
+# ---------------------------------------------------------------------------------------------- services
+
+
+class Service:
+    """A child process started again by the supervisor whenever it exits (unless the service is retired)."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log = log
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.retired = False
+        self.peak_rss = 0
+        self.idle_rss = 0
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, sig)
+
+    def rss(self) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return 0
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def stop(self) -> None:
+        self.retired = True
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class Stack:
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.root = root
+        ports = [free_port() for _ in range(5)]
+        self.redis_port, blockd_port, *executor_ports, self.gateway_port = ports
+        self.blockd = f"tcp://127.0.0.1:{blockd_port}"
+        self.executors = [f"tcp://127.0.0.1:{p}" for p in executor_ports]
+        self.url = f"http://127.0.0.1:{self.gateway_port}"
+        self.model_dir = model_dir
+        py = sys.executable
+        (root / "redis").mkdir()
+        self.services: dict[str, Service] = {}
+        redis_argv = [find_redis_server(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", ""]
+        redis_argv += ["--appendonly", "no", "--dir", str(root / "redis")]
+        self._add("redis", redis_argv)
+        blockd_argv = [py, "-m", "blockd.server", "--endpoint", self.blockd, "--log-level", "warning"]
+        blockd_argv += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--state-dir", str(root / "blockd")]
+        self._add("blockd", blockd_argv)
+        for i, endpoint in enumerate(self.executors):
+            self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
+        gateway_argv = [py, "-m", "gateway.server", "--model", str(model_dir), "--executors", ",".join(self.executors)]
+        gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port), "--executor-timeout", "2"]
+        self._add("gateway", [*gateway_argv, "--log-level", "warning"])
+        self._stop = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+
+    def executor_argv(self, endpoint: str, pool_id: str) -> list[str]:
+        argv = [sys.executable, "-m", "executor.server", "--model", str(self.model_dir), "--device", "cpu"]
+        argv += ["--blockd", self.blockd, "--bind", endpoint, "--pool-id", pool_id, "--kv-cache-memory", "8MiB"]
+        return [*argv, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--log-level", "warning"]
+
+    def _add(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.services[name] = Service(name, argv, self.root / f"{name}.log", env)
+
+    def start(self, timeout_s: float) -> None:
+        for service in self.services.values():
+            service.start()
+        self._supervisor.start()
+        self.wait_healthy(timeout_s)
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            for service in self.services.values():
+                if service.retired or service.process is None:
+                    continue
+                if service.process.poll() is not None:
+                    service.restarts += 1
+                    service.start()
+                service.peak_rss = max(service.peak_rss, service.rss())
+
+    def healthy(self) -> bool:
+        try:
+            body = httpx.get(f"{self.url}/health", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return body.get("status") == "ok" and all(e["healthy"] for e in body["executors"])
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        started = time.monotonic()
+        while not self.healthy():
+            if time.monotonic() - started > timeout_s:
+                raise click.ClickException(f"the stack did not become healthy in {timeout_s:g} s; logs in {self.root}")
+            time.sleep(0.3)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        self._stop.set()
+        for name in ("gateway", "executor-0", "executor-1", "blockd", "redis"):
+            self.services[name].stop()
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    ok: int = 0
+    wrong: int = 0
+    cut_after_text: int = 0  # a stream that had sent text when it broke (allowed)
+    refused: Counter[str] = field(default_factory=Counter)  # answered with a clear error: status code
+    unclear: int = 0  # an error without OpenAI's error shape
+    transport: int = 0  # no answer at all (the gateway was down)
+    wrong_examples: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def failed(self) -> int:
+        return self.requests - self.ok - self.wrong
+
+
+def _ask(url: str, prompt: str, max_tokens: int, stream: bool, timeout: float = 60) -> tuple[str, str]:
+    """(outcome, text): outcome is ok, cut (a stream broke after text), refused:<status>, unclear, transport."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    try:
+        if not stream:
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+            if response.status_code != 200:
+                return _refusal(response), ""
+            return "ok", response.json()["choices"][0]["text"]
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+            if response.status_code != 200:
+                response.read()
+                return _refusal(response), ""
+            done = False
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return ("cut" if text else "refused:stream"), text
+                text += chunk["choices"][0]["text"]
+            if not done:
+                return ("cut" if text else "transport"), text
+        return "ok", text
+    except (httpx.HTTPError, ValueError, KeyError):
+        return "transport", ""
+
+
+def _refusal(response: httpx.Response) -> str:
+    try:
+        error = response.json()["error"]
+        return f"refused:{response.status_code}" if error.get("message") else "unclear"
+    except (ValueError, KeyError, TypeError):
+        return "unclear"
+
+
+class Load:
+    def __init__(self, url: str, references: dict[str, str], max_tokens: int, clients: int) -> None:
+        self.url = url
+        self.references = references
+        self.max_tokens = max_tokens
+        self.tally = Tally()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=90)
+
+    def _client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        prompts = list(self.references)
+        while not self._stop.is_set():
+            prompt = rng.choice(prompts)
+            outcome, text = _ask(self.url, prompt, self.max_tokens, stream=rng.random() < 0.5)
+            tally = self.tally
+            with tally.lock:
+                tally.requests += 1
+                if outcome == "ok" and text == self.references[prompt]:
+                    tally.ok += 1
+                elif outcome == "ok":
+                    tally.wrong += 1
+                    if len(tally.wrong_examples) < 5:
+                        tally.wrong_examples.append(f"{prompt!r}: {text!r} != {self.references[prompt]!r}")
+                elif outcome == "cut":
+                    tally.cut_after_text += 1
+                elif outcome == "unclear":
+                    tally.unclear += 1
+                elif outcome == "transport":
+                    tally.transport += 1
+                else:
+                    tally.refused[outcome.split(":", 1)[1]] += 1
+            if outcome == "transport":
+                time.sleep(0.2)  # the gateway is down: do not spin
+
+
+# ---------------------------------------------------------------------------------------------- scenarios
+
+
+@dataclass
+class Findings:
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    slowest_blockd_reply_s: float = 0.0
+    blockd_frames: int = 0
+    blockd_unanswered: int = 0
+    executor_frames: int = 0
+    battery: Counter[str] = field(default_factory=Counter)
+    battery_unclear: int = 0
+
+    def problem(self, line: str) -> None:
+        self.problems.append(line)
+        _log(f"  PROBLEM: {line}")
+
+
+def _pause(stack: Stack, name: str, seconds: float) -> None:
+    service = stack.services[name]
+    service.signal(signal.SIGSTOP)
+    time.sleep(seconds)
+    service.signal(signal.SIGCONT)
+
+
+def _kill9(stack: Stack, name: str) -> None:
+    stack.services[name].signal(signal.SIGKILL)
+    time.sleep(0.5)
+
+
+def _duplicate_pool(stack: Stack, findings: Findings) -> None:
+    argv = stack.executor_argv(f"tcp://127.0.0.1:{free_port()}", "executor-0")
+    log = stack.root / "duplicate.log"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+    try:
+        code = process.wait(timeout=120)
+        findings.notes.append(f"duplicated pool id: the second executor exited with {code}")
+        if code == 0:
+            findings.problem("the executor with a duplicated --pool-id exited 0")
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        findings.problem("an executor with a duplicated --pool-id kept running for 120 s")
+
+
+def _blockd_call(socket: zmq.Socket, frame: bytes, timeout_s: float = 5.0) -> tuple[float, bytes | None]:
+    started = time.monotonic()
+    socket.send(frame)
+    if socket.poll(int(timeout_s * 1000)):
+        return time.monotonic() - started, socket.recv()
+    return time.monotonic() - started, None
+
+
+def _dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    return socket
+
+
+def _cross_pool(stack: Stack, findings: Findings) -> None:
+    """Changes to executor-0's pool from a foreign DEALER, with a guessed epoch: all refused."""
+    context = zmq.Context()
+    socket = _dealer(context, stack.blockd)
+    try:
+        attempts: list[bp.Request] = [
+            bp.Step(v=1, id=1, pool_id="executor-0", epoch=12345, ops=[bp.Free(seq_id="victim")]),
+            bp.Step(
+                v=1,
+                id=2,
+                pool_id="executor-0",
+                epoch=0,
+                ops=[
+                    bp.Admit(seq_id="planted", tokens=pack_tokens(range(64))),
+                    bp.Commit(seq_id="planted", num_computed_tokens=64),
+                ],
+            ),
+            bp.Unregister(v=1, id=3, pool_id="executor-0", epoch=-1),
+            bp.Heartbeat(v=1, id=4, pool_id="executor-0", epoch=2**62),
+            bp.ResetPrefixCache(v=1, id=5, pool_id="executor-0", epoch=7),
+            bp.Register(v=1, id=6, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=99),
+        ]
+        for request in attempts:
+            elapsed, reply = _blockd_call(socket, bp.encode(request))
+            findings.slowest_blockd_reply_s = max(findings.slowest_blockd_reply_s, elapsed)
+            decoded = msgspec.msgpack.decode(reply) if reply is not None else None
+            if not decoded or decoded.get("ok") or not decoded.get("error"):
+                findings.problem(f"cross-pool {type(request).__name__} was not refused: {decoded}")
+            else:
+                findings.battery[f"cross-pool {decoded['error']['code']}"] += 1
+    finally:
+        socket.close()
+        context.term()
+
+
+def _bad_blockd_frame(rng: random.Random, i: int) -> bytes:
+    kind = i % 8
+    if kind == 0:
+        return rng.randbytes(rng.randrange(0, 300))
+    if kind == 1:
+        valid = bp.encode(bp.Lookup(v=1, id=i, tokens=pack_tokens(range(rng.randrange(1, 200)))))
+        return valid[: rng.randrange(0, len(valid))]
+    if kind == 2:  # wrong shapes
+        shapes: list[Any] = [
+            [1, 2, 3],
+            {"op": "step", "v": 1, "id": i, "pool_id": "executor-0", "epoch": 1, "ops": "nope"},
+            {"op": "lookup", "v": "1", "id": i, "tokens": 5},
+            {"op": "register", "v": 1, "id": i},
+            {"op": "no_such_op", "v": 1, "id": i},
+            "just a string",
+            {"op": None},
+        ]
+        return msgspec.msgpack.encode(rng.choice(shapes))
+    if kind == 3:  # huge and negative numbers
+        number = rng.choice([2**64 - 1, -(2**63), -1, 2**63, 10**18])
+        return msgspec.msgpack.encode(
+            {"op": rng.choice(["stats", "seq", "lookup", "heartbeat"]), "v": 1, "id": number, "pool_id": "x"}
+            | {"epoch": number, "seq_id": "s", "tokens": b""}
+        )
+    if kind == 4:  # oversized registers
+        return msgspec.msgpack.encode(
+            {
+                "op": "register",
+                "v": 1,
+                "id": i,
+                "pool_id": f"attacker-{i}",
+                "num_blocks": rng.choice([10**7, 2**31 - 1, 2**40, -5]),
+                "block_size": rng.choice([1, 0, 4096, 3]),
+                "model_id": "m",
+                "epoch": i,
+            }
+        )
+    if kind == 5 and i % 80 == 5:  # an oversized lookup (a million tokens), now and then
+        return bp.encode(bp.Lookup(v=1, id=i, tokens=rng.randbytes(4_000_000)))
+    if kind == 6:
+        return bp.encode(bp.Lookup(v=2, id=i, tokens=b"\x01\x00\x00\x00"))
+    return msgspec.msgpack.encode({"op": "step", "v": 1, "id": i, "pool_id": "executor-1", "epoch": i, "ops": []})
+
+
+def _malformed_blockd(stack: Stack, findings: Findings, count: int) -> None:
+    rng = random.Random(11)
+    context = zmq.Context()
+    socket = _dealer(context, stack.blockd)
+    try:
+        for i in range(count):
+            elapsed, reply = _blockd_call(socket, _bad_blockd_frame(rng, i), timeout_s=3)
+            findings.blockd_frames += 1
+            findings.slowest_blockd_reply_s = max(findings.slowest_blockd_reply_s, elapsed)
+            if reply is None:
+                findings.blockd_unanswered += 1
+                socket.close()
+                socket = _dealer(context, stack.blockd)  # a frame over the limit cuts the connection
+    finally:
+        socket.close()
+        context.term()
+    if findings.blockd_unanswered:
+        findings.notes.append(f"blockd left {findings.blockd_unanswered} of {count} malformed frames unanswered")
+
+
+def _bad_executor_frame(rng: random.Random, i: int) -> bytes:
+    kind = i % 6
+    if kind == 0:
+        return rng.randbytes(rng.randrange(0, 300))
+    if kind == 1:
+        valid = ep.encode(ep.Submit(request_id=f"x{i}", prompt=pack_tokens(range(10)), params=SamplingParams()))
+        return valid[: rng.randrange(0, len(valid))]
+    if kind == 2:
+        return msgspec.msgpack.encode(rng.choice([[1], {"type": "submit"}, {"type": "abort", "request_id": 5}, 7]))
+    if kind == 3:  # prompts past the context, token ids past the vocabulary, absurd sampling
+        tokens = [rng.choice([0, 2**32 - 1, 511]) for _ in range(rng.choice([1, 600, 5000]))]
+        return ep.encode(ep.Submit(request_id=f"y{i}", prompt=pack_tokens(tokens), params=SamplingParams(max_tokens=1)))
+    if kind == 4:
+        return ep.encode(ep.Abort(request_id=f"not-mine-{i}"))
+    return msgspec.msgpack.encode({"type": "submit", "request_id": "z", "prompt": b"\x00\x01\x02", "params": {}})
+
+
+def _malformed_executors(stack: Stack, findings: Findings, count: int) -> None:
+    rng = random.Random(12)
+    context = zmq.Context()
+    try:
+        for endpoint in stack.executors:
+            socket = _dealer(context, endpoint)
+            for i in range(count):
+                socket.send(_bad_executor_frame(rng, i))
+                findings.executor_frames += 1
+                if i % 200 == 199:  # read what came back, so neither side's queue fills
+                    while socket.poll(50):
+                        socket.recv()
+            socket.close()
+    finally:
+        context.term()
+
+
+def _gateway_battery(stack: Stack, findings: Findings, prompts: int, disconnects: int) -> None:
+    url = stack.url
+
+    def check(name: str, response: httpx.Response, expected: set[int]) -> None:
+        outcome = _refusal(response)
+        findings.battery[f"{name} -> {response.status_code}"] += 1
+        if response.status_code not in expected or outcome == "unclear":
+            findings.battery_unclear += 1
+            findings.problem(f"gateway battery {name}: {response.status_code} {response.text[:200]!r}")
+
+    def post(path: str, content: bytes, content_type: str = "application/json") -> httpx.Response:
+        return httpx.post(f"{url}{path}", content=content, headers={"Content-Type": content_type}, timeout=120)
+
+    try:
+        check("10 MB body", post("/v1/completions", b'{"prompt": "' + b"a" * 10_000_000 + b'"}'), {413})
+        check("100k-deep JSON", post("/v1/completions", b"[" * 100_000 + b"]" * 100_000), {400})
+        check("text/plain", post("/v1/completions", b'{"prompt": "hi"}', "text/plain"), {415})
+        for wrong in ({"prompt": 5}, {"prompt": "x", "max_tokens": "many"}, {"messages": "hi"}, {"prompt": [[-1]]}):
+            path = "/v1/chat/completions" if "messages" in wrong else "/v1/completions"
+            check("wrong types", httpx.post(f"{url}{path}", json=wrong, timeout=30), {400})
+        started = time.monotonic()
+        many = httpx.post(f"{url}/v1/completions", json={"prompt": ["hi"] * prompts}, timeout=120)
+        check(f"{prompts} prompts", many, {400, 429})
+        findings.notes.append(f"{prompts} prompts answered {many.status_code} in {time.monotonic() - started:.2f} s")
+    except httpx.HTTPError as exc:
+        findings.problem(f"gateway battery: no answer ({exc!r})")
+
+    def disconnecting(i: int) -> None:
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 64, "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                for _ in response.iter_lines():
+                    break  # gone after the first chunk
+        except httpx.HTTPError:
+            pass
+
+    threads = [threading.Thread(target=disconnecting, args=(i,)) for i in range(disconnects)]
+    for batch in range(0, len(threads), 50):
+        for thread in threads[batch : batch + 50]:
+            thread.start()
+        for thread in threads[batch : batch + 50]:
+            thread.join(timeout=120)
+    findings.battery[f"clients gone mid-stream x{disconnects}"] += 1
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def _references(url: str, max_tokens: int) -> dict[str, str]:
+    references = {}
+    for prompt in PROMPTS:
+        outcome, text = _ask(url, prompt, max_tokens, stream=False)
+        if outcome != "ok":
+            raise click.ClickException(f"the clean stack did not answer {prompt!r}: {outcome}")
+        again = _ask(url, prompt, max_tokens, stream=True)
+        if again != ("ok", text):
+            raise click.ClickException(f"the clean stack answered {prompt!r} twice differently: {again}")
+        references[prompt] = text
+    return references
+
+
+def _blockd_state(endpoint: str) -> tuple[int, list[str]]:
+    with BlockdClient(endpoint, timeout_s=5) as client:
+        held = sum(p.blocks_in_use for p in client.stats().pools)
+        return held, client.check()
+
+
+def _drained(endpoint: str, timeout_s: float) -> tuple[int, list[str]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            held, problems = _blockd_state(endpoint)
+        except BlockdUnavailable:
+            held, problems = -1, ["blockd did not answer"]
+        if held == 0 or time.monotonic() > deadline:
+            return held, problems
+        time.sleep(0.5)
+
+
+def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str, Callable[[], None]]]:
+    frames = 2_000 if quick else 100_000
+    scenarios: list[tuple[str, Callable[[], None]]] = []
+    for name in ("executor-0", "executor-1", "blockd", "redis", "gateway"):
+        scenarios.append((f"kill -9 {name}", lambda name=name: _kill9(stack, name)))
+        pause = 3.0 if name.startswith("executor") else 2.0  # executors: past the gateway's 2 s silence
+        scenarios.append((f"SIGSTOP {name} {pause:g} s", lambda name=name, pause=pause: _pause(stack, name, pause)))
+    scenarios += [
+        ("duplicated pool id", lambda: _duplicate_pool(stack, findings)),
+        ("cross-pool step", lambda: _cross_pool(stack, findings)),
+        (f"{frames} malformed frames to blockd", lambda: _malformed_blockd(stack, findings, frames)),
+        (f"{frames} malformed frames to each executor", lambda: _malformed_executors(stack, findings, frames)),
+        (
+            "gateway battery",
+            lambda: _gateway_battery(stack, findings, 100_000, 50 if quick else 1_000),
+        ),
+    ]
+    return scenarios
+
+
+def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict[str, Any]:
+    from pagedkv.tools.model_gen import write_model
+
+    started = time.monotonic()
+    model_dir = write_model(root / "tiny-chaos", arch="llama", quiet=True, dtype="float32", **MODEL)
+    stack = Stack(root, model_dir)
+    findings = Findings()
+    scenario_rows: list[list[str]] = []
+    _log(f"chaos: starting redis, blockd, 2 executors and a gateway; logs in {root}")
+    try:
+        stack.start(timeout_s=300)
+        references = _references(stack.url, max_tokens)
+        time.sleep(1.0)
+        for service in stack.services.values():
+            service.idle_rss = service.rss()
+            service.peak_rss = service.idle_rss
+        load = Load(stack.url, references, max_tokens, clients)
+        load.start()
+        time.sleep(2.0)
+        for name, action in _scenarios(stack, findings, quick):
+            before, failed_before = load.tally.requests, load.tally.failed
+            t0 = time.monotonic()
+            _log(f"chaos: {name}")
+            try:
+                action()
+            except Exception as exc:  # a scenario that cannot run is a finding, not the end of the run
+                findings.problem(f"{name}: {exc!r}")
+            try:
+                recovered = stack.wait_healthy(timeout_s=180)
+            except click.ClickException as exc:
+                findings.problem(f"after {name}: {exc.message}")
+                recovered = float("nan")
+            time.sleep(1.0 if quick else 5.0)  # some load on the recovered stack
+            scenario_rows.append(
+                [
+                    name,
+                    f"{time.monotonic() - t0:.1f}",
+                    f"{recovered:.1f}",
+                    str(load.tally.requests - before),
+                    str(load.tally.failed - failed_before),
+                ]
+            )
+        load.stop()
+        leaked, check = _drained(stack.blockd, timeout_s=60)
+        for service in stack.services.values():
+            service.peak_rss = max(service.peak_rss, service.rss())
+        restarts = {name: s.restarts for name, s in stack.services.items()}
+        rss = {
+            name: {"idle_mib": round(s.idle_rss / 2**20, 1), "peak_mib": round(s.peak_rss / 2**20, 1)}
+            for name, s in stack.services.items()
+        }
+    finally:
+        stack.stop()
+    tally = load.tally
+    over_rss = [n for n, r in rss.items() if r["idle_mib"] and r["peak_mib"] > 2 * r["idle_mib"]]
+    result: dict[str, Any] = {
+        "quick": quick,
+        "seconds": round(time.monotonic() - started, 1),
+        "requests": tally.requests,
+        "ok": tally.ok,
+        "failed": tally.failed,
+        "wrong_outputs": tally.wrong,
+        "cut_after_text": tally.cut_after_text,
+        "refused": dict(tally.refused),
+        "unclear_errors": tally.unclear + findings.battery_unclear,
+        "transport_errors": tally.transport,
+        "leaked_blocks": leaked,
+        "check": check if check else "ok",
+        "slowest_blockd_reply_s": round(findings.slowest_blockd_reply_s, 4),
+        "blockd_frames": findings.blockd_frames,
+        "blockd_unanswered": findings.blockd_unanswered,
+        "executor_frames": findings.executor_frames,
+        "rss": rss,
+        "over_2x_idle_rss": over_rss,
+        "restarts": restarts,
+        "battery": dict(findings.battery),
+        "notes": findings.notes,
+        "problems": findings.problems,
+        "wrong_examples": tally.wrong_examples,
+    }
+    _print_tables(result, scenario_rows)
+    return result
+
+
+def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]]) -> None:
+    click.echo("")
+    for line in table_lines(["scenario", "seconds", "recovered in s", "requests", "failed"], scenario_rows):
+        click.echo(line)
+    click.echo("")
+    rows = [
+        ["requests", str(result["requests"])],
+        [
+            "failed",
+            f"{result['failed']} (cut after text {result['cut_after_text']}, "
+            f"refused {sum(result['refused'].values())}, no answer {result['transport_errors']})",
+        ],
+        ["wrong outputs", str(result["wrong_outputs"])],
+        ["leaked blocks", str(result["leaked_blocks"])],
+        ["check", result["check"] if isinstance(result["check"], str) else "; ".join(result["check"])],
+        [
+            "slowest blockd reply",
+            f"{result['slowest_blockd_reply_s'] * 1000:.1f} ms over {result['blockd_frames']} malformed frames",
+        ],
+        ["unclear errors", str(result["unclear_errors"])],
+    ]
+    for name, rss in result["rss"].items():
+        rows.append([f"RSS {name}", f"{rss['idle_mib']} MiB idle, {rss['peak_mib']} MiB peak"])
+    for line in table_lines(["figure", "value"], rows):
+        click.echo(line)
+    for line in result["notes"] + [f"PROBLEM: {p}" for p in result["problems"]]:
+        click.echo(line)
+    click.echo(json.dumps(result, sort_keys=True))
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Fewer malformed frames (2,000) and disconnecting clients (50).")
+@click.option("--clients", type=click.IntRange(1, 64), default=4, help="Concurrent greedy clients.")
+@click.option("--max-tokens", type=click.IntRange(1, 64), default=8, help="Tokens each greedy answer holds.")
+@click.option(
+    "--keep",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the logs and state in this directory (default: a temporary one, removed after).",
+)
+def chaos(quick: bool, clients: int, max_tokens: int, keep: Path | None) -> None:
+    """Faults and attacks against a stack of real processes under greedy load; a table, then one JSON line.
+
+    Exits 1 when an aim is missed: a wrong output, a leaked block, a failed check, a problem found."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        result = run_chaos(keep, quick=quick, clients=clients, max_tokens=max_tokens)
+    else:
+        with tempfile.TemporaryDirectory(prefix="pagedkv-chaos-") as root:
+            result = run_chaos(Path(root), quick=quick, clients=clients, max_tokens=max_tokens)
+    missed = result["wrong_outputs"] or result["leaked_blocks"] or result["check"] != "ok" or result["problems"]
+    sys.exit(1 if missed else 0)

@@ -1,0 +1,40 @@
+"""`pagedkv chaos --quick` in a subprocess: a stack of real processes (redis-server, blockd, two executors, a
+gateway) under greedy load through kills, pauses, a duplicated pool id, cross-pool steps, malformed frames and
+the gateway battery; its last line is one JSON object, which must show every aim met."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockd.embedded_redis import find_redis_server
+
+
+def test_chaos_quick_keeps_every_output_right(tmp_path: Path) -> None:
+    try:
+        find_redis_server()
+    except Exception:  # whatever says redis-server is missing
+        pytest.skip("no redis-server on this machine")
+    run = subprocess.run(
+        [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--quick", "--keep", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = run.stdout.strip().splitlines()
+    assert lines, run.stderr[-3000:]
+    result = json.loads(lines[-1])
+    context = f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert result["requests"] > 50, context
+    assert result["wrong_outputs"] == 0, context
+    assert result["leaked_blocks"] == 0, context
+    assert result["check"] == "ok", context
+    assert result["problems"] == [], context
+    assert result["unclear_errors"] == 0, context
+    assert result["blockd_frames"] >= 2_000 and result["executor_frames"] >= 4_000, context
+    assert result["slowest_blockd_reply_s"] < 1.0, context
+    assert run.returncode == 0, context
