@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from executor.params import MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
+from gateway.generation import OutputOptions
 
 MAX_STOP_STRINGS = 16
 MAX_N = 64
@@ -29,6 +30,7 @@ class ParamError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
 
 
 class _Common(BaseModel):
@@ -51,6 +53,12 @@ class _Common(BaseModel):
     top_k: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's output settings
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # what vLLM does with a fast tokenizer: nothing (transformers too)
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
@@ -87,10 +95,32 @@ class _Common(BaseModel):
             logprobs=logprobs,
         )
 
+    @model_validator(mode="after")
+    def _output_supported(self) -> _Common:
+        if self.truncate_prompt_tokens == 0:
+            raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the context) or at least 1")
+        return self
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def output_options(self) -> OutputOptions:
+        return OutputOptions(
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output
+        )
+
+    def truncate(self, prompt: list[int], max_model_len: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last N tokens of the prompt (-1: as many as the context holds)."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max_model_len
+        return prompt[-keep:] if keep is not None and len(prompt) > keep else prompt
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -98,13 +128,33 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ParamError("echo", "echo is not supported by pagedkv")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ParamError("best_of", "best_of is not supported by pagedkv (only best_of == n)")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported by pagedkv")
         return self
+
+    # extension (vLLM)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _echo_and_best_of(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ParamError(
+                "logprobs",
+                "echo with logprobs needs the prompt's logprobs, which pagedkv's executor does not compute yet",
+            )
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens: 0 is only allowed with echo: true")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_N:
+                raise ParamError("best_of", f"best_of must be at least n ({self.n}) and at most {MAX_N}")
+            if self.best_of > self.n and self.stream:
+                raise ParamError("best_of", "best_of greater than n cannot be streamed")
+        return self
+
+    @property
+    def sampled_choices(self) -> int:
+        """How many choices are sampled per prompt: best_of, of which the n best are returned."""
+        return self.best_of if self.best_of is not None else self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""
@@ -152,6 +202,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
+    # extensions (vLLM)
+    add_special_tokens: bool = False
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
@@ -198,3 +250,8 @@ def require_json_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
     return body
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template sees them (transformers' `tools=`): OpenAI's tool objects, or None."""
+    return [dict(tool) for tool in tools] if tools else None

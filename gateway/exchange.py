@@ -15,14 +15,16 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from executor.params import SamplingParams
 from gateway import errors, responses
 from gateway.api import _Common
 from gateway.errors import APIError
-from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted
+from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted, Usage
 from gateway.state import Gateway
 
 log = structlog.get_logger("gateway")
@@ -94,14 +96,24 @@ class Exchange:
     """One HTTP request's generations and how their events become a response."""
 
     def __init__(
-        self, gateway: Gateway, kind: str, body: _Common, generations: list[Generation], logprobs: int | None
+        self,
+        gateway: Gateway,
+        kind: str,
+        body: _Common,
+        generations: list[Generation],
+        logprobs: int | None,
+        echo: Sequence[str] | None = None,
     ) -> None:
         self.gateway = gateway
         self.kind = kind  # "completion" | "chat"
         self.body = body
         self.generations = generations
-        self.logprobs = logprobs
-        self.n = body.n
+        self.logprobs = logprobs  # what the client asked for (the executor may have been asked for more)
+        self.n = body.n  # choices returned per prompt
+        self.sampled = getattr(body, "sampled_choices", body.n)  # choices generated per prompt (best_of)
+        self.echo = echo  # per prompt: its text, put before each of its choices' text
+        self.as_ids = body.return_tokens_as_token_ids
+        self.continuous_usage = body.continuous_usage
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.envelope = responses.Envelope(
             f"{prefix}-{generations[0].request_id}", int(time.time()), gateway.model_name
@@ -116,7 +128,10 @@ class Exchange:
         }
 
     def choice_index(self, position: int, event: ChoiceEvent) -> int:
-        return position * self.n + event.index
+        return position * self.sampled + event.index
+
+    def usage_so_far(self) -> Usage | None:
+        return responses.total_usage([g.usage for g in self.generations]) if self.continuous_usage else None
 
     # -------------------------------------------------------------------------------- streaming
 
@@ -128,7 +143,14 @@ class Exchange:
                 if self.kind == "chat":
                     for index in range(len(self.generations) * self.n):
                         yield responses.sse(
-                            responses.chat_chunk(self.envelope, index, {"role": "assistant", "content": ""}, None, None)
+                            responses.chat_chunk(
+                                self.envelope,
+                                index,
+                                {"role": "assistant", "content": ""},
+                                None,
+                                None,
+                                self.usage_so_far(),
+                            )
                         )
                 yield self._chunk(*first, offsets)
                 async for position, event in self.events:
@@ -157,42 +179,53 @@ class Exchange:
     def _chunk(self, position: int, event: ChoiceEvent, offsets: dict[int, int]) -> str:
         index = self.choice_index(position, event)
         if self.kind == "completion":
+            text = event.text
+            if self.echo is not None and index not in offsets:  # the choice's first chunk: the prompt first
+                text = self.echo[position] + text
             logprobs = None
             if self.logprobs is not None:
                 accumulated = responses.CompletionLogprobs()
-                accumulated.add(self.gateway.tokenizer, event.logprobs, offsets.get(index, 0))
+                accumulated.add(self.gateway.tokenizer, event.logprobs, offsets.get(index, 0), self.as_ids)
                 logprobs = accumulated.body()
-            offsets[index] = offsets.get(index, 0) + len(event.text)
+            offsets[index] = offsets.get(index, 0) + len(text)
             return responses.sse(
-                responses.completion_chunk(self.envelope, index, event.text, logprobs, event.finish_reason)
+                responses.completion_chunk(
+                    self.envelope, index, text, logprobs, event.finish_reason, self.usage_so_far()
+                )
             )
         delta = {"content": event.text} if event.text else {}
         logprobs_list = None
         if self.logprobs is not None:
-            logprobs_list = responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs)
-        return responses.sse(responses.chat_chunk(self.envelope, index, delta, logprobs_list, event.finish_reason))
+            logprobs_list = responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs, self.as_ids)
+        return responses.sse(
+            responses.chat_chunk(self.envelope, index, delta, logprobs_list, event.finish_reason, self.usage_so_far())
+        )
 
     # -------------------------------------------------------------------------------- whole responses
 
     async def collect(self, first: tuple[int, ChoiceEvent]) -> dict[str, Any]:
-        count = len(self.generations) * self.n
-        texts = [""] * count
+        count = len(self.generations) * self.sampled
+        start = [self.echo[i // self.sampled] if self.echo is not None else "" for i in range(count)]
+        texts = list(start)
         finish: list[str | None] = [None] * count
+        cumulative = [0.0] * count  # of the chosen tokens: what best_of ranks by
         completion_logprobs = [responses.CompletionLogprobs() for _ in range(count)]
         chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+        tokenizer = self.gateway.tokenizer
 
         def take(position: int, event: ChoiceEvent | Restarted) -> None:
             if isinstance(event, Restarted):  # its executor was lost: its choices start over
-                for index in range(position * self.n, (position + 1) * self.n):
-                    texts[index], finish[index] = "", None
+                for index in range(position * self.sampled, (position + 1) * self.sampled):
+                    texts[index], finish[index], cumulative[index] = start[index], None, 0.0
                     completion_logprobs[index] = responses.CompletionLogprobs()
                     chat_logprobs[index] = []
                 return
             index = self.choice_index(position, event)
+            cumulative[index] += sum(entry.logprob for entry in event.logprobs)
             if self.logprobs is not None and self.kind == "completion":
-                completion_logprobs[index].add(self.gateway.tokenizer, event.logprobs, len(texts[index]))
+                completion_logprobs[index].add(tokenizer, event.logprobs, len(texts[index]), self.as_ids)
             elif self.logprobs is not None:
-                chat_logprobs[index] += responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs)
+                chat_logprobs[index] += responses.chat_logprobs(tokenizer, event.logprobs, self.logprobs, self.as_ids)
             texts[index] += event.text
             finish[index] = event.finish_reason or finish[index]
 
@@ -200,27 +233,39 @@ class Exchange:
         async for position, event in self.events:
             take(position, event)
         usage = responses.total_usage([g.usage for g in self.generations])
+        kept = self._best(cumulative)
         if self.kind == "completion":
             choices = [
                 {
                     "index": i,
-                    "text": texts[i],
-                    "finish_reason": finish[i],
-                    "logprobs": completion_logprobs[i].body() if self.logprobs is not None else None,
+                    "text": texts[c],
+                    "finish_reason": finish[c],
+                    "logprobs": completion_logprobs[c].body() if self.logprobs is not None else None,
                 }
-                for i in range(count)
+                for i, c in enumerate(kept)
             ]
             return responses.completion_body(self.envelope, choices, usage)
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "finish_reason": finish[i],
-                "logprobs": {"content": chat_logprobs[i]} if self.logprobs is not None else None,
+                "message": {"role": "assistant", "content": texts[c]},
+                "finish_reason": finish[c],
+                "logprobs": {"content": chat_logprobs[c]} if self.logprobs is not None else None,
             }
-            for i in range(count)
+            for i, c in enumerate(kept)
         ]
         return responses.chat_body(self.envelope, choices, usage)
+
+    def _best(self, cumulative: list[float]) -> list[int]:
+        """The choices returned, in order: all of them; or with best_of, per prompt the n of highest
+        cumulative logprob, best first."""
+        if self.sampled == self.n:
+            return list(range(len(cumulative)))
+        kept: list[int] = []
+        for position in range(len(self.generations)):
+            own = range(position * self.sampled, (position + 1) * self.sampled)
+            kept += sorted(own, key=lambda c: -cumulative[c])[: self.n]
+        return kept
 
 
 class _EventStream(StreamingResponse):
@@ -255,23 +300,35 @@ async def respond(
     prompts: list[list[int]],
     max_tokens: list[int],
     logprobs: int | None,
+    echo: Sequence[str] | None = None,
 ) -> Response:
     """Run a checked request's prompts (each with its max_tokens) as generations, holding a queue slot while
-    they run, and answer: a stream of events, or one body once every choice is done."""
+    they run, and answer: a stream of events, or one body once every choice is done. `echo`: each prompt's
+    text, which its choices' text starts with."""
     arrival = time.monotonic()
     request_id = uuid.uuid4().hex
+    sampled = getattr(body, "sampled_choices", body.n)
+
+    def params(limit: int) -> SamplingParams:
+        params = body.sampling(limit, logprobs)
+        if sampled != body.n:  # best_of: sample more, rank them by the chosen tokens' logprobs
+            params = msgspec.structs.replace(params, n=sampled, logprobs=logprobs or 0)
+        return params
+
+    output = body.output_options()
     generations = [
         gateway.generation(
             request_id if len(prompts) == 1 else f"{request_id}-{i}",
             prompt,
-            body.sampling(limit, logprobs),
+            params(limit),
             body.stop_strings(),
             arrival,
             replayable=not body.stream,
+            output=output,
         )
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]
-    exchange = Exchange(gateway, kind, body, generations, logprobs)
+    exchange = Exchange(gateway, kind, body, generations, logprobs, echo)
     release = contextlib.ExitStack()
     release.enter_context(gateway.admitted())
     handed_over = False  # to the streaming response, which then releases the queue slot and the generations
@@ -301,3 +358,24 @@ async def respond(
             await exchange.events.aclose()
     gateway.metrics.requests.labels(route=exchange.route, status="200").inc()
     return JSONResponse(result, headers=exchange.headers())
+
+
+def echo_only(gateway: Gateway, body: _Common, prompts: list[list[int]], echo: Sequence[str]) -> Response:
+    """`echo` with `max_tokens: 0`: each choice is its prompt's text, nothing is generated."""
+    envelope = responses.Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), gateway.model_name)
+    usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+    indices = [(p, p * body.n + j) for p in range(len(prompts)) for j in range(body.n)]
+    gateway.metrics.requests.labels(route="/v1/completions", status="200").inc()
+    if not body.stream:
+        choices = [{"index": i, "text": echo[p], "finish_reason": "length", "logprobs": None} for p, i in indices]
+        return JSONResponse(responses.completion_body(envelope, choices, usage))
+
+    async def chunks() -> AsyncIterator[str]:
+        for p, i in indices:
+            running = usage if body.continuous_usage else None
+            yield responses.sse(responses.completion_chunk(envelope, i, echo[p], None, "length", running))
+        if body.include_usage:
+            yield responses.sse(responses.usage_chunk(envelope, "text_completion", usage))
+        yield responses.DONE
+
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -51,6 +51,14 @@ class Restarted:
     """The events yielded so far are void: the generation starts again on another executor."""
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the tokens of a choice become its text (vLLM's output settings)."""
+
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, stays in the text
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -59,9 +67,9 @@ class Usage:
 
 
 class _Choice:
-    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str], include_stop: bool) -> None:
         self.detokenizer = detokenizer
-        self.stop = StopMatcher(stops)
+        self.stop = StopMatcher(stops, include_stop)
         self.finished = False
         self.tokens = 0
         self.last_token_at: float | None = None
@@ -80,6 +88,7 @@ class Generation:
         metrics: GatewayMetrics,
         arrival: float | None = None,
         replayable: bool = False,
+        output: OutputOptions | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
@@ -90,6 +99,7 @@ class Generation:
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
         self.replayable = replayable
+        self.output = output or OutputOptions()
         self.usage = Usage(prompt_tokens=len(self.prompt))
         self.executor: str | None = None  # the pool that served it
         self.first_token_at: float | None = None
@@ -160,7 +170,15 @@ class Generation:
                 continue
             self._link, self._submitted_id = link, submitted_id
             self.executor = link.pool_id
-            self._choices = [_Choice(self.tokenizer.detokenizer(self.prompt), self.stops) for _ in range(self.params.n)]
+            out = self.output
+            self._choices = [
+                _Choice(
+                    self.tokenizer.detokenizer(self.prompt, out.skip_special_tokens),
+                    self.stops,
+                    out.include_stop_str_in_output,
+                )
+                for _ in range(self.params.n)
+            ]
             self.usage = Usage(prompt_tokens=len(self.prompt))
             self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
             return queue
@@ -173,7 +191,10 @@ class Generation:
         self.usage.cached_tokens = max(self.usage.cached_tokens, delta.cached_tokens)
         if delta.token_ids:
             self._count_tokens(choice, len(delta.token_ids), now)
-        text = choice.detokenizer.add(delta.token_ids)
+        shown = delta.token_ids
+        if delta.finish_reason == "stop" and shown and not self.output.include_stop_str_in_output:
+            shown = shown[:-1]  # the executor stopped on this token (EOS or a stop token id): not part of the text
+        text = choice.detokenizer.add(shown)
         if delta.finish_reason is not None:
             text += choice.detokenizer.flush()
         released = choice.stop.feed(text)

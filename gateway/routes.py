@@ -19,9 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import errors
 from gateway.api import ChatCompletionRequest, CompletionRequest
 from gateway.errors import APIError
-from gateway.exchange import respond
+from gateway.exchange import echo_only, respond
 from gateway.state import Gateway, GatewayConfig
 from gateway.text import PromptError
+from gateway.utility import add_utility_routes
 from gateway.validation import check_stop_token_ids, check_token_ids, parse_body, token_limit
 
 
@@ -58,14 +59,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body: CompletionRequest = await parse_body(request, CompletionRequest)
         gateway.check_model(body.model)
         check_stop_token_ids(gateway, body)
-        prompts = []
+        prompts, echo = [], []
         for prompt in body.prompts():
-            tokens = gateway.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(gateway, prompt)
-            prompts.append(tokens)
+            if isinstance(prompt, str):
+                tokens = gateway.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                tokens = check_token_ids(gateway, prompt)
+            kept = body.truncate(tokens, gateway.max_model_len)
+            if body.echo:
+                whole = isinstance(prompt, str) and len(kept) == len(tokens)
+                echo.append(prompt if whole else gateway.tokenizer.decode(kept, body.skip_special_tokens))
+            prompts.append(kept)
         if not prompts:
             raise errors.invalid_request("The prompt is empty.", param="prompt")
         limits = [token_limit(gateway, p, body.max_tokens, "prompt") for p in prompts]
-        return await respond(gateway, request, "completion", body, prompts, limits, body.logprobs)
+        if body.max_tokens == 0:
+            return echo_only(gateway, body, prompts, echo)
+        return await respond(
+            gateway, request, "completion", body, prompts, limits, body.logprobs, echo if body.echo else None
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -74,10 +86,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_stop_token_ids(gateway, body)
         try:
             prompt = gateway.tokenizer.encode_chat(
-                [m.for_template() for m in body.messages], body.add_generation_prompt
+                [m.for_template() for m in body.messages],
+                body.add_generation_prompt,
+                add_special_tokens=body.add_special_tokens,
             )
         except PromptError as exc:
             raise errors.invalid_request(str(exc), param="messages") from None
+        prompt = body.truncate(prompt, gateway.max_model_len)
         limit = token_limit(gateway, prompt, body.token_limit, "messages")
         return await respond(gateway, request, "chat", body, [prompt], [limit], body.logprobs_k)
 
@@ -87,6 +102,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "object": "model",
             "created": gateway.created,
             "owned_by": "pagedkv",
+            "root": gateway.model_name,
+            "parent": None,
             "max_model_len": gateway.max_model_len,
         }
 
@@ -113,6 +130,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not healthy:
             body["reason"] = gateway.why_unavailable()
         return JSONResponse(body, status_code=200 if healthy else 503)
+
+    add_utility_routes(app, gateway)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,7 +17,7 @@ from executor.params import SamplingParams
 from executor.protocol import Info as ExecutorInfo
 from gateway import errors
 from gateway.executors import ExecutorLink
-from gateway.generation import Generation
+from gateway.generation import Generation, OutputOptions
 from gateway.metrics import GatewayMetrics
 from gateway.routing import PrefixLookup, Router
 from gateway.text import Tokenizer
@@ -113,6 +113,7 @@ class Gateway:
         stops: list[str],
         arrival: float,
         replayable: bool,
+        output: OutputOptions | None = None,
     ) -> Generation:
         return Generation(
             request_id=request_id,
@@ -124,4 +125,5 @@ class Gateway:
             metrics=self.metrics,
             arrival=arrival,
             replayable=replayable,
+            output=output,
         )

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway import errors
 from gateway.api import _Common, require_json_object, validation_message
@@ -41,10 +41,10 @@ def token_limit(gateway: Gateway, prompt: list[int], asked: int | None, param: s
     return asked
 
 
-def check_token_ids(gateway: Gateway, tokens: list[int]) -> list[int]:
+def check_token_ids(gateway: Gateway, tokens: list[int], param: str = "prompt") -> list[int]:
     vocab = gateway.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
-        raise errors.invalid_request(f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        raise errors.invalid_request(f"{param} token ids must be in [0, {vocab}).", param=param)
     return tokens
 
 
@@ -54,7 +54,7 @@ def check_stop_token_ids(gateway: Gateway, body: _Common) -> None:
         raise errors.invalid_request(f"stop_token_ids must be token ids in [0, {vocab}).", param="stop_token_ids")
 
 
-async def parse_body(request: Request, model: type[_Common]) -> Any:
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     try:
         raw = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):

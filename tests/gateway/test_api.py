@@ -142,12 +142,35 @@ def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
     assert CompletionRequest.model_validate(completion(n=2, best_of=2)).n == 2
 
 
-@pytest.mark.parametrize(
-    "fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")]
-)
+@pytest.mark.parametrize("fields, words", [({"suffix": "end"}, "suffix")])
 def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, _ = refusal(CompletionRequest, completion(**fields))
     assert words in message and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"echo": True, "logprobs": 1}, "logprobs", "prompt's logprobs"),
+        ({"max_tokens": 0}, "max_tokens", "only allowed with echo"),
+        ({"n": 3, "best_of": 2}, "best_of", "at least n"),
+        ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
+    ],
+)
+def test_echo_best_of_and_truncation_limits(fields: dict[str, Any], param: str, words: str) -> None:
+    message, named = refusal(CompletionRequest, completion(**fields))
+    assert words in message and named == param, message
+
+
+def test_echo_best_of_and_truncation_accepted() -> None:
+    body = CompletionRequest.model_validate(completion(echo=True, max_tokens=0, best_of=3, truncate_prompt_tokens=2))
+    assert body.sampled_choices == 3 and body.n == 1
+    assert body.truncate([1, 2, 3, 4], 100) == [3, 4]
+    assert body.truncate([1], 100) == [1]
+    everything = CompletionRequest.model_validate(completion(truncate_prompt_tokens=-1))
+    assert everything.truncate([1, 2, 3, 4], 3) == [2, 3, 4]
+    assert everything.add_special_tokens and not ChatCompletionRequest.model_validate(chat()).add_special_tokens
 
 
 def test_stream_options_with_stream() -> None:
