@@ -103,6 +103,7 @@ class Generation:
         self.usage = Usage(prompt_tokens=len(self.prompt))
         self.executor: str | None = None  # the pool that served it
         self.first_token_at: float | None = None
+        self.submitted_at: float | None = None  # first handed to an executor
         self._link: ExecutorLink | None = None
         self._submitted_id: str | None = None
         self._choices: list[_Choice] = []
@@ -148,6 +149,10 @@ class Generation:
                     self.first_token_at = None
                     yield Restarted()
         finally:
+            if not self._done:
+                unfinished = sum(not c.finished for c in self._choices)
+                if unfinished:
+                    self.metrics.vllm.success("abort", unfinished)
             self._release(abort=not self._done)
 
     @property
@@ -169,6 +174,8 @@ class Generation:
                 tried.add(link.endpoint)
                 continue
             self._link, self._submitted_id = link, submitted_id
+            if self.submitted_at is None:
+                self.submitted_at = time.monotonic()
             self.executor = link.pool_id
             out = self.output
             self._choices = [
@@ -210,6 +217,7 @@ class Generation:
             finish_reason = delta.finish_reason
         if finish_reason is not None:
             choice.finished = True
+            self.metrics.vllm.success(finish_reason)
             if all(c.finished for c in self._choices):
                 self._finish(now)
         if not released and not delta.logprobs and finish_reason is None:
@@ -220,12 +228,15 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.vllm.ttft.observe(now - self.arrival)
         elif choice.last_token_at is not None:
             self.metrics.itl.observe(now - choice.last_token_at)
+            self.metrics.vllm.itl.observe(now - choice.last_token_at)
         choice.last_token_at = now
         choice.tokens += count
         self.usage.completion_tokens += count
         self.metrics.generated_tokens.inc(count)
+        self.metrics.vllm.generation_tokens.inc(count)
 
     def _abort_choice(self, index: int) -> None:
         assert self._link is not None and self._submitted_id is not None
@@ -239,6 +250,19 @@ class Generation:
         self.metrics.e2e.observe(now - self.arrival)
         self.metrics.prompt_tokens.inc(self.usage.prompt_tokens)
         self.metrics.cached_tokens.inc(self.usage.cached_tokens)
+        vllm, usage = self.metrics.vllm, self.usage
+        submitted = self.submitted_at if self.submitted_at is not None else self.arrival
+        first = self.first_token_at if self.first_token_at is not None else now
+        vllm.e2e.observe(now - self.arrival)
+        vllm.queue.observe(submitted - self.arrival)
+        vllm.prefill.observe(first - submitted)
+        vllm.decode.observe(now - first)
+        vllm.inference.observe(now - submitted)
+        vllm.request_prompt_tokens.observe(usage.prompt_tokens)
+        vllm.request_generation_tokens.observe(usage.completion_tokens)
+        vllm.prompt_tokens.inc(usage.prompt_tokens)
+        vllm.prefix_cache_queries.inc(usage.prompt_tokens)
+        vllm.prefix_cache_hits.inc(usage.cached_tokens)
 
     def _release(self, abort: bool = False) -> None:
         """Stop listening for this submission; abort it at the executor if it is still going."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.executors import ExecutorLink
@@ -46,10 +46,157 @@ class _ExecutorCollector(Collector):
         return [healthy, waiting, running, free, utilization]
 
 
+# vLLM's buckets, so that its dashboards' quantiles read the same.
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+
+
+class _VllmExecutorCollector(Collector):
+    """vLLM's engine gauges, summed over the executors in rotation, read at scrape time from their load reports."""
+
+    def __init__(self, links: Sequence[ExecutorLink], model_name: str) -> None:
+        self.links = links
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        label = [self.model_name]
+        loads = [link.load for link in self.links if link.healthy and link.load is not None]
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests in model execution batches", labels=["model_name"]
+        )
+        running.add_metric(label, sum(load.running for load in loads))
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting to be processed", labels=["model_name"]
+        )
+        waiting.add_metric(label, sum(load.waiting for load in loads))
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", labels=["model_name"]
+        )
+        blocks = sum(load.num_blocks for load in loads)
+        used = sum(load.kv_utilization * load.num_blocks for load in loads)  # held by live sequences
+        usage.add_metric(label, used / blocks if blocks else 0.0)
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Preemptions, summed over the executors' reports", labels=["model_name"]
+        )
+        preemptions.add_metric(label, sum(load.preemptions for load in loads))
+        return [running, waiting, usage, preemptions]
+
+
+class VllmMetrics:
+    """The request metrics vLLM exports, under its names, with its `model_name` label (dashboards and autoscalers
+    built for vLLM read them unchanged). Times are the gateway's: the queue time is from arrival to the request's
+    submission to an executor, so any wait inside the executor counts as prefill."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, labels = registry, ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time in the queue", _REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Time in the prefill phase", _REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Time in the decode phase", _REQUEST_BUCKETS)
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "Time from submission to the last token", _REQUEST_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache supplied")
+        self._success = Counter(
+            "vllm:request_success", "Finished choices by finish reason", ["model_name", "finished_reason"], registry=r
+        )
+        self._model_name = model_name
+
+    def success(self, finished_reason: str, count: int = 1) -> None:
+        self._success.labels(self._model_name, finished_reason).inc(count)
+
+
 class GatewayMetrics:
-    def __init__(self, links: Sequence[ExecutorLink], in_flight: Callable[[], int]) -> None:
+    def __init__(self, links: Sequence[ExecutorLink], in_flight: Callable[[], int], model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name)
+        r.register(_VllmExecutorCollector(links, model_name))
         self.requests = Counter(
             "pagedkv_gateway_requests", "Finished HTTP requests by route and status", ["route", "status"], registry=r
         )

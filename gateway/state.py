@@ -53,7 +53,7 @@ class Gateway:
         self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
         self.in_flight = 0
-        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
+        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight, self.model_name)
 
     def _compatible(self, info: ExecutorInfo) -> str | None:
         """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""

@@ -296,3 +296,62 @@ def test_best_of_returns_the_choices_of_highest_cumulative_logprob(client, stack
     with_logprobs = client.completions.create(n=1, best_of=4, logprobs=1, **common, extra_body={"ignore_eos": True})
     assert with_logprobs.choices[0].text == scored[0].text
     assert len(with_logprobs.choices[0].logprobs.tokens) == 6
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's metrics
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the gateway's /metrics: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_vllm_metrics_after_requests(client, stack, tokenizer) -> None:
+    model = (("model_name", stack.model_name),)
+    before = scrape(stack.url)
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    for _ in range(2):
+        client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, **GREEDY)
+    list(
+        client.chat.completions.create(
+            model=stack.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **GREEDY
+        )
+    )
+    chat_prompt = len(tokenizer.encode_chat([{"role": "user", "content": "hi"}]))
+    after = scrape(stack.url)
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = model) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    success = tuple(sorted((*model, ("finished_reason", "length"))))
+    assert grew("vllm:request_success_total", success) == 3
+    assert grew("vllm:generation_tokens_total") == 14
+    assert grew("vllm:prompt_tokens_total") == 2 * prompt_tokens + chat_prompt
+    assert grew("vllm:prefix_cache_queries_total") == 2 * prompt_tokens + chat_prompt
+    assert 0 <= grew("vllm:prefix_cache_hits_total") <= 2 * prompt_tokens + chat_prompt
+    assert grew("vllm:request_prompt_tokens_sum") == 2 * prompt_tokens + chat_prompt
+    assert grew("vllm:request_generation_tokens_sum") == 14
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+    ):
+        assert grew(f"{name}_count") == 3, name
+    assert grew("vllm:inter_token_latency_seconds_count") == 2 * 4 + 3
+    assert after[("vllm:num_requests_running", model)] >= 0
+    assert after[("vllm:num_requests_waiting", model)] >= 0
+    assert 0.0 <= after[("vllm:kv_cache_usage_perc", model)] <= 1.0
+    assert after[("vllm:num_preemptions_total", model)] >= 0
+    # next to pagedkv's own
+    assert ("pagedkv_gateway_generated_tokens_total", ()) in after
