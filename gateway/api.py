@@ -7,6 +7,7 @@ open servers: `top_k`, `stop_token_ids`, `ignore_eos`.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -174,11 +175,57 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As vLLM hands it to templates: the arguments parsed (templates write them with `tojson`)."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        call: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         content = self.content
@@ -190,6 +237,10 @@ class ChatMessage(BaseModel):
         }
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -198,19 +249,28 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
     # extensions (vLLM)
     add_special_tokens: bool = False
+    parallel_tool_calls: bool = True
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are looked for in the output: tools are given and the model may call them ('auto')."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ParamError("tools", "tools are not supported by pagedkv")
-        if self.tool_choice not in (None, "none"):
-            raise ParamError("tool_choice", "tool_choice is not supported by pagedkv")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            choice = "a named function" if isinstance(self.tool_choice, NamedToolChoice) else "'required'"
+            raise ParamError(
+                "tool_choice",
+                f"tool_choice {choice} needs structured output (a grammar enforcing the call), which pagedkv "
+                "does not have yet: use 'auto' or 'none'",
+            )
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ParamError("response_format", "response_format other than text is not supported by pagedkv")
         if self.top_logprobs is not None and not self.logprobs:
@@ -252,6 +312,6 @@ def require_json_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template sees them (transformers' `tools=`): OpenAI's tool objects, or None."""
-    return [dict(tool) for tool in tools] if tools else None
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None

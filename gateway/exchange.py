@@ -26,6 +26,7 @@ from gateway.api import _Common
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted, Usage
 from gateway.state import Gateway
+from gateway.tool_calls import ToolParser, make_parser
 
 log = structlog.get_logger("gateway")
 T = TypeVar("T")
@@ -114,6 +115,11 @@ class Exchange:
         self.echo = echo  # per prompt: its text, put before each of its choices' text
         self.as_ids = body.return_tokens_as_token_ids
         self.continuous_usage = body.continuous_usage
+        # tool calls looked for in the output (chat, tools given, tool_choice 'auto'): the parser's name
+        self.tool_parser = gateway.tool_call_parser if getattr(body, "parses_tool_calls", False) else None
+        self.parallel_tool_calls = getattr(body, "parallel_tool_calls", True)
+        self._parsers: dict[int, ToolParser] = {}
+        self._calls_sent: dict[int, int] = {}
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.envelope = responses.Envelope(
             f"{prefix}-{generations[0].request_id}", int(time.time()), gateway.model_name
@@ -193,13 +199,57 @@ class Exchange:
                     self.envelope, index, text, logprobs, event.finish_reason, self.usage_so_far()
                 )
             )
-        delta = {"content": event.text} if event.text else {}
+        finish_reason = event.finish_reason
+        if self.tool_parser is None:
+            delta: dict[str, Any] = {"content": event.text} if event.text else {}
+        else:
+            delta, finish_reason = self._tool_delta(index, event)
         logprobs_list = None
         if self.logprobs is not None:
             logprobs_list = responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs, self.as_ids)
         return responses.sse(
-            responses.chat_chunk(self.envelope, index, delta, logprobs_list, event.finish_reason, self.usage_so_far())
+            responses.chat_chunk(self.envelope, index, delta, logprobs_list, finish_reason, self.usage_so_far())
         )
+
+    def _tool_delta(self, index: int, event: ChoiceEvent) -> tuple[dict[str, Any], str | None]:
+        """A chunk's delta when tool calls are parsed: content as it is ruled out of being a call, and each call
+        once complete (`tool_calls` deltas with their index, id, name and arguments)."""
+        assert self.tool_parser is not None
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = make_parser(self.tool_parser)
+        found = parser.feed(event.text)
+        if event.finish_reason is not None:
+            rest = parser.finish()
+            found.content += rest.content
+            found.calls += rest.calls
+        delta: dict[str, Any] = {"content": found.content} if found.content else {}
+        sent = self._calls_sent.get(index, 0)
+        calls = found.calls if self.parallel_tool_calls else found.calls[: max(0, 1 - sent)]
+        if calls:
+            delta["tool_calls"] = [{"index": sent + k, **call.body()} for k, call in enumerate(calls)]
+            self._calls_sent[index] = sent + len(calls)
+        finish_reason = event.finish_reason
+        if finish_reason == "stop" and self._calls_sent.get(index):
+            finish_reason = "tool_calls"
+        return delta, finish_reason
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's message (and finish reason): its text, or the tool calls found in it."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_parser is None:
+            return message, finish_reason
+        parser = make_parser(self.tool_parser)
+        found = parser.feed(text)
+        rest = parser.finish()
+        calls = found.calls + rest.calls
+        if not calls:
+            return message, finish_reason
+        if not self.parallel_tool_calls:
+            calls = calls[:1]
+        content = found.content + rest.content
+        message = {"role": "assistant", "content": content or None, "tool_calls": [c.body() for c in calls]}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
     # -------------------------------------------------------------------------------- whole responses
 
@@ -245,15 +295,17 @@ class Exchange:
                 for i, c in enumerate(kept)
             ]
             return responses.completion_body(self.envelope, choices, usage)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[c]},
-                "finish_reason": finish[c],
-                "logprobs": {"content": chat_logprobs[c]} if self.logprobs is not None else None,
-            }
-            for i, c in enumerate(kept)
-        ]
+        choices = []
+        for i, c in enumerate(kept):
+            message, finish_reason = self._message(texts[c], finish[c])
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": finish_reason,
+                    "logprobs": {"content": chat_logprobs[c]} if self.logprobs is not None else None,
+                }
+            )
         return responses.chat_body(self.envelope, choices, usage)
 
     def _best(self, cumulative: list[float]) -> list[int]:

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import errors
-from gateway.api import ChatCompletionRequest, CompletionRequest
+from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
 from gateway.errors import APIError
 from gateway.exchange import echo_only, respond
 from gateway.state import Gateway, GatewayConfig
@@ -84,10 +84,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         gateway.check_model(body.model)
         check_stop_token_ids(gateway, body)
+        if body.parses_tool_calls and gateway.tool_call_parser == "none":
+            raise errors.invalid_request(
+                "tool_choice 'auto' needs a tool-call parser, and this model's chat template shows no tool-call "
+                "format pagedkv knows: start the gateway with --tool-call-parser hermes or llama3_json, or send "
+                "tool_choice 'none'",
+                param="tool_choice",
+            )
         try:
             prompt = gateway.tokenizer.encode_chat(
                 [m.for_template() for m in body.messages],
                 body.add_generation_prompt,
+                tools=chat_tools(body.tools),
                 add_special_tokens=body.add_special_tokens,
             )
         except PromptError as exc:

@@ -15,7 +15,7 @@ import click
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from common.logs import configure_logging
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
-from gateway import ROUTING_POLICIES
+from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from gateway.state import GatewayConfig
@@ -108,6 +108,14 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     help="Seconds an executor may stay silent before it is taken out of rotation.",
 )
 @click.option(
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default="auto",
+    envvar="PAGEDKV_GATEWAY_TOOL_CALL_PARSER",
+    help="How tool calls are found in the model's output (tool_choice 'auto'): hermes (<tool_call> JSON, "
+    "Hermes and Qwen), llama3_json (Llama 3's JSON), none; auto: by the model's chat template.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -124,6 +132,7 @@ def main(
     served_model_name: str | None,
     max_queue: int,
     executor_timeout: float,
+    tool_call_parser: str,
     log_level: str,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) in front of executors.
@@ -146,6 +155,7 @@ def main(
         served_model_name=served_model_name,
         max_queue=max_queue,
         executor_timeout_s=executor_timeout,
+        tool_call_parser=tool_call_parser,
     )
     run_gateway(config, host=host, port=port, log_level=log_level)
 

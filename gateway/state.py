@@ -21,6 +21,7 @@ from gateway.generation import Generation, OutputOptions
 from gateway.metrics import GatewayMetrics
 from gateway.routing import PrefixLookup, Router
 from gateway.text import Tokenizer
+from gateway.tool_calls import detect_parser
 
 log = structlog.get_logger("gateway")
 
@@ -35,6 +36,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     max_queue: int = 512
     executor_timeout_s: float = 5.0
+    tool_call_parser: str = "auto"  # gateway.tool_calls.TOOL_CALL_PARSERS
 
 
 class Gateway:
@@ -53,7 +55,15 @@ class Gateway:
         self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
         self.in_flight = 0
+        self.tool_call_parser = self._tool_call_parser(config.tool_call_parser)
         self.metrics = GatewayMetrics(self.links, lambda: self.in_flight, self.model_name)
+
+    def _tool_call_parser(self, name: str) -> str:
+        """The parser of tool calls in this model's output: as configured, or ("auto") by its chat template."""
+        if name != "auto":
+            return name
+        templates = self.tokenizer.chat_templates
+        return detect_parser(templates.get("tool_use") or templates.get("default"))
 
     def _compatible(self, info: ExecutorInfo) -> str | None:
         """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway import errors
-from gateway.api import ChatMessage, chat_tools
+from gateway.api import ChatMessage, Tool, chat_tools
 from gateway.state import Gateway
 from gateway.text import PromptError
 from gateway.validation import check_token_ids, parse_body
@@ -39,7 +39,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_ending(self) -> TokenizeChatRequest:

@@ -118,8 +118,9 @@ def test_penalties_are_refused_unless_zero(field: str) -> None:
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "structured output"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "structured output"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"42": 5.0}}, "logit_bias"),
         ({"top_logprobs": 3}, "top_logprobs requires logprobs"),

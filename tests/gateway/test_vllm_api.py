@@ -17,16 +17,16 @@ import pytest
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
 from tests.support.gateway import local_stack, reference_text, tiny_model, wait_until_no_live_blocks
-from tests.support.models import TINY
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
+MAX_MODEL_LEN = 2048  # room for the tools' prompt, which the tiny vocabulary spells in many tokens
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, its tokenizer adding a BOS (as Llama's does), so add_special_tokens makes a difference."""
-    path = tiny_model(tmp_path_factory.mktemp("vllm-api-model"), "tiny-vllm")
+    path = tiny_model(tmp_path_factory.mktemp("vllm-api-model"), "tiny-vllm", max_position=MAX_MODEL_LEN)
     tokenizer_file = path / "tokenizer.json"
     spec = json.loads(tokenizer_file.read_text(encoding="utf-8"))
     bos = "<|begin_of_text|>"
@@ -75,7 +75,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(stack, tokenizer) -> None:
     plain = httpx.post(f"{url}/tokenize", json={"model": stack.model_name, "prompt": PROMPT}).json()
     assert plain == {
         "count": len(tokenizer.encode(PROMPT)),
-        "max_model_len": TINY["max_position"],
+        "max_model_len": MAX_MODEL_LEN,
         "tokens": plain["tokens"],
     }
     assert plain["tokens"] == tokenizer.encode(PROMPT)
@@ -110,12 +110,12 @@ def test_tokenizer_info_version_ping_and_model_card(stack, tokenizer) -> None:
     info = httpx.get(f"{stack.url}/tokenizer_info").json()
     assert info["tokenizer_class"] and info["eos_token"] == tokenizer.special_tokens["eos_token"]
     assert info["chat_template"] == tokenizer.chat_templates["default"]
-    assert info["model_max_length"] == TINY["max_position"] and info["vocab_size"] == tokenizer.vocab_size
+    assert info["model_max_length"] == MAX_MODEL_LEN and info["vocab_size"] == tokenizer.vocab_size
     assert httpx.get(f"{stack.url}/version").json()["version"]
     assert httpx.get(f"{stack.url}/ping").status_code == 200
     assert httpx.post(f"{stack.url}/ping").status_code == 200
     card = httpx.get(f"{stack.url}/v1/models/{stack.model_name}").json()
-    assert card["id"] == stack.model_name and card["max_model_len"] == TINY["max_position"]
+    assert card["id"] == stack.model_name and card["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(f"{stack.url}/v1/models/other").status_code == 404
     for path in ("/v1/embeddings", "/v1/responses"):
         response = httpx.post(f"{stack.url}{path}", json={"model": stack.model_name, "input": "x"})
@@ -355,3 +355,54 @@ def test_vllm_metrics_after_requests(client, stack, tokenizer) -> None:
     assert after[("vllm:num_preemptions_total", model)] >= 0
     # next to pagedkv's own
     assert ("pagedkv_gateway_generated_tokens_total", ()) in after
+
+
+# ---------------------------------------------------------------------------------------------- tools
+
+
+def test_tools_and_tool_history_are_rendered_by_the_template(client, stack, model_dir, tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.gateway.test_tool_calls import HISTORY, TOOLS, hf_messages
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    rendered = hf.apply_chat_template(hf_messages(), tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
+    answers = {}
+    for choice in ("auto", "none"):
+        result = client.chat.completions.create(
+            model=stack.model_name,
+            messages=HISTORY,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=6,
+            **GREEDY,
+        )
+        assert result.usage.prompt_tokens == len(expected)
+        answers[choice] = result.choices[0].message
+    # the random model writes no call: 'auto' answers its text, as 'none' does
+    assert answers["auto"].content == answers["none"].content and not answers["auto"].tool_calls
+    stream = client.chat.completions.create(
+        model=stack.model_name, messages=HISTORY, tools=TOOLS, max_tokens=6, stream=True, **GREEDY
+    )
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answers["none"].content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    tokenized = httpx.post(f"{stack.url}/tokenize", json={"messages": HISTORY, "tools": TOOLS}).json()
+    assert tokenized["tokens"] == expected
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_is_refused_until_structured_output(client, stack, tool_choice) -> None:
+    from tests.gateway.test_tool_calls import TOOLS
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=stack.model_name,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=2,
+        )
+    assert "structured output" in refused.value.message and refused.value.param == "tool_choice"
