@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from executor.params import MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
@@ -104,7 +104,9 @@ class _Common(BaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """vLLM's continuous_usage_stats: with include_usage, usage so far in every chunk too."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def output_options(self) -> OutputOptions:
         return OutputOptions(
@@ -226,6 +228,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content if isinstance(part, dict)} - {"text"}
+            if kinds:
+                raise ParamError(
+                    "messages",
+                    f"content parts of type {', '.join(sorted(map(str, kinds)))} are not supported by pagedkv "
+                    "(text only: no images, audio or files)",
+                )
+        return content
 
     def for_template(self) -> dict[str, Any]:
         content = self.content

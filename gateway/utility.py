@@ -120,6 +120,23 @@ def add_utility_routes(app: FastAPI, gateway: Gateway) -> None:
         check_token_ids(gateway, body.tokens, param="tokens")
         return {"prompt": gateway.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    unsupported = {
+        "/v1/embeddings": "embeddings (pagedkv serves generative models only)",
+        "/v1/responses": "the Responses API (use /v1/chat/completions)",
+        "/v1/audio/transcriptions": "audio",
+        "/v1/images/generations": "images",
+    }
+
+    for path, what in unsupported.items():
+
+        def refuse(path: str = path, what: str = what) -> JSONResponse:
+            error = errors.APIError(
+                404, f"{path}: {what} is not supported by pagedkv.", type="invalid_request_error", code="not_supported"
+            )
+            return JSONResponse(error.body(), status_code=404)
+
+        app.add_api_route(path, refuse, methods=["POST"], include_in_schema=False)
+
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, Any]:
         return tokenizer_info(gateway)

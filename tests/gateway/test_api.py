@@ -386,3 +386,16 @@ def test_chat_logprobs(tokenizer: Tokenizer) -> None:
     assert out[0]["top_logprobs"][1] == {"token": "<|im_start|>", "logprob": -1.0, "bytes": list(b"<|im_start|>")}
     assert out[-1]["token"] == "!" and out[-1]["logprob"] == -0.25
     assert responses.chat_logprobs(tokenizer, entries, top=0)[0]["top_logprobs"] == []
+
+
+def test_image_content_is_refused_by_name() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    message, param = refusal(ChatCompletionRequest, chat(messages=[{"role": "user", "content": [image]}]))
+    assert "image_url" in message and "not supported" in message and param == "messages"
+
+
+def test_continuous_usage_needs_include_usage_as_in_vllm() -> None:
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert ChatCompletionRequest.model_validate(chat(stream=True, stream_options=both)).continuous_usage
+    alone = {"continuous_usage_stats": True}
+    assert not ChatCompletionRequest.model_validate(chat(stream=True, stream_options=alone)).continuous_usage

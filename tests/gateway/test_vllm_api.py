@@ -120,6 +120,7 @@ def test_tokenizer_info_version_ping_and_model_card(stack, tokenizer) -> None:
     for path in ("/v1/embeddings", "/v1/responses"):
         response = httpx.post(f"{stack.url}{path}", json={"model": stack.model_name, "input": "x"})
         assert response.status_code == 404 and path in response.json()["error"]["message"]
+        assert "not supported" in response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------- output settings
