@@ -133,6 +133,7 @@ class Generation:
                         if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
                             retry = True  # another executor may have a larger cache
                             break
+                        self._choices = []  # refused: nothing ran, nothing to count as aborted
                         raise _REJECTIONS.get(item.code, errors.internal)(item.message)
                     event = self._on_delta(item)
                     if event is not None:
