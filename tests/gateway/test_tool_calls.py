@@ -198,12 +198,22 @@ def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
     ]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Zürich"} and calls[0]["id"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the openai SDK reads them
+    from openai.types.chat import ChatCompletionChunk
+
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    names = [t.function.name for c in parsed for t in c.choices[0].delta.tool_calls or ()]
+    assert names == ["get_weather", "now"]
 
 
 def test_whole_message_with_tool_calls() -> None:
     message, finish = exchange()._message(CALLING, "stop")
     assert finish == "tool_calls" and message["content"] == "Checking."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "now"]
+    from openai.types.chat import ChatCompletionMessage
+
+    sdk = ChatCompletionMessage.model_validate(message)
+    assert sdk.tool_calls and json.loads(sdk.tool_calls[0].function.arguments) == {"city": "Zürich"}
     single, _ = exchange(parallel=False)._message(CALLING, "stop")
     assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]
     plain, finish = exchange()._message("just text ", "length")
