@@ -229,15 +229,12 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
-            self.metrics.vllm.ttft.observe(now - self.arrival)
         elif choice.last_token_at is not None:
             self.metrics.itl.observe(now - choice.last_token_at)
-            self.metrics.vllm.itl.observe(now - choice.last_token_at)
         choice.last_token_at = now
         choice.tokens += count
         self.usage.completion_tokens += count
         self.metrics.generated_tokens.inc(count)
-        self.metrics.vllm.generation_tokens.inc(count)
 
     def _abort_choice(self, index: int) -> None:
         assert self._link is not None and self._submitted_id is not None
@@ -254,16 +251,12 @@ class Generation:
         vllm, usage = self.metrics.vllm, self.usage
         submitted = self.submitted_at if self.submitted_at is not None else self.arrival
         first = self.first_token_at if self.first_token_at is not None else now
-        vllm.e2e.observe(now - self.arrival)
         vllm.queue.observe(submitted - self.arrival)
         vllm.prefill.observe(first - submitted)
         vllm.decode.observe(now - first)
         vllm.inference.observe(now - submitted)
         vllm.request_prompt_tokens.observe(usage.prompt_tokens)
         vllm.request_generation_tokens.observe(usage.completion_tokens)
-        vllm.prompt_tokens.inc(usage.prompt_tokens)
-        vllm.prefix_cache_queries.inc(usage.prompt_tokens)
-        vllm.prefix_cache_hits.inc(usage.cached_tokens)
 
     def _release(self, abort: bool = False) -> None:
         """Stop listening for this submission; abort it at the executor if it is still going."""

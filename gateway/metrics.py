@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.executors import ExecutorLink
@@ -46,52 +46,7 @@ class _ExecutorCollector(Collector):
         return [healthy, waiting, running, free, utilization]
 
 
-# vLLM's buckets, so that its dashboards' quantiles read the same.
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+# vLLM's buckets for the per-request times.
 _REQUEST_BUCKETS = (
     0.3,
     0.5,
@@ -149,6 +104,43 @@ class _VllmExecutorCollector(Collector):
         return [running, waiting, usage, preemptions]
 
 
+class _VllmMirror(Collector):
+    """vLLM's names for what the gateway already counts per token (read at scrape time, so a token costs no
+    second observation): tokens, prefix-cache tokens, time to first token, inter-token latency, end to end."""
+
+    def __init__(self, metrics: GatewayMetrics, model_name: str) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily]:
+        m, label = self.metrics, [self.model_name]
+        families: list[CounterMetricFamily | HistogramMetricFamily] = []
+        for name, doc, counter in (
+            ("vllm:prompt_tokens", "Prefill tokens processed", m.prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed", m.generated_tokens),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m.prompt_tokens),
+            ("vllm:prefix_cache_hits", "Prompt tokens the prefix cache supplied", m.cached_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, counter._value.get())
+            families.append(family)
+        for name, doc, histogram in (
+            ("vllm:time_to_first_token_seconds", "Time to first token", m.ttft),
+            ("vllm:inter_token_latency_seconds", "Inter-token latency", m.itl),
+            ("vllm:e2e_request_latency_seconds", "End-to-end request latency", m.e2e),
+        ):
+            buckets, total = [], 0.0
+            for sample in next(iter(histogram.collect())).samples:
+                if sample.name.endswith("_bucket"):
+                    buckets.append((sample.labels["le"], sample.value))
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, buckets, total)
+            families.append(family)
+        return families
+
+
 class VllmMetrics:
     """The request metrics vLLM exports, under its names, with its `model_name` label (dashboards and autoscalers
     built for vLLM read them unchanged). Times are the gateway's: the queue time is from arrival to the request's
@@ -160,12 +152,6 @@ class VllmMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
-
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency", _ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds", "Time in the queue", _REQUEST_BUCKETS)
         self.prefill = histogram("vllm:request_prefill_time_seconds", "Time in the prefill phase", _REQUEST_BUCKETS)
         self.decode = histogram("vllm:request_decode_time_seconds", "Time in the decode phase", _REQUEST_BUCKETS)
@@ -178,10 +164,6 @@ class VllmMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS
         )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache supplied")
         self._success = Counter(
             "vllm:request_success", "Finished choices by finish reason", ["model_name", "finished_reason"], registry=r
         )
@@ -239,6 +221,7 @@ class GatewayMetrics:
             registry=r,
         )
         hit_rate.set_function(self._hit_rate)
+        r.register(_VllmMirror(self, model_name))
         r.register(_ExecutorCollector(links))
 
     def _hit_rate(self) -> float:
