@@ -16,7 +16,15 @@ import pytest
 
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
-from tests.support.gateway import local_stack, reference_text, tiny_model, wait_until_no_live_blocks
+from tests.support.gateway import (
+    GatewayProcess,
+    health,
+    local_stack,
+    reference_text,
+    tiny_model,
+    wait_for,
+    wait_until_no_live_blocks,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MAX_MODEL_LEN = 2048  # room for the tools' prompt, which the tiny vocabulary spells in many tokens
@@ -407,3 +415,39 @@ def test_forced_tool_choice_is_refused_until_structured_output(client, stack, to
             max_tokens=2,
         )
     assert "structured output" in refused.value.message and refused.value.param == "tool_choice"
+
+
+def test_tool_call_parser_flag(stack, model_dir, tmp_path) -> None:
+    """--tool-call-parser none: 'auto' has nothing to parse with, and says so; 'none' still renders the tools."""
+    from tests.gateway.test_tool_calls import TOOLS
+
+    gateway = GatewayProcess(
+        model_dir, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log", "--tool-call-parser", "none"
+    )
+    try:
+        gateway.wait_listening()
+        wait_for(lambda: health(gateway.url)["status"] == "ok", timeout_s=30, what="the gateway's executors")
+        body = {"model": stack.model_name, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+        refused = httpx.post(f"{gateway.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 400 and "--tool-call-parser" in refused.json()["error"]["message"]
+        answered = httpx.post(
+            f"{gateway.url}/v1/chat/completions", json={**body, "max_tokens": 2, "tool_choice": "none"}, timeout=30
+        )
+        assert answered.status_code == 200, answered.text
+    finally:
+        gateway.stop()
+
+
+def test_best_of_with_batched_prompts(client, stack) -> None:
+    result = client.completions.create(
+        model=stack.model_name,
+        prompt=[PROMPT, "hello there"],
+        n=2,
+        best_of=3,
+        max_tokens=4,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert result.usage.completion_tokens == 2 * 3 * 4  # every sampled choice was generated
