@@ -120,6 +120,7 @@ class Exchange:
         self.parallel_tool_calls = getattr(body, "parallel_tool_calls", True)
         self._parsers: dict[int, ToolParser] = {}
         self._calls_sent: dict[int, int] = {}
+        self._call_numbers: dict[int, dict[str, int]] = {}
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.envelope = responses.Envelope(
             f"{prefix}-{generations[0].request_id}", int(time.time()), gateway.model_name
@@ -212,23 +213,36 @@ class Exchange:
         )
 
     def _tool_delta(self, index: int, event: ChoiceEvent) -> tuple[dict[str, Any], str | None]:
-        """A chunk's delta when tool calls are parsed: content as it is ruled out of being a call, and each call
-        once complete (`tool_calls` deltas with their index, id, name and arguments)."""
+        """A chunk's delta when tool calls are parsed: content as it is ruled out of being a call; `tool_calls`
+        entries as OpenAI streams them: a call's index, id, type and name once, then fragments of its arguments."""
         assert self.tool_parser is not None
         parser = self._parsers.get(index)
         if parser is None:
             parser = self._parsers[index] = make_parser(self.tool_parser)
         found = parser.feed(event.text)
         if event.finish_reason is not None:
-            rest = parser.finish()
-            found.content += rest.content
-            found.calls += rest.calls
+            found.merge(parser.finish())
         delta: dict[str, Any] = {"content": found.content} if found.content else {}
-        sent = self._calls_sent.get(index, 0)
-        calls = found.calls if self.parallel_tool_calls else found.calls[: max(0, 1 - sent)]
-        if calls:
-            delta["tool_calls"] = [{"index": sent + k, **call.body()} for k, call in enumerate(calls)]
-            self._calls_sent[index] = sent + len(calls)
+        numbers = self._call_numbers.setdefault(index, {})  # call id -> its index in this choice's tool calls
+        entries: dict[str, dict[str, Any]] = {}
+        for call in found.calls:
+            if not self.parallel_tool_calls and numbers:
+                continue  # one call only: the first
+            numbers[call.id] = len(numbers)
+            entries[call.id] = {
+                "index": numbers[call.id],
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+        for call, fragment in found.fragments:
+            if call.id not in numbers:
+                continue
+            entry = entries.setdefault(call.id, {"index": numbers[call.id], "function": {"arguments": ""}})
+            entry["function"]["arguments"] += fragment
+        if entries:
+            delta["tool_calls"] = list(entries.values())
+            self._calls_sent[index] = len(numbers)
         finish_reason = event.finish_reason
         if finish_reason == "stop" and self._calls_sent.get(index):
             finish_reason = "tool_calls"
@@ -241,13 +255,13 @@ class Exchange:
             return message, finish_reason
         parser = make_parser(self.tool_parser)
         found = parser.feed(text)
-        rest = parser.finish()
-        calls = found.calls + rest.calls
+        found.merge(parser.finish())
+        calls = found.calls
         if not calls:
             return message, finish_reason
         if not self.parallel_tool_calls:
             calls = calls[:1]
-        content = found.content + rest.content
+        content = found.content
         message = {"role": "assistant", "content": content or None, "tool_calls": [c.body() for c in calls]}
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 

@@ -5,11 +5,12 @@
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the whole output is one JSON object `{"name": ..., "parameters": {...}}`
   (or several separated by `;`), optionally after `<|python_tag|>`; any other output is content.
 
-A parser is fed the choice's text increments and answers `ToolDelta`s: content to show, and tool calls, each
-announced once it is complete (its name and its whole arguments, as one JSON string). What is fed in pieces
-gives the same result as what is fed at once, whatever the pieces. Text that may still turn out to be part of a
-call is held back; text that turns out not to be one (a malformed call) is released as content at the end, as
-the model wrote it.
+A parser is fed the choice's text increments and answers `ToolDelta`s: content to show, calls announced (id and
+name), and fragments of their arguments (a JSON object, as text) that add up to the whole. Hermes calls that
+start with their name stream their arguments as the model writes them; other calls are announced once complete.
+What is fed in pieces gives the same result as what is fed at once, whatever the pieces. Text that may still
+turn out to be part of a call is held back; text that turns out not to be one (a malformed call) is released
+as content at the end, as the model wrote it.
 
 `auto` picks the parser by the chat template: one that writes `<tool_call>` is Hermes's, one that knows
 `<|python_tag|>` is Llama 3's; otherwise none (tool calls are not parsed).
@@ -18,6 +19,7 @@ the model wrote it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,10 +50,16 @@ class ToolCall:
 @dataclass
 class ToolDelta:
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # newly announced (their arguments so far included)
+    fragments: list[tuple[ToolCall, str]] = field(default_factory=list)  # more arguments text of announced calls
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
+        return bool(self.content or self.calls or self.fragments)
+
+    def merge(self, other: ToolDelta) -> None:
+        self.content += other.content
+        self.calls += other.calls
+        self.fragments += other.fragments
 
 
 def _call(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
@@ -79,14 +87,50 @@ class ToolParser:
         raise NotImplementedError
 
 
+# The head of a call whose arguments can stream: its name first, then an arguments object.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_TAIL = re.compile(r"\s*\}?\s*$")  # what may still be the end of the call after its arguments
+
+
 class HermesParser(ToolParser):
+    """Calls whose JSON starts with the name and then an arguments object are announced as soon as their name is
+    in, and their arguments stream as the model writes them (as it wrote them; all but what may still be the
+    call's closing brace). Other calls are announced once complete, their arguments parsed and written anew."""
+
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         self._buffer = ""  # not yet released: a possible start tag, or a call being written
         self._inside = False
         self._blank = ""  # whitespace at the end of the content so far: dropped if a call follows it
+        self._call: ToolCall | None = None  # the call being streamed
+        self._arguments_at = 0  # where its arguments start in the buffer
         self.calls = 0
+
+    def _stream(self, out: ToolDelta, body: str) -> bool:
+        """The call being written (`body`: its text so far): announced once its head is in, then its arguments
+        so far are sent. False if it has no such head (it is parsed once complete)."""
+        if self._call is None:
+            head = _HEAD.match(body)
+            if head is None:
+                return False
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except json.JSONDecodeError:
+                return False
+            self._call = ToolCall(name, "")
+            self._arguments_at = head.end()
+            self.calls += 1
+            out.calls.append(self._call)
+        arguments = body[self._arguments_at : len(body) - _partial_suffix(body, self.END)]
+        tail = _TAIL.search(arguments)
+        if tail is not None:
+            arguments = arguments[: tail.start()]
+        more = arguments[len(self._call.arguments) :]
+        if more:
+            self._call.arguments += more
+            out.fragments.append((self._call, more))
+        return True
 
     def _content(self, out: ToolDelta, text: str) -> None:
         """Content, but blanks that end it are held: they are the gap before a call, or the end after one."""
@@ -112,25 +156,40 @@ class HermesParser(ToolParser):
                 self._inside = True
             end = self._buffer.find(self.END)
             if end < 0:
+                self._stream(out, self._buffer[len(self.START) :])
                 return out
             raw = self._buffer[: end + len(self.END)]
             self._buffer = self._buffer[end + len(self.END) :]
             self._inside = False
-            call = self._parse(raw[len(self.START) : -len(self.END)])
-            if call is None:
-                self._content(out, raw)  # not a call after all: the model's text, as written
-            else:
-                out.calls.append(call)
+            self._close(out, raw[len(self.START) : -len(self.END)], raw)
+
+    def _close(self, out: ToolDelta, body: str, raw: str) -> None:
+        """A call's whole text: the rest of a streamed call's arguments, or the call parsed; or, if it is none,
+        the model's text as written."""
+        if self._stream(out, body):
+            self._call = None
+            return
+        call = self._parse(body)
+        if call is None:
+            self._content(out, raw)
+        else:
+            out.calls.append(call)
+            out.fragments.append((call, call.arguments))
 
     def finish(self) -> ToolDelta:
         raw, self._buffer = self._buffer, ""
         out = ToolDelta()
         if self._inside:  # a call the output ended in, without its end tag
             self._inside = False
-            call = self._parse(raw[len(self.START) :])
-            if call is not None:
-                out.calls.append(call)
+            if self._stream(out, raw[len(self.START) :]):
+                self._call = None
                 raw = ""
+            else:
+                call = self._parse(raw[len(self.START) :])
+                if call is not None:
+                    out.calls.append(call)
+                    out.fragments.append((call, call.arguments))
+                    raw = ""
         self._content(out, raw)
         if not self.calls:  # no call: the content keeps its blanks
             out.content += self._blank
@@ -195,7 +254,9 @@ class Llama3JsonParser(ToolParser):
             if call is None:
                 return ToolDelta(content=raw)
             calls.append(call)
-        return ToolDelta(calls=calls) if calls else ToolDelta(content=raw)
+        if not calls:
+            return ToolDelta(content=raw)
+        return ToolDelta(calls=calls, fragments=[(call, call.arguments) for call in calls])
 
 
 def _partial_suffix(text: str, tag: str) -> int:

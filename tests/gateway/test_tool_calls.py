@@ -10,14 +10,16 @@ from gateway.tool_calls import HermesParser, Llama3JsonParser, ToolParser, detec
 
 
 def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    content, calls = "", []
-    for piece in pieces:
-        delta = parser.feed(piece)
+    """Content and calls (name, parsed arguments) found in `pieces`; the arguments' fragments must add up."""
+    content, calls, arguments = "", [], {}
+    deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    for delta in deltas:
         content += delta.content
         calls += delta.calls
-    delta = parser.finish()
-    content += delta.content
-    calls += delta.calls
+        for call, fragment in delta.fragments:
+            assert call in calls, "a fragment of a call not announced yet"
+            arguments[call.id] = arguments.get(call.id, "") + fragment
+    assert all(arguments.get(c.id, "") == c.arguments for c in calls)
     return content, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
@@ -39,6 +41,13 @@ HERMES_CASES = [
     ("a < b <tool and <tool_cal", "a < b <tool and <tool_cal", []),
     ('<tool_call>{"name": "s", "arguments": "{\\"q\\": 2}"}</tool_call>', "", [("s", {"q": 2})]),
     ("  spaced  ", "  spaced  ", []),
+    (
+        '<tool_call> {"name": "n\\u00e9", "parameters": {"s": "}} </tool_call", "n": {"a": [1, {"b": 2}]} } }\n'
+        "</tool_call>",
+        "",
+        [("né", {"s": "}} </tool_call", "n": {"a": [1, {"b": 2}]}})],
+    ),
+    ('<tool_call>{"arguments": {"x": 1}, "name": "late"}</tool_call>', "", [("late", {"x": 1})]),
 ]
 
 
@@ -71,6 +80,19 @@ def test_llama3_json_whole_and_split_at_every_boundary(output: str, content: str
     for cut in range(len(output) + 1):
         assert run(Llama3JsonParser(), [output[:cut], output[cut:]]) == (content, calls), cut
     assert run(Llama3JsonParser(), list(output)) == (content, calls)
+
+
+def test_arguments_stream_as_the_model_writes_them() -> None:
+    parser = HermesParser()
+    first = parser.feed('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert first.content == "Hi" and [c.name for c in first.calls] == ["get_weather"]
+    assert "".join(f for _, f in first.fragments) == '{"city": "Pa'
+    more = parser.feed('ris"}')
+    assert "".join(f for _, f in more.fragments) == 'ris"', "the brace may still be the call's own"
+    more = parser.feed("}\n</tool")
+    assert "".join(f for _, f in more.fragments) == "}", "the second brace is the call's own: the first is not"
+    last = parser.feed("_call>")
+    assert not last and first.calls[0].arguments == '{"city": "Paris"}'
 
 
 def test_content_streams_before_the_output_ends() -> None:
@@ -191,18 +213,22 @@ def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
         chunks.append(json.loads(sse.removeprefix("data: ")))
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
-    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    entries = [entry for d in deltas for entry in d.get("tool_calls", [])]
+    calls = [entry for entry in entries if "id" in entry]  # announcements; then fragments of the arguments
     assert [(c["index"], c["type"], c["function"]["name"]) for c in calls] == [
         (0, "function", "get_weather"),
         (1, "function", "now"),
     ]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Zürich"} and calls[0]["id"]
+    arguments = ["".join(e["function"]["arguments"] for e in entries if e["index"] == i) for i in (0, 1)]
+    assert [json.loads(a) for a in arguments] == [{"city": "Zürich"}, {}] and calls[0]["id"]
+    if size == 1:  # streamed as written: many fragments
+        assert sum(1 for e in entries if e["index"] == 0) > 5
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # the openai SDK reads them
     from openai.types.chat import ChatCompletionChunk
 
     parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
-    names = [t.function.name for c in parsed for t in c.choices[0].delta.tool_calls or ()]
+    names = [t.function.name for c in parsed for t in c.choices[0].delta.tool_calls or () if t.id]
     assert names == ["get_weather", "now"]
 
 
