@@ -10,6 +10,7 @@ Tools such as lm-eval probe these to count tokens with the server's own tokenize
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -127,15 +128,18 @@ def add_utility_routes(app: FastAPI, gateway: Gateway) -> None:
         "/v1/images/generations": "images",
     }
 
-    for path, what in unsupported.items():
+    def refusal(path: str, what: str) -> Callable[[], Awaitable[JSONResponse]]:
+        error = errors.APIError(
+            404, f"{path}: {what} is not supported by pagedkv.", type="invalid_request_error", code="not_supported"
+        )
 
-        def refuse(path: str = path, what: str = what) -> JSONResponse:
-            error = errors.APIError(
-                404, f"{path}: {what} is not supported by pagedkv.", type="invalid_request_error", code="not_supported"
-            )
+        async def refuse() -> JSONResponse:
             return JSONResponse(error.body(), status_code=404)
 
-        app.add_api_route(path, refuse, methods=["POST"], include_in_schema=False)
+        return refuse
+
+    for path, what in unsupported.items():
+        app.add_api_route(path, refusal(path, what), methods=["POST"], include_in_schema=False)
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, Any]:
