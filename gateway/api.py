@@ -9,12 +9,14 @@ requests are served first come, first served), `request_id`.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from executor.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
+from gateway.generation import OutputOptions
 
 if TYPE_CHECKING:
     from gateway.text import Tokenizer
@@ -36,7 +38,7 @@ class ParamError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (accepted; see app.py)
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
 
 
 class _Common(BaseModel):
@@ -66,6 +68,12 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     priority: int = 0
     request_id: str | None = Field(default=None, max_length=200)
+    # vLLM's output settings
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # what vLLM does with a fast tokenizer: nothing (transformers too)
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 
@@ -169,10 +177,34 @@ class _Common(BaseModel):
             self._bad_words_ids = tuple(sequences)
         return self._bad_words_ids
 
+    @model_validator(mode="after")
+    def _output_supported(self) -> _Common:
+        if self.truncate_prompt_tokens == 0:
+            raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the context) or at least 1")
+        return self
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: with include_usage, usage so far in every chunk too."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
+    def output_options(self) -> OutputOptions:
+        return OutputOptions(
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output
+        )
+
+    def truncate(self, prompt: list[int], max_model_len: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last N tokens of the prompt (-1: as many as the context holds)."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max_model_len
+        return prompt[-keep:] if keep is not None and len(prompt) > keep else prompt
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -180,13 +212,33 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ParamError("echo", "echo is not supported by pagedkv")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ParamError("best_of", "best_of is not supported by pagedkv (only best_of == n)")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported by pagedkv (no fill-in-the-middle); leave it out")
         return self
+
+    # extension (vLLM)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _echo_and_best_of(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ParamError(
+                "logprobs",
+                "echo with logprobs needs the prompt's logprobs, which pagedkv's executor does not compute yet",
+            )
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens: 0 is only allowed with echo: true")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_N:
+                raise ParamError("best_of", f"best_of must be at least n ({self.n}) and at most {MAX_N}")
+            if self.best_of > self.n and self.stream:
+                raise ParamError("best_of", "best_of greater than n cannot be streamed")
+        return self
+
+    @property
+    def sampled_choices(self) -> int:
+        """How many choices are sampled per prompt: best_of, of which the n best are returned."""
+        return self.best_of if self.best_of is not None else self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""
@@ -206,11 +258,70 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As vLLM hands it to templates: the arguments parsed (templates write them with `tojson`)."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        call: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content if isinstance(part, dict)} - {"text"}
+            if kinds:
+                raise ParamError(
+                    "messages",
+                    f"content parts of type {', '.join(sorted(map(str, kinds)))} are not supported by pagedkv "
+                    "(text only: no images, audio or files)",
+                )
+        return content
 
     def for_template(self) -> dict[str, Any]:
         content = self.content
@@ -222,6 +333,10 @@ class ChatMessage(BaseModel):
         }
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -230,17 +345,28 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
+    # extensions (vLLM)
+    add_special_tokens: bool = False
+    parallel_tool_calls: bool = True
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are looked for in the output: tools are given and the model may call them ('auto')."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ParamError("tools", "tools are not supported by pagedkv")
-        if self.tool_choice not in (None, "none"):
-            raise ParamError("tool_choice", "tool_choice is not supported by pagedkv")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            choice = "a named function" if isinstance(self.tool_choice, NamedToolChoice) else "'required'"
+            raise ParamError(
+                "tool_choice",
+                f"tool_choice {choice} needs structured output (a grammar enforcing the call), which pagedkv "
+                "does not have yet: use 'auto' or 'none'",
+            )
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ParamError("response_format", "response_format other than text is not supported by pagedkv")
         if self.top_logprobs is not None and not self.logprobs:
@@ -280,3 +406,8 @@ def require_json_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
     return body
+
+
+def chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template sees them (transformers' `tools=`): OpenAI's tool objects, or None."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None

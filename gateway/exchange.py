@@ -15,15 +15,18 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from executor.params import SamplingParams
 from gateway import errors, responses
 from gateway.api import _Common
 from gateway.errors import APIError
-from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted
+from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted, Usage
 from gateway.state import Gateway
+from gateway.tool_calls import ToolParser, make_parser
 
 log = structlog.get_logger("gateway")
 T = TypeVar("T")
@@ -94,14 +97,30 @@ class Exchange:
     """One HTTP request's generations and how their events become a response."""
 
     def __init__(
-        self, gateway: Gateway, kind: str, body: _Common, generations: list[Generation], logprobs: int | None
+        self,
+        gateway: Gateway,
+        kind: str,
+        body: _Common,
+        generations: list[Generation],
+        logprobs: int | None,
+        echo: Sequence[str] | None = None,
     ) -> None:
         self.gateway = gateway
         self.kind = kind  # "completion" | "chat"
         self.body = body
         self.generations = generations
-        self.logprobs = logprobs
-        self.n = body.n
+        self.logprobs = logprobs  # what the client asked for (the executor may have been asked for more)
+        self.n = body.n  # choices returned per prompt
+        self.sampled = getattr(body, "sampled_choices", body.n)  # choices generated per prompt (best_of)
+        self.echo = echo  # per prompt: its text, put before each of its choices' text
+        self.as_ids = body.return_tokens_as_token_ids
+        self.continuous_usage = body.continuous_usage
+        # tool calls looked for in the output (chat, tools given, tool_choice 'auto'): the parser's name
+        self.tool_parser = gateway.tool_call_parser if getattr(body, "parses_tool_calls", False) else None
+        self.parallel_tool_calls = getattr(body, "parallel_tool_calls", True)
+        self._parsers: dict[int, ToolParser] = {}
+        self._calls_sent: dict[int, int] = {}
+        self._call_numbers: dict[int, dict[str, int]] = {}
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.envelope = responses.Envelope(
             f"{prefix}-{generations[0].request_id}", int(time.time()), gateway.model_name
@@ -116,7 +135,10 @@ class Exchange:
         }
 
     def choice_index(self, position: int, event: ChoiceEvent) -> int:
-        return position * self.n + event.index
+        return position * self.sampled + event.index
+
+    def usage_so_far(self) -> Usage | None:
+        return responses.total_usage([g.usage for g in self.generations]) if self.continuous_usage else None
 
     # -------------------------------------------------------------------------------- streaming
 
@@ -128,7 +150,14 @@ class Exchange:
                 if self.kind == "chat":
                     for index in range(len(self.generations) * self.n):
                         yield responses.sse(
-                            responses.chat_chunk(self.envelope, index, {"role": "assistant", "content": ""}, None, None)
+                            responses.chat_chunk(
+                                self.envelope,
+                                index,
+                                {"role": "assistant", "content": ""},
+                                None,
+                                None,
+                                self.usage_so_far(),
+                            )
                         )
                 yield self._chunk(*first, offsets)
                 async for position, event in self.events:
@@ -157,42 +186,110 @@ class Exchange:
     def _chunk(self, position: int, event: ChoiceEvent, offsets: dict[int, int]) -> str:
         index = self.choice_index(position, event)
         if self.kind == "completion":
+            text = event.text
+            if self.echo is not None and index not in offsets:  # the choice's first chunk: the prompt first
+                text = self.echo[position] + text
             logprobs = None
             if self.logprobs is not None:
                 accumulated = responses.CompletionLogprobs()
-                accumulated.add(self.gateway.tokenizer, event.logprobs, offsets.get(index, 0))
+                accumulated.add(self.gateway.tokenizer, event.logprobs, offsets.get(index, 0), self.as_ids)
                 logprobs = accumulated.body()
-            offsets[index] = offsets.get(index, 0) + len(event.text)
+            offsets[index] = offsets.get(index, 0) + len(text)
             return responses.sse(
-                responses.completion_chunk(self.envelope, index, event.text, logprobs, event.finish_reason)
+                responses.completion_chunk(
+                    self.envelope, index, text, logprobs, event.finish_reason, self.usage_so_far()
+                )
             )
-        delta = {"content": event.text} if event.text else {}
+        finish_reason = event.finish_reason
+        if self.tool_parser is None:
+            delta: dict[str, Any] = {"content": event.text} if event.text else {}
+        else:
+            delta, finish_reason = self._tool_delta(index, event)
         logprobs_list = None
         if self.logprobs is not None:
-            logprobs_list = responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs)
-        return responses.sse(responses.chat_chunk(self.envelope, index, delta, logprobs_list, event.finish_reason))
+            logprobs_list = responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs, self.as_ids)
+        return responses.sse(
+            responses.chat_chunk(self.envelope, index, delta, logprobs_list, finish_reason, self.usage_so_far())
+        )
+
+    def _tool_delta(self, index: int, event: ChoiceEvent) -> tuple[dict[str, Any], str | None]:
+        """A chunk's delta when tool calls are parsed: content as it is ruled out of being a call; `tool_calls`
+        entries as OpenAI streams them: a call's index, id, type and name once, then fragments of its arguments."""
+        assert self.tool_parser is not None
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = make_parser(self.tool_parser)
+        found = parser.feed(event.text)
+        if event.finish_reason is not None:
+            found.merge(parser.finish())
+        delta: dict[str, Any] = {"content": found.content} if found.content else {}
+        numbers = self._call_numbers.setdefault(index, {})  # call id -> its index in this choice's tool calls
+        entries: dict[str, dict[str, Any]] = {}
+        for call in found.calls:
+            if not self.parallel_tool_calls and numbers:
+                continue  # one call only: the first
+            numbers[call.id] = len(numbers)
+            entries[call.id] = {
+                "index": numbers[call.id],
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+        for call, fragment in found.fragments:
+            if call.id not in numbers:
+                continue
+            entry = entries.setdefault(call.id, {"index": numbers[call.id], "function": {"arguments": ""}})
+            entry["function"]["arguments"] += fragment
+        if entries:
+            delta["tool_calls"] = list(entries.values())
+            self._calls_sent[index] = len(numbers)
+        finish_reason = event.finish_reason
+        if finish_reason == "stop" and self._calls_sent.get(index):
+            finish_reason = "tool_calls"
+        return delta, finish_reason
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's message (and finish reason): its text, or the tool calls found in it."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_parser is None:
+            return message, finish_reason
+        parser = make_parser(self.tool_parser)
+        found = parser.feed(text)
+        found.merge(parser.finish())
+        calls = found.calls
+        if not calls:
+            return message, finish_reason
+        if not self.parallel_tool_calls:
+            calls = calls[:1]
+        content = found.content
+        message = {"role": "assistant", "content": content or None, "tool_calls": [c.body() for c in calls]}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
     # -------------------------------------------------------------------------------- whole responses
 
     async def collect(self, first: tuple[int, ChoiceEvent]) -> dict[str, Any]:
-        count = len(self.generations) * self.n
-        texts = [""] * count
+        count = len(self.generations) * self.sampled
+        start = [self.echo[i // self.sampled] if self.echo is not None else "" for i in range(count)]
+        texts = list(start)
         finish: list[str | None] = [None] * count
+        cumulative = [0.0] * count  # of the chosen tokens: what best_of ranks by
         completion_logprobs = [responses.CompletionLogprobs() for _ in range(count)]
         chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+        tokenizer = self.gateway.tokenizer
 
         def take(position: int, event: ChoiceEvent | Restarted) -> None:
             if isinstance(event, Restarted):  # its executor was lost: its choices start over
-                for index in range(position * self.n, (position + 1) * self.n):
-                    texts[index], finish[index] = "", None
+                for index in range(position * self.sampled, (position + 1) * self.sampled):
+                    texts[index], finish[index], cumulative[index] = start[index], None, 0.0
                     completion_logprobs[index] = responses.CompletionLogprobs()
                     chat_logprobs[index] = []
                 return
             index = self.choice_index(position, event)
+            cumulative[index] += sum(entry.logprob for entry in event.logprobs)
             if self.logprobs is not None and self.kind == "completion":
-                completion_logprobs[index].add(self.gateway.tokenizer, event.logprobs, len(texts[index]))
+                completion_logprobs[index].add(tokenizer, event.logprobs, len(texts[index]), self.as_ids)
             elif self.logprobs is not None:
-                chat_logprobs[index] += responses.chat_logprobs(self.gateway.tokenizer, event.logprobs, self.logprobs)
+                chat_logprobs[index] += responses.chat_logprobs(tokenizer, event.logprobs, self.logprobs, self.as_ids)
             texts[index] += event.text
             finish[index] = event.finish_reason or finish[index]
 
@@ -200,27 +297,41 @@ class Exchange:
         async for position, event in self.events:
             take(position, event)
         usage = responses.total_usage([g.usage for g in self.generations])
+        kept = self._best(cumulative)
         if self.kind == "completion":
             choices = [
                 {
                     "index": i,
-                    "text": texts[i],
-                    "finish_reason": finish[i],
-                    "logprobs": completion_logprobs[i].body() if self.logprobs is not None else None,
+                    "text": texts[c],
+                    "finish_reason": finish[c],
+                    "logprobs": completion_logprobs[c].body() if self.logprobs is not None else None,
                 }
-                for i in range(count)
+                for i, c in enumerate(kept)
             ]
             return responses.completion_body(self.envelope, choices, usage)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "finish_reason": finish[i],
-                "logprobs": {"content": chat_logprobs[i]} if self.logprobs is not None else None,
-            }
-            for i in range(count)
-        ]
+        choices = []
+        for i, c in enumerate(kept):
+            message, finish_reason = self._message(texts[c], finish[c])
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": finish_reason,
+                    "logprobs": {"content": chat_logprobs[c]} if self.logprobs is not None else None,
+                }
+            )
         return responses.chat_body(self.envelope, choices, usage)
+
+    def _best(self, cumulative: list[float]) -> list[int]:
+        """The choices returned, in order: all of them; or with best_of, per prompt the n of highest
+        cumulative logprob, best first."""
+        if self.sampled == self.n:
+            return list(range(len(cumulative)))
+        kept: list[int] = []
+        for position in range(len(self.generations)):
+            own = range(position * self.sampled, (position + 1) * self.sampled)
+            kept += sorted(own, key=lambda c: -cumulative[c])[: self.n]
+        return kept
 
 
 class _EventStream(StreamingResponse):
@@ -256,27 +367,39 @@ async def respond(
     max_tokens: list[int],
     logprobs: int | None,
     admission: contextlib.ExitStack | None = None,
+    echo: Sequence[str] | None = None,
 ) -> Response:
     """Run a checked request's prompts (each with its max_tokens) as generations, holding their places in the
     queue while they run (`admission`, taken by the caller before tokenizing; taken here if not given), and
-    answer: a stream of events, or one body once every choice is done."""
+    answer: a stream of events, or one body once every choice is done. `echo`: each prompt's text, which its
+    choices' text starts with."""
     if admission is None:
         admission = contextlib.ExitStack()
         admission.enter_context(gateway.admitted(len(prompts) * body.n))
     arrival = time.monotonic()
     request_id = uuid.uuid4().hex
+    sampled = getattr(body, "sampled_choices", body.n)
+
+    def params(limit: int) -> SamplingParams:
+        params = body.sampling(limit, logprobs, gateway.tokenizer)
+        if sampled != body.n:  # best_of: sample more, rank them by the chosen tokens' logprobs
+            params = msgspec.structs.replace(params, n=sampled, logprobs=logprobs or 0)
+        return params
+
+    output = body.output_options()
     generations = [
         gateway.generation(
             request_id if len(prompts) == 1 else f"{request_id}-{i}",
             prompt,
-            body.sampling(limit, logprobs, gateway.tokenizer),
+            params(limit),
             body.stop_strings(),
             arrival,
             replayable=not body.stream,
+            output=output,
         )
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]
-    exchange = Exchange(gateway, kind, body, generations, logprobs)
+    exchange = Exchange(gateway, kind, body, generations, logprobs, echo)
     release = admission
     handed_over = False  # to the streaming response, which then releases the queue slot and the generations
     try:  # errors before the first event still get a status code
@@ -305,3 +428,24 @@ async def respond(
             await exchange.events.aclose()
     gateway.metrics.requests.labels(route=exchange.route, status="200").inc()
     return JSONResponse(result, headers=exchange.headers())
+
+
+def echo_only(gateway: Gateway, body: _Common, prompts: list[list[int]], echo: Sequence[str]) -> Response:
+    """`echo` with `max_tokens: 0`: each choice is its prompt's text, nothing is generated."""
+    envelope = responses.Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), gateway.model_name)
+    usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+    indices = [(p, p * body.n + j) for p in range(len(prompts)) for j in range(body.n)]
+    gateway.metrics.requests.labels(route="/v1/completions", status="200").inc()
+    if not body.stream:
+        choices = [{"index": i, "text": echo[p], "finish_reason": "length", "logprobs": None} for p, i in indices]
+        return JSONResponse(responses.completion_body(envelope, choices, usage))
+
+    async def chunks() -> AsyncIterator[str]:
+        for p, i in indices:
+            running = usage if body.continuous_usage else None
+            yield responses.sse(responses.completion_chunk(envelope, i, echo[p], None, "length", running))
+        if body.include_usage:
+            yield responses.sse(responses.usage_chunk(envelope, "text_completion", usage))
+        yield responses.DONE
+
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

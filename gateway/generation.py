@@ -51,6 +51,14 @@ class Restarted:
     """The events yielded so far are void: the generation starts again on another executor."""
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the tokens of a choice become its text (vLLM's output settings)."""
+
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string, or the stop token's text, stays in the text
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -59,9 +67,9 @@ class Usage:
 
 
 class _Choice:
-    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str], include_stop: bool) -> None:
         self.detokenizer = detokenizer
-        self.stop = StopMatcher(stops)
+        self.stop = StopMatcher(stops, include_stop)
         self.finished = False
         self.tokens = 0
         self.last_token_at: float | None = None
@@ -80,6 +88,7 @@ class Generation:
         metrics: GatewayMetrics,
         arrival: float | None = None,
         replayable: bool = False,
+        output: OutputOptions | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
@@ -90,9 +99,11 @@ class Generation:
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
         self.replayable = replayable
+        self.output = output or OutputOptions()
         self.usage = Usage(prompt_tokens=len(self.prompt))
         self.executor: str | None = None  # the pool that served it
         self.first_token_at: float | None = None
+        self.submitted_at: float | None = None  # first handed to an executor
         self._link: ExecutorLink | None = None
         self._submitted_id: str | None = None
         self._choices: list[_Choice] = []
@@ -122,6 +133,7 @@ class Generation:
                         if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
                             retry = True  # another executor may have a larger cache
                             break
+                        self._choices = []  # refused: nothing ran, nothing to count as aborted
                         raise _REJECTIONS.get(item.code, errors.internal)(item.message)
                     event = self._on_delta(item)
                     if event is not None:
@@ -138,6 +150,10 @@ class Generation:
                     self.first_token_at = None
                     yield Restarted()
         finally:
+            if not self._done:
+                unfinished = sum(not c.finished for c in self._choices)
+                if unfinished:
+                    self.metrics.vllm.success("abort", unfinished)
             self._release(abort=not self._done)
 
     @property
@@ -159,8 +175,18 @@ class Generation:
                 tried.add(link.endpoint)
                 continue
             self._link, self._submitted_id = link, submitted_id
+            if self.submitted_at is None:
+                self.submitted_at = time.monotonic()
             self.executor = link.pool_id
-            self._choices = [_Choice(self.tokenizer.detokenizer(self.prompt), self.stops) for _ in range(self.params.n)]
+            out = self.output
+            self._choices = [
+                _Choice(
+                    self.tokenizer.detokenizer(self.prompt, out.skip_special_tokens),
+                    self.stops,
+                    out.include_stop_str_in_output,
+                )
+                for _ in range(self.params.n)
+            ]
             self.usage = Usage(prompt_tokens=len(self.prompt))
             self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
             return queue
@@ -173,7 +199,10 @@ class Generation:
         self.usage.cached_tokens = max(self.usage.cached_tokens, delta.cached_tokens)
         if delta.token_ids:
             self._count_tokens(choice, len(delta.token_ids), now)
-        text = choice.detokenizer.add(delta.token_ids)
+        shown = delta.token_ids
+        if delta.finish_reason == "stop" and shown and not self.output.include_stop_str_in_output:
+            shown = shown[:-1]  # the executor stopped on this token (EOS or a stop token id): not part of the text
+        text = choice.detokenizer.add(shown)
         if delta.finish_reason is not None:
             text += choice.detokenizer.flush()
         released = choice.stop.feed(text)
@@ -189,6 +218,7 @@ class Generation:
             finish_reason = delta.finish_reason
         if finish_reason is not None:
             choice.finished = True
+            self.metrics.vllm.success(finish_reason)
             if all(c.finished for c in self._choices):
                 self._finish(now)
         if not released and not delta.logprobs and finish_reason is None:
@@ -218,6 +248,15 @@ class Generation:
         self.metrics.e2e.observe(now - self.arrival)
         self.metrics.prompt_tokens.inc(self.usage.prompt_tokens)
         self.metrics.cached_tokens.inc(self.usage.cached_tokens)
+        vllm, usage = self.metrics.vllm, self.usage
+        submitted = self.submitted_at if self.submitted_at is not None else self.arrival
+        first = self.first_token_at if self.first_token_at is not None else now
+        vllm.queue.observe(submitted - self.arrival)
+        vllm.prefill.observe(first - submitted)
+        vllm.decode.observe(now - first)
+        vllm.inference.observe(now - submitted)
+        vllm.request_prompt_tokens.observe(usage.prompt_tokens)
+        vllm.request_generation_tokens.observe(usage.completion_tokens)
 
     def _release(self, abort: bool = False) -> None:
         """Stop listening for this submission; abort it at the executor if it is still going."""

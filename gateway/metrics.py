@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.executors import ExecutorLink
@@ -53,10 +53,139 @@ class _ExecutorCollector(Collector):
         return [healthy, waiting, running, free, utilization, preemptions]
 
 
+# vLLM's buckets for the per-request times.
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+
+
+class _VllmExecutorCollector(Collector):
+    """vLLM's engine gauges, summed over the executors in rotation, read at scrape time from their load reports."""
+
+    def __init__(self, links: Sequence[ExecutorLink], model_name: str) -> None:
+        self.links = links
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        label = [self.model_name]
+        loads = [link.load for link in self.links if link.healthy and link.load is not None]
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests in model execution batches", labels=["model_name"]
+        )
+        running.add_metric(label, sum(load.running for load in loads))
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting to be processed", labels=["model_name"]
+        )
+        waiting.add_metric(label, sum(load.waiting for load in loads))
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", labels=["model_name"]
+        )
+        blocks = sum(load.num_blocks for load in loads)
+        used = sum(load.kv_utilization * load.num_blocks for load in loads)  # held by live sequences
+        usage.add_metric(label, used / blocks if blocks else 0.0)
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Preemptions, summed over the executors' reports", labels=["model_name"]
+        )
+        preemptions.add_metric(label, sum(load.preemptions for load in loads))
+        return [running, waiting, usage, preemptions]
+
+
+class _VllmMirror(Collector):
+    """vLLM's names for what the gateway already counts per token (read at scrape time, so a token costs no
+    second observation): tokens, prefix-cache tokens, time to first token, inter-token latency, end to end."""
+
+    def __init__(self, metrics: GatewayMetrics, model_name: str) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily]:
+        m, label = self.metrics, [self.model_name]
+        families: list[CounterMetricFamily | HistogramMetricFamily] = []
+        for name, doc, counter in (
+            ("vllm:prompt_tokens", "Prefill tokens processed", m.prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed", m.generated_tokens),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m.prompt_tokens),
+            ("vllm:prefix_cache_hits", "Prompt tokens the prefix cache supplied", m.cached_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, counter._value.get())
+            families.append(family)
+        for name, doc, histogram in (
+            ("vllm:time_to_first_token_seconds", "Time to first token", m.ttft),
+            ("vllm:inter_token_latency_seconds", "Inter-token latency", m.itl),
+            ("vllm:e2e_request_latency_seconds", "End-to-end request latency", m.e2e),
+        ):
+            buckets, total = [], 0.0
+            for sample in next(iter(histogram.collect())).samples:
+                if sample.name.endswith("_bucket"):
+                    buckets.append((sample.labels["le"], sample.value))
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, buckets, total)
+            families.append(family)
+        return families
+
+
+class VllmMetrics:
+    """The request metrics vLLM exports, under its names, with its `model_name` label (dashboards and autoscalers
+    built for vLLM read them unchanged). Times are the gateway's: the queue time is from arrival to the request's
+    submission to an executor, so any wait inside the executor counts as prefill."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, labels = registry, ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time in the queue", _REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Time in the prefill phase", _REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Time in the decode phase", _REQUEST_BUCKETS)
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "Time from submission to the last token", _REQUEST_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS
+        )
+        self._success = Counter(
+            "vllm:request_success", "Finished choices by finish reason", ["model_name", "finished_reason"], registry=r
+        )
+        self._model_name = model_name
+
+    def success(self, finished_reason: str, count: int = 1) -> None:
+        self._success.labels(self._model_name, finished_reason).inc(count)
+
+
 class GatewayMetrics:
-    def __init__(self, links: Sequence[ExecutorLink], in_flight: Callable[[], int]) -> None:
+    def __init__(self, links: Sequence[ExecutorLink], in_flight: Callable[[], int], model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name)
+        r.register(_VllmExecutorCollector(links, model_name))
         self.requests = Counter(
             "pagedkv_gateway_requests", "Finished HTTP requests by route and status", ["route", "status"], registry=r
         )
@@ -99,6 +228,7 @@ class GatewayMetrics:
             registry=r,
         )
         hit_rate.set_function(self._hit_rate)
+        r.register(_VllmMirror(self, model_name))
         r.register(_ExecutorCollector(links))
 
     def _hit_rate(self) -> float:

@@ -63,13 +63,14 @@ class CompletionLogprobs:
     top_logprobs: list[dict[str, float]] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], offset: int) -> None:
-        """Entries of tokens whose text starts at character `offset` of the choice's text."""
+    def add(self, tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], offset: int, as_ids: bool = False) -> None:
+        """Entries of tokens whose text starts at character `offset` of the choice's text (`as_ids`: tokens
+        named `token_id:N`, vLLM's return_tokens_as_token_ids)."""
         pending = b""  # bytes of a character that the next tokens complete
         for entry in entries:
-            self.tokens.append(tokenizer.token_text(entry.token_id))
+            self.tokens.append(token_label(tokenizer, entry.token_id, as_ids))
             self.token_logprobs.append(entry.logprob)
-            self.top_logprobs.append({tokenizer.token_text(t): lp for t, lp in entry.top})
+            self.top_logprobs.append({token_label(tokenizer, t, as_ids): lp for t, lp in entry.top})
             self.text_offset.append(offset)
             pending += tokenizer.token_bytes(entry.token_id)
             try:
@@ -87,10 +88,17 @@ class CompletionLogprobs:
         }
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], top: int) -> list[dict[str, Any]]:
+def token_label(tokenizer: Tokenizer, token_id: int, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_id else tokenizer.token_text(token_id)
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], top: int, as_ids: bool = False
+) -> list[dict[str, Any]]:
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         return {
-            "token": tokenizer.token_text(token_id),
+            "token": token_label(tokenizer, token_id, as_ids),
             "logprob": logprob,
             "bytes": list(tokenizer.token_bytes(token_id)),
         }
@@ -102,15 +110,23 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], top:
 
 
 def completion_chunk(
-    env: Envelope, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    env: Envelope,
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
-    return {
+    chunk = {
         "id": env.id,
         "object": "text_completion",
         "created": env.created,
         "model": env.model,
         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
+    if usage is not None:  # vLLM's continuous_usage_stats
+        chunk["usage"] = usage_body(usage)
+    return chunk
 
 
 def completion_body(env: Envelope, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
@@ -139,9 +155,14 @@ def usage_chunk(env: Envelope, object_name: str, usage: Usage) -> dict[str, Any]
 
 
 def chat_chunk(
-    env: Envelope, index: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None, finish_reason: str | None
+    env: Envelope,
+    index: int,
+    delta: dict[str, Any],
+    logprobs: list[dict[str, Any]] | None,
+    finish_reason: str | None,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
-    return {
+    chunk = {
         "id": env.id,
         "object": "chat.completion.chunk",
         "created": env.created,
@@ -155,6 +176,9 @@ def chat_chunk(
             }
         ],
     }
+    if usage is not None:  # vLLM's continuous_usage_stats
+        chunk["usage"] = usage_body(usage)
+    return chunk
 
 
 def chat_body(env: Envelope, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:

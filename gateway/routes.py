@@ -19,11 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from gateway import errors
-from gateway.api import ChatCompletionRequest, CompletionRequest
+from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
 from gateway.errors import APIError
-from gateway.exchange import respond
+from gateway.exchange import echo_only, respond
 from gateway.state import Gateway, GatewayConfig
 from gateway.text import PromptError
+from gateway.utility import add_utility_routes
 from gateway.validation import check_stop_token_ids, check_token_ids, parse_body, token_limit
 
 
@@ -67,8 +68,29 @@ def create_app(config: GatewayConfig) -> FastAPI:
             error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
         return JSONResponse(error.body(), status_code=error.status)
 
-    def encode_prompts(raw: list[str | list[int]]) -> list[list[int]]:
-        return [gateway.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(gateway, p) for p in raw]
+    def prepare_prompts(body: CompletionRequest, raw: list[str | list[int]]) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt (truncated as asked) and, with echo, the text its choices start with."""
+        prompts, echo = [], []
+        for prompt in raw:
+            if isinstance(prompt, str):
+                tokens = gateway.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                tokens = check_token_ids(gateway, prompt)
+            kept = body.truncate(tokens, gateway.max_model_len)
+            if body.echo:
+                whole = isinstance(prompt, str) and len(kept) == len(tokens)
+                echo.append(prompt if whole else gateway.tokenizer.decode(kept, body.skip_special_tokens))
+            prompts.append(kept)
+        return prompts, echo
+
+    def encode_chat(body: ChatCompletionRequest) -> list[int]:
+        prompt = gateway.tokenizer.encode_chat(
+            [m.for_template() for m in body.messages],
+            body.add_generation_prompt,
+            tools=chat_tools(body.tools),
+            add_special_tokens=body.add_special_tokens,
+        )
+        return body.truncate(prompt, gateway.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -81,24 +103,34 @@ def create_app(config: GatewayConfig) -> FastAPI:
         admission = contextlib.ExitStack()  # its place in the queue first, then the work of tokenizing
         admission.enter_context(gateway.admitted(len(raw_prompts) * body.n))
         try:
-            prompts = await gateway.off_loop(encode_prompts, raw_prompts)
+            prompts, echo = await gateway.off_loop(prepare_prompts, body, raw_prompts)
             limits = [token_limit(gateway, p, body.max_tokens, "prompt") for p in prompts]
         except BaseException:
             admission.close()
             raise
-        return await respond(gateway, request, "completion", body, prompts, limits, body.logprobs, admission)
+        if body.max_tokens == 0:
+            admission.close()
+            return echo_only(gateway, body, prompts, echo)
+        return await respond(
+            gateway, request, "completion", body, prompts, limits, body.logprobs, admission, echo if body.echo else None
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
         check_stop_token_ids(gateway, body)
+        if body.parses_tool_calls and gateway.tool_call_parser == "none":
+            raise errors.invalid_request(
+                "tool_choice 'auto' needs a tool-call parser, and this model's chat template shows no tool-call "
+                "format pagedkv knows: start the gateway with --tool-call-parser hermes or llama3_json, or send "
+                "tool_choice 'none'",
+                param="tool_choice",
+            )
         admission = contextlib.ExitStack()
         admission.enter_context(gateway.admitted(body.n))
         try:
-            prompt = await gateway.off_loop(
-                gateway.tokenizer.encode_chat, [m.for_template() for m in body.messages], body.add_generation_prompt
-            )
+            prompt = await gateway.off_loop(encode_chat, body)
             limit = token_limit(gateway, prompt, body.token_limit, "messages")
         except PromptError as exc:
             admission.close()
@@ -114,6 +146,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "object": "model",
             "created": gateway.created,
             "owned_by": "pagedkv",
+            "root": gateway.model_name,
+            "parent": None,
             "max_model_len": gateway.max_model_len,
         }
 
@@ -140,6 +174,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not healthy:
             body["reason"] = gateway.why_unavailable()
         return JSONResponse(body, status_code=200 if healthy else 503)
+
+    add_utility_routes(app, gateway)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -16,7 +16,7 @@ from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
 from common.logs import configure_logging
 from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
-from gateway import ROUTING_POLICIES
+from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from gateway.state import GatewayConfig
@@ -115,6 +115,14 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     help="Largest request body accepted (bytes, or with a unit: 4MiB); a larger one gets 413 unread.",
 )
 @click.option(
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default="auto",
+    envvar="PAGEDKV_GATEWAY_TOOL_CALL_PARSER",
+    help="How tool calls are found in the model's output (tool_choice 'auto'): hermes (<tool_call> JSON, "
+    "Hermes and Qwen), llama3_json (Llama 3's JSON), none; auto: by the model's chat template.",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -132,6 +140,7 @@ def main(
     max_queue: int,
     executor_timeout: float,
     max_body_bytes: str,
+    tool_call_parser: str,
     log_level: str,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) in front of executors.
@@ -159,6 +168,7 @@ def main(
         max_queue=max_queue,
         executor_timeout_s=executor_timeout,
         max_body_bytes=body_limit,
+        tool_call_parser=tool_call_parser,
     )
     run_gateway(config, host=host, port=port, log_level=log_level)
 

@@ -20,10 +20,11 @@ from executor.params import SamplingParams
 from executor.protocol import Info as ExecutorInfo
 from gateway import errors
 from gateway.executors import ExecutorLink
-from gateway.generation import Generation
+from gateway.generation import Generation, OutputOptions
 from gateway.metrics import GatewayMetrics
 from gateway.routing import PrefixLookup, Router
 from gateway.text import Tokenizer
+from gateway.tool_calls import detect_parser
 
 T = TypeVar("T")
 log = structlog.get_logger("gateway")
@@ -41,6 +42,7 @@ class GatewayConfig:
     executor_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_threads: int = 2
+    tool_call_parser: str = "auto"  # gateway.tool_calls.TOOL_CALL_PARSERS
 
 
 class Gateway:
@@ -62,7 +64,15 @@ class Gateway:
         # Tokenizing and chat templating run here, off the event loop: a huge prompt must not stall the links'
         # health checks or other requests. Admission comes first, so at most max_queue requests wait for it.
         self.text_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-text")
-        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
+        self.tool_call_parser = self._tool_call_parser(config.tool_call_parser)
+        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight, self.model_name)
+
+    def _tool_call_parser(self, name: str) -> str:
+        """The parser of tool calls in this model's output: as configured, or ("auto") by its chat template."""
+        if name != "auto":
+            return name
+        templates = self.tokenizer.chat_templates
+        return detect_parser(templates.get("tool_use") or templates.get("default"))
 
     def _compatible(self, info: ExecutorInfo) -> str | None:
         """Why this gateway must not use an executor: token ids from this tokenizer would mean other words there."""
@@ -137,6 +147,7 @@ class Gateway:
         stops: list[str],
         arrival: float,
         replayable: bool,
+        output: OutputOptions | None = None,
     ) -> Generation:
         return Generation(
             request_id=request_id,
@@ -148,4 +159,5 @@ class Gateway:
             metrics=self.metrics,
             arrival=arrival,
             replayable=replayable,
+            output=output,
         )

@@ -185,9 +185,25 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The prompt of a chat: the model's template rendered (with `tools` and `documents`, if given, for
-        templates that show them) and encoded as is; the template writes any BOS and turn markers itself."""
+        templates that show them) and encoded as is; the template writes any BOS and turn markers itself
+        (`add_special_tokens` adds the tokenizer's own on top, as vLLM's option does). `continue_final_message`:
+        the prompt ends right after the last message's text, so the model continues it."""
+        text = self.render_chat(messages, add_generation_prompt, tools, documents, continue_final_message)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The chat template's text for these messages (what `encode_chat` encodes)."""
         try:
             template = chat_template.pick_template(self.chat_templates, tools)
             if template is None:
@@ -202,7 +218,14 @@ class Tokenizer:
             )
         except chat_template.ChatTemplateError as exc:  # the template refused them
             raise PromptError(f"the chat template could not render these messages: {exc}") from None
-        return self.backend.encode(text, add_special_tokens=False).ids
+        if continue_final_message:  # as transformers: cut after the final message's own text
+            final = messages[-1].get("content")
+            final = final.strip() if isinstance(final, str) else ""
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise PromptError("continue_final_message: the final message's text is not in the rendered prompt")
+            text = text[: cut + len(final)]
+        return text
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of these tokens, as transformers' `decode` gives it."""
@@ -229,22 +252,23 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def detokenizer(self, prompt: Sequence[int] = ()) -> Detokenizer:
-        return Detokenizer(self, prompt)
+    def detokenizer(self, prompt: Sequence[int] = (), skip_special_tokens: bool = True) -> Detokenizer:
+        return Detokenizer(self, prompt, skip_special_tokens)
 
 
 class Detokenizer:
     # Tokens decoded before the unreleased ones, so that the window decodes them as it would in context.
     CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt[-self.CONTEXT_TOKENS :])
         self._released = len(self._ids)  # tokens whose text has been released
         self._window = max(0, self._released - self.CONTEXT_TOKENS)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """The text that the new tokens complete (possibly empty)."""
@@ -276,8 +300,9 @@ def _extends(text: str, before: str) -> bool:
 class StopMatcher:
     """Cuts generated text at the first stop string."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the stop string is released too
         self._held = ""
         self.stopped = False
 
@@ -292,7 +317,8 @@ class StopMatcher:
         if hits:
             self.stopped = True
             self._held = ""
-            return buffer[: min(hits)[0]]
+            at, stop = min(hits)
+            return buffer[: at + len(stop)] if self.include_stop else buffer[:at]
         keep = self._longest_partial_stop(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

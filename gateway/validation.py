@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway import errors
 from gateway.api import _Common, require_json_object, validation_message
@@ -43,10 +43,10 @@ def token_limit(gateway: Gateway, prompt: list[int], asked: int | None, param: s
     return asked
 
 
-def check_token_ids(gateway: Gateway, tokens: list[int]) -> list[int]:
+def check_token_ids(gateway: Gateway, tokens: list[int], param: str = "prompt") -> list[int]:
     vocab = gateway.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in tokens):
-        raise errors.invalid_request(f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        raise errors.invalid_request(f"{param} token ids must be in [0, {vocab}).", param=param)
     return tokens
 
 
@@ -89,14 +89,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, model: type[_Common], limit: int) -> Any:
-    raw_body = await read_body(request, limit)
+def load_json(raw_body: bytes) -> Any:
+    """The body as JSON: 400 for anything else, nesting too deep included."""
     try:
-        raw = json.loads(raw_body)
+        return json.loads(raw_body)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise errors.invalid_request("The request body is not valid JSON.") from None
     except RecursionError:
         raise errors.invalid_request("The request body is JSON nested too deeply.") from None
+
+
+def validate_json(raw: Any, model: type[BaseModel]) -> Any:
+    """`raw` as a request of `model`: 400 naming the parameter otherwise."""
     try:
         return model.model_validate(require_json_object(raw))
     except ValidationError as exc:
@@ -104,3 +108,7 @@ async def parse_body(request: Request, model: type[_Common], limit: int) -> Any:
         raise errors.invalid_request(message, param=param) from None
     except RecursionError:
         raise errors.invalid_request("The request body is JSON nested too deeply.") from None
+
+
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    return validate_json(load_json(await read_body(request, limit)), model)

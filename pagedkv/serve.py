@@ -26,7 +26,7 @@ from typing import Any, Self
 import click
 
 from common import net
-from gateway import ROUTING_POLICIES  # the package alone: no torch, so --help stays fast
+from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS  # the package alone: no torch, so --help stays fast
 
 DEVICES = ("cpu", "cuda")
 LOG_TAIL_LINES = 20
@@ -518,6 +518,13 @@ def _curl_example(stack: LocalStack) -> str:
     "least-loaded or round-robin.",
 )
 @click.option(
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default="auto",
+    help="How the gateway finds tool calls in the model's output: hermes, llama3_json, none; auto: by the "
+    "model's chat template.",
+)
+@click.option(
     "--kv-cache-memory",
     default=None,
     help="KV cache of each executor: bytes like 2GiB, or on cuda a fraction of free memory like 0.9. "
@@ -543,6 +550,7 @@ def serve(
     host: str,
     port: int,
     routing: str,
+    tool_call_parser: str,
     kv_cache_memory: str | None,
     state_dir: Path | None,
     log_dir: Path | None,
@@ -563,6 +571,7 @@ def serve(
         kv_cache_memory=kv_cache_memory,
         state_dir=state_dir,
         log_dir=log_dir,
+        gateway_args=() if tool_call_parser == "auto" else ("--tool-call-parser", tool_call_parser),
     )
 
     def interrupted(_signum: int, _frame: FrameType | None) -> None:

@@ -172,8 +172,9 @@ def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "structured output"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "structured output"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
@@ -193,13 +194,36 @@ def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
     assert CompletionRequest.model_validate(completion(n=2, best_of=2)).n == 2
 
 
-@pytest.mark.parametrize(
-    "fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")]
-)
+@pytest.mark.parametrize("fields, words", [({"suffix": "end"}, "suffix")])
 def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, param = refusal(CompletionRequest, completion(**fields))
     assert words in message and "not supported" in message
     assert param == words
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"echo": True, "logprobs": 1}, "logprobs", "prompt's logprobs"),
+        ({"max_tokens": 0}, "max_tokens", "only allowed with echo"),
+        ({"n": 3, "best_of": 2}, "best_of", "at least n"),
+        ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
+    ],
+)
+def test_echo_best_of_and_truncation_limits(fields: dict[str, Any], param: str, words: str) -> None:
+    message, named = refusal(CompletionRequest, completion(**fields))
+    assert words in message and named == param, message
+
+
+def test_echo_best_of_and_truncation_accepted() -> None:
+    body = CompletionRequest.model_validate(completion(echo=True, max_tokens=0, best_of=3, truncate_prompt_tokens=2))
+    assert body.sampled_choices == 3 and body.n == 1
+    assert body.truncate([1, 2, 3, 4], 100) == [3, 4]
+    assert body.truncate([1], 100) == [1]
+    everything = CompletionRequest.model_validate(completion(truncate_prompt_tokens=-1))
+    assert everything.truncate([1, 2, 3, 4], 3) == [2, 3, 4]
+    assert everything.add_special_tokens and not ChatCompletionRequest.model_validate(chat()).add_special_tokens
 
 
 def test_stream_options_with_stream() -> None:
@@ -482,3 +506,16 @@ def test_token_ids_are_checked_against_the_vocabulary(tokenizer: Tokenizer, fiel
     with pytest.raises(APIError) as info:
         body.sampling(16, None, tokenizer)
     assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_image_content_is_refused_by_name() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    message, param = refusal(ChatCompletionRequest, chat(messages=[{"role": "user", "content": [image]}]))
+    assert "image_url" in message and "not supported" in message and param == "messages"
+
+
+def test_continuous_usage_needs_include_usage_as_in_vllm() -> None:
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert ChatCompletionRequest.model_validate(chat(stream=True, stream_options=both)).continuous_usage
+    alone = {"continuous_usage_stats": True}
+    assert not ChatCompletionRequest.model_validate(chat(stream=True, stream_options=alone)).continuous_usage

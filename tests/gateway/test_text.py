@@ -155,6 +155,15 @@ def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
     assert detokenizer.flush() == ""
 
 
+def test_special_tokens_are_kept_when_asked(tokenizer: Tokenizer, hf: PreTrainedTokenizerBase) -> None:
+    hello, world = tokenizer.encode("hello"), tokenizer.encode(" world")
+    ids = [0, *hello, 2, 3, *world, 1]
+    detokenizer = tokenizer.detokenizer(skip_special_tokens=False)
+    pieces = [detokenizer.add([token]) for token in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == hf.decode(ids, skip_special_tokens=False)
+    assert SPECIAL[0] in "".join(pieces)
+
+
 def test_prompt_with_special_tokens_as_context(tokenizer: Tokenizer) -> None:
     prompt = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     assert prompt[-1] != 3
@@ -215,6 +224,12 @@ def test_stop_examples(stops: list[str], chunks: list[str], expected: str, stopp
     pieces, matcher = run_stops(stops, chunks)
     assert "".join(pieces) == expected, pieces
     assert matcher.stopped is stopped
+
+
+def test_stop_string_included_when_asked() -> None:
+    matcher = StopMatcher(["STOP", "ab"], include_stop=True)
+    assert matcher.feed("hello S") == "hello "
+    assert matcher.feed("TOP world") == "STOP" and matcher.stopped
 
 
 def test_held_back_text_is_not_released_until_ruled_out() -> None:

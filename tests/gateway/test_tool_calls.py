@@ -1,0 +1,246 @@
+"""Tool-call parsers: what they find in a model's output, whole or streamed in pieces of any size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.tool_calls import HermesParser, Llama3JsonParser, ToolParser, detect_parser, make_parser
+
+
+def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    """Content and calls (name, parsed arguments) found in `pieces`; the arguments' fragments must add up."""
+    content, calls, arguments = "", [], {}
+    deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    for delta in deltas:
+        content += delta.content
+        calls += delta.calls
+        for call, fragment in delta.fragments:
+            assert call in calls, "a fragment of a call not announced yet"
+            arguments[call.id] = arguments.get(call.id, "") + fragment
+    assert all(arguments.get(c.id, "") == c.arguments for c in calls)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+HERMES_CASES = [
+    ("Hello there.", "Hello there.", []),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Paris", "unit": "C"})],
+    ),
+    (
+        'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"y": "é<"}}\n</tool_call>\n',
+        "Let me check.",
+        [("a", {"x": 1}), ("b", {"y": "é<"})],
+    ),
+    ('<tool_call>{"name": "open", "arguments": {}}', "", [("open", {})]),  # the end tag never came
+    ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
+    ("a < b <tool and <tool_cal", "a < b <tool and <tool_cal", []),
+    ('<tool_call>{"name": "s", "arguments": "{\\"q\\": 2}"}</tool_call>', "", [("s", {"q": 2})]),
+    ("  spaced  ", "  spaced  ", []),
+    (
+        '<tool_call> {"name": "n\\u00e9", "parameters": {"s": "}} </tool_call", "n": {"a": [1, {"b": 2}]} } }\n'
+        "</tool_call>",
+        "",
+        [("né", {"s": "}} </tool_call", "n": {"a": [1, {"b": 2}]}})],
+    ),
+    ('<tool_call>{"arguments": {"x": 1}, "name": "late"}</tool_call>', "", [("late", {"x": 1})]),
+]
+
+
+@pytest.mark.parametrize(("output", "content", "calls"), HERMES_CASES)
+def test_hermes_whole_and_split_at_every_boundary(output: str, content: str, calls: list) -> None:
+    assert run(HermesParser(), [output]) == (content, calls)
+    for cut in range(len(output) + 1):
+        assert run(HermesParser(), [output[:cut], output[cut:]]) == (content, calls), cut
+    assert run(HermesParser(), list(output)) == (content, calls)
+
+
+LLAMA_CASES = [
+    ("The answer is 4.", "The answer is 4.", []),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    (
+        '  <|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"k": [1]}}',
+        "",
+        [("f", {}), ("g", {"k": [1]})],
+    ),
+    ('{"not": "a call"}', '{"not": "a call"}', []),
+    ('{"name": "f", "parameters": {"x": 1}', '{"name": "f", "parameters": {"x": 1}', []),
+    ("<|python", "<|python", []),
+    ("\n\n", "\n\n", []),
+]
+
+
+@pytest.mark.parametrize(("output", "content", "calls"), LLAMA_CASES)
+def test_llama3_json_whole_and_split_at_every_boundary(output: str, content: str, calls: list) -> None:
+    assert run(Llama3JsonParser(), [output]) == (content, calls)
+    for cut in range(len(output) + 1):
+        assert run(Llama3JsonParser(), [output[:cut], output[cut:]]) == (content, calls), cut
+    assert run(Llama3JsonParser(), list(output)) == (content, calls)
+
+
+def test_arguments_stream_as_the_model_writes_them() -> None:
+    parser = HermesParser()
+    first = parser.feed('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert first.content == "Hi" and [c.name for c in first.calls] == ["get_weather"]
+    assert "".join(f for _, f in first.fragments) == '{"city": "Pa'
+    more = parser.feed('ris"}')
+    assert "".join(f for _, f in more.fragments) == 'ris"', "the brace may still be the call's own"
+    more = parser.feed("}\n</tool")
+    assert "".join(f for _, f in more.fragments) == "}", "the second brace is the call's own: the first is not"
+    last = parser.feed("_call>")
+    assert not last and first.calls[0].arguments == '{"city": "Paris"}'
+
+
+def test_content_streams_before_the_output_ends() -> None:
+    parser = HermesParser()
+    assert parser.feed("Hello <tool").content == "Hello"
+    assert parser.feed("box> more").content == " <toolbox> more"
+    llama = Llama3JsonParser()
+    assert llama.feed(" Sure").content == " Sure" and llama.feed("!").content == "!"
+
+
+def test_call_ids_are_unique_and_bodies_in_openais_shape() -> None:
+    parser = HermesParser()
+    delta = parser.feed('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "a"}</tool_call>')
+    first, second = delta.calls
+    assert first.id != second.id
+    assert first.body() == {"id": first.id, "type": "function", "function": {"name": "a", "arguments": "{}"}}
+
+
+def test_detect_parser_by_template() -> None:
+    assert detect_parser("... <tool_call>\\n{{ tool_call | tojson }} ...") == "hermes"
+    assert detect_parser("{{- '<|python_tag|>' }}") == "llama3_json"
+    assert detect_parser("{{ messages }}") == "none" and detect_parser(None) == "none"
+    assert isinstance(make_parser("hermes"), HermesParser)
+    with pytest.raises(ValueError):
+        make_parser("none")
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+ARGUMENTS = {"city": "Zürich"}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps(ARGUMENTS, ensure_ascii=False)},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
+
+
+def hf_messages() -> list[dict]:
+    """HISTORY as transformers' templates take it (and vLLM hands it to them): the call's arguments parsed."""
+    messages = json.loads(json.dumps(HISTORY))
+    messages[2]["tool_calls"][0]["function"]["arguments"] = ARGUMENTS
+    return messages
+
+
+def test_tools_and_tool_history_render_as_the_templates_own_rendering(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from gateway.api import ChatCompletionRequest, chat_tools
+    from gateway.text import Tokenizer
+    from tests.support.gateway import tiny_model
+
+    model_dir = tiny_model(tmp_path, "tiny-tools")
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    body = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS})
+    ours = Tokenizer(model_dir)
+    messages = [m.for_template() for m in body.messages]
+    for tools in (TOOLS, None):
+        rendered = ours.render_chat(messages, True, chat_tools(body.tools) if tools else None)
+        expected = hf.apply_chat_template(hf_messages(), tools=tools, add_generation_prompt=True, tokenize=False)
+        assert rendered == expected
+    assert "<tool_call>" in rendered and "<tool_response>" in rendered and "get_weather" in rendered
+    assert detect_parser(ours.chat_templates["default"]) == "hermes"
+
+
+# ---------------------------------------------------------------------------------------------- in responses
+
+CALLING = (
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+)
+
+
+def exchange(parallel: bool = True):
+    from types import SimpleNamespace
+
+    from gateway.api import ChatCompletionRequest
+    from gateway.exchange import Exchange
+
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": parallel}
+    )
+    gateway = SimpleNamespace(tool_call_parser="hermes", model_name="m", tokenizer=None)
+    return Exchange(gateway, "chat", body, [SimpleNamespace(request_id="r")], None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, len(CALLING)])
+def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
+    from gateway.generation import ChoiceEvent
+
+    streamed = exchange()
+    pieces = [CALLING[i : i + size] for i in range(0, len(CALLING), size)]
+    chunks = []
+    for number, piece in enumerate(pieces):
+        finish = "stop" if number == len(pieces) - 1 else None
+        sse = streamed._chunk(0, ChoiceEvent(0, piece, [], finish), {})
+        chunks.append(json.loads(sse.removeprefix("data: ")))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    entries = [entry for d in deltas for entry in d.get("tool_calls", [])]
+    calls = [entry for entry in entries if "id" in entry]  # announcements; then fragments of the arguments
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in calls] == [
+        (0, "function", "get_weather"),
+        (1, "function", "now"),
+    ]
+    arguments = ["".join(e["function"]["arguments"] for e in entries if e["index"] == i) for i in (0, 1)]
+    assert [json.loads(a) for a in arguments] == [{"city": "Zürich"}, {}] and calls[0]["id"]
+    if size == 1:  # streamed as written: many fragments
+        assert sum(1 for e in entries if e["index"] == 0) > 5
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the openai SDK reads them
+    from openai.types.chat import ChatCompletionChunk
+
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    names = [t.function.name for c in parsed for t in c.choices[0].delta.tool_calls or () if t.id]
+    assert names == ["get_weather", "now"]
+
+
+def test_whole_message_with_tool_calls() -> None:
+    message, finish = exchange()._message(CALLING, "stop")
+    assert finish == "tool_calls" and message["content"] == "Checking."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "now"]
+    from openai.types.chat import ChatCompletionMessage
+
+    sdk = ChatCompletionMessage.model_validate(message)
+    assert sdk.tool_calls and json.loads(sdk.tool_calls[0].function.arguments) == {"city": "Zürich"}
+    single, _ = exchange(parallel=False)._message(CALLING, "stop")
+    assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]
+    plain, finish = exchange()._message("just text ", "length")
+    assert plain == {"role": "assistant", "content": "just text "} and finish == "length"
