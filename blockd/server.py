@@ -27,7 +27,7 @@ import zmq
 from blockd import protocol as p
 from blockd.embedded_redis import EmbeddedRedis
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import epoch_fingerprint
+from blockd.hashing import epoch_fingerprint, secret_key
 from blockd.manager import (
     DEFAULT_MAX_BLOCKS_PER_POOL,
     DEFAULT_MAX_LOOKUP_TOKENS,
@@ -275,6 +275,22 @@ class BlockdServer:
 )
 @click.option("--deployment", default="pagedkv", help="Namespace of the block hashes (the chain's root).")
 @click.option(
+    "--deployment-secret",
+    envvar="PAGEDKV_DEPLOYMENT_SECRET",
+    default=None,
+    show_default=False,
+    help="Key every block hash with this secret (keyed BLAKE2b), so the hashes in Redis reveal nothing about the "
+    "prompts without it. Changing it makes the persisted prefixes unreachable (they age out). Env: "
+    "PAGEDKV_DEPLOYMENT_SECRET.",
+)
+@click.option(
+    "--deployment-secret-file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="PAGEDKV_DEPLOYMENT_SECRET_FILE",
+    default=None,
+    help="Read --deployment-secret from this file (its first line).",
+)
+@click.option(
     "--redis-prefix",
     default=None,
     help="Prefix of every Redis key blockd writes ('<prefix>:blockd:v1:...'), so deployments can share a Redis. "
@@ -304,6 +320,8 @@ def main(
     block_sizes: str,
     max_lookup_tokens: int,
     deployment: str,
+    deployment_secret: str | None,
+    deployment_secret_file: Path | None,
     redis_prefix: str | None,
     persistence_queue: int,
     log_level: str,
@@ -367,7 +385,15 @@ def main(
             keys=RedisKeys(redis_prefix or deployment),
             queue_limit=persistence_queue,
         )
-    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=store, limits=limits)
+    if deployment_secret_file is not None:
+        deployment_secret = deployment_secret_file.read_text().strip()
+    manager = BlockManager(
+        lease_timeout_s=lease_timeout,
+        deployment=deployment,
+        events=store,
+        limits=limits,
+        hash_key=secret_key(deployment_secret),
+    )
     specs, records = store.load()
     manager.restore(specs, records)
     store.start()
@@ -399,6 +425,7 @@ def main(
         max_blocks_per_pool=max_blocks_per_pool,
         block_sizes=list(sizes),
         redis_keys=store.stats(time.monotonic()).key_prefix or None,
+        keyed_hashes=bool(deployment_secret),
     )
     try:
         server.serve(socket)
