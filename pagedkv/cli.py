@@ -25,7 +25,12 @@ class LazyGroup(click.Group):
 
 
 @click.group(
-    cls=LazyGroup, lazy={"make-model": "pagedkv.tools.model_gen.cli:make_model", "serve": "pagedkv.serve:serve"}
+    cls=LazyGroup,
+    lazy={
+        "make-model": "pagedkv.tools.model_gen.cli:make_model",
+        "serve": "pagedkv.serve:serve",
+        "keys": "pagedkv.tools.keys:keys",
+    },
 )
 @click.version_option(package_name="pagedkv")
 def main() -> None:

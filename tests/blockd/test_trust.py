@@ -17,7 +17,7 @@ from blockd.manager import Limits
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.tokens import pack_tokens
 from kernels import validate
-from tests.blockd.conftest import wait_for
+from tests.support.waiting import wait_for
 
 BS = 4
 
