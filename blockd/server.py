@@ -360,6 +360,7 @@ def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
     "--insecure",
     is_flag=True,
     default=False,
+    envvar="PAGEDKV_INSECURE",
     help="Allow listening beyond loopback without --keys (anyone who reaches the port may do anything).",
 )
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))

@@ -5,8 +5,8 @@ NAME.key_secret both halves). The file name says who holds the key:
 
 - `server`: the servers' keypair: blockd's and every executor's listening socket. Every client knows its public
   half (and so knows it talks to the real service); only blockd and the executors hold the secret.
-- `executor-POOL`: an executor that may act only on pool POOL at blockd; `executor` (no pool): any pool (fencing
-  by epoch still keeps each pool to the executor that registered it).
+- `pool-POOL`: an executor that may act only on pool POOL at blockd; `executor` (or `executor-NAME`): an executor
+  that may register any pool (fencing by epoch still keeps each pool to the executor that registered it).
 - `gateway` (or `gateway-NAME`): lookups at blockd; submit, abort, load and info at executors.
 - `operator` (or `operator-NAME`): blockd-cli: stats, pools, seq, check, reset-prefix-cache; load and info at
   executors.
@@ -73,7 +73,7 @@ class ClientCurve:
         socket.curve_serverkey = self.server
 
 
-_NAME = re.compile(r"^(server|executor|gateway|operator)(?:-(.+))?$")
+_NAME = re.compile(r"^(server|executor|gateway|operator|pool)(?:-(.+))?$")
 
 
 def principal_of(name: str) -> Principal | None:
@@ -81,8 +81,9 @@ def principal_of(name: str) -> Principal | None:
     match = _NAME.match(name)
     if match is None or match.group(1) == SERVER:
         return None
-    role = Role(match.group(1))
-    return Principal(role, name, match.group(2) if role is Role.EXECUTOR else None)
+    if match.group(1) == "pool":
+        return Principal(Role.EXECUTOR, name, match.group(2)) if match.group(2) else None
+    return Principal(Role(match.group(1)), name)
 
 
 class KeySet:
@@ -109,15 +110,15 @@ class KeySet:
         return public, secret
 
     def client(self, name: str) -> ClientCurve:
-        """The keys a client named `name` (gateway, operator, executor-POOL, ...) connects with."""
+        """The keys a client named `name` (gateway, operator, pool-POOL, executor, ...) connects with."""
         public, secret = self._load(name, secret=True)
         assert secret is not None
         server, _ = self._load(SERVER, secret=False)
         return ClientCurve(public, secret, server)
 
     def executor_client(self, pool_id: str) -> ClientCurve:
-        """An executor's keys: executor-POOL if there is one, else the any-pool `executor` key."""
-        own = f"executor-{pool_id}"
+        """An executor's keys: pool-POOL if there is one, else the any-pool `executor` key."""
+        own = f"pool-{pool_id}"
         if (self.directory / f"{own}.key_secret").exists():
             return self.client(own)
         return self.client("executor")
@@ -136,11 +137,11 @@ class KeySet:
 
 
 def generate(directory: str | os.PathLike[str], pools: Iterable[str] = (), *, force: bool = False) -> list[Path]:
-    """Write a key set: server, gateway, operator, and `executor` (any pool) or one `executor-POOL` per pool."""
+    """Write a key set: server, gateway, operator, and `executor` (any pool) or one `pool-POOL` per pool."""
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     os.chmod(target, 0o700)
-    names = [SERVER, "gateway", "operator", *([f"executor-{p}" for p in pools] or ["executor"])]
+    names = [SERVER, "gateway", "operator", *([f"pool-{p}" for p in pools] or ["executor"])]
     existing = [n for n in names if (target / f"{n}.key").exists() or (target / f"{n}.key_secret").exists()]
     if existing and not force:
         raise KeysError(f"{target} already holds keys ({', '.join(existing)}): use another directory or --force")

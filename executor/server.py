@@ -406,12 +406,13 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
-    "pool's executor key (executor-POOL, else executor). Env: PAGEDKV_KEYS.",
+    "pool's executor key (pool-POOL, else executor). Env: PAGEDKV_KEYS.",
 )
 @click.option(
     "--insecure",
     is_flag=True,
     default=False,
+    envvar="PAGEDKV_INSECURE",
     help="Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).",
 )
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))

@@ -66,6 +66,8 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     priority: int = 0
     request_id: str | None = Field(default=None, max_length=200)
+    # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's isolation)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 

@@ -268,6 +268,7 @@ async def respond(
             body.stop_strings(),
             arrival,
             replayable=not body.stream,
+            cache_salt=body.cache_salt,
         )
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import errors
 from gateway.api import ChatCompletionRequest, CompletionRequest
+from gateway.auth import install_api_keys
 from gateway.errors import APIError
 from gateway.exchange import respond
 from gateway.state import Gateway, GatewayConfig
@@ -38,6 +39,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="pagedkv gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
+    install_api_keys(app, config.api_keys, protect_health=config.protect_health, protect_metrics=config.protect_metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

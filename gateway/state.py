@@ -13,6 +13,7 @@ from pathlib import Path
 import structlog
 import zmq.asyncio
 
+from common.auth import ClientCurve
 from executor.params import SamplingParams
 from executor.protocol import Info as ExecutorInfo
 from gateway import errors
@@ -35,6 +36,11 @@ class GatewayConfig:
     served_model_name: str | None = None
     max_queue: int = 512
     executor_timeout_s: float = 5.0
+    curve: ClientCurve | None = None  # the gateway's keys for CURVE-serving blockd and executors (common.auth)
+    api_keys: tuple[str, ...] = ()  # Authorization: Bearer keys the HTTP API accepts; none: open
+    protect_health: bool = False  # /health needs an API key too
+    protect_metrics: bool = False  # /metrics needs an API key too
+    report_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens without a cache_salt
 
 
 class Gateway:
@@ -47,10 +53,12 @@ class Gateway:
         self.created = int(time.time())
         self.context = zmq.asyncio.Context()
         self.links = [
-            ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
+            ExecutorLink(
+                e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible, curve=config.curve
+            )
             for e in config.executors
         ]
-        self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
+        self.lookup = PrefixLookup(config.blockd_endpoint, curve=config.curve) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
         self.in_flight = 0
         self.metrics = GatewayMetrics(self.links, lambda: self.in_flight)
@@ -113,6 +121,7 @@ class Gateway:
         stops: list[str],
         arrival: float,
         replayable: bool,
+        cache_salt: str | None = None,
     ) -> Generation:
         return Generation(
             request_id=request_id,
@@ -124,4 +133,6 @@ class Gateway:
             metrics=self.metrics,
             arrival=arrival,
             replayable=replayable,
+            cache_salt=cache_salt,
+            report_cached_tokens=self.config.report_cached_tokens or cache_salt is not None,
         )

@@ -20,7 +20,7 @@ def keys() -> None:
     "--pool",
     "pools",
     multiple=True,
-    help="Make an executor key that may act only on this pool (executor-POOL); repeat for each executor. "
+    help="Make an executor key that may act only on this pool (pool-POOL); repeat for each executor. "
     "Without it: one `executor` key for any pool.",
 )
 @click.option("--force", is_flag=True, help="Overwrite keys already in DIRECTORY.")

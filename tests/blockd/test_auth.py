@@ -52,7 +52,7 @@ def forbidden(call, *args, **kwargs) -> str:
 
 
 def pool_of(daemon: BlockdProcess, keys: KeySet, pool_id: str, key: str | None = None) -> PoolClient:
-    client = daemon.client(timeout_s=2.0, curve=keys.client(key or f"executor-{pool_id}"))
+    client = daemon.client(timeout_s=2.0, curve=keys.client(key or f"pool-{pool_id}"))
     pool = PoolClient(client, pool_id=pool_id, num_blocks=32, block_size=BS, model_id="tiny")
     pool.register()
     return pool
@@ -137,7 +137,7 @@ def test_an_executor_key_acts_only_on_its_own_pool(keyed_blockd: BlockdProcess, 
     ex1.admit("victim", list(range(9)))
     before = state(keyed_blockd)
     # ex0's key, even holding ex1's epoch, may not touch ex1: its key names its pool.
-    with keyed_blockd.client(curve=keys.client("executor-ex0")) as intruder:
+    with keyed_blockd.client(curve=keys.client("pool-ex0")) as intruder:
         message = forbidden(intruder.call, p.Step, pool_id="ex1", epoch=ex1.epoch, ops=[p.Free("victim")])
         assert "ex0" in message
         forbidden(intruder.call, p.Register, pool_id="ex1", num_blocks=32, block_size=BS, model_id="tiny", epoch=7)
