@@ -17,9 +17,10 @@ from blockd.client import PoolClient
 from blockd.manager import BlockManager
 from blockd.persistence import META_KEY, POOLS_KEY, RedisKeys, RedisPersistence, load, log_key, snapshot_key
 from blockd.pool import PoolSpec
-from tests.blockd.conftest import free_port, wait_for
+from common.net import free_port
 from tests.blockd.pool_state import index_view
 from tests.blockd.test_persistence import blocks_and_generations, churn, validated
+from tests.support.waiting import wait_for
 
 BS = 4
 

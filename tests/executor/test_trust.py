@@ -16,9 +16,9 @@ from common.tokens import pack_tokens
 from executor import protocol as ep
 from executor.client import ExecutorClient, ExecutorUnavailable, tokens_of
 from executor.params import SamplingParams
-from tests.blockd.conftest import BlockdProcess, wait_for
 from tests.executor.harness import hf_greedy_ignoring_eos, random_prompts
-from tests.executor.test_server import ExecutorProcess
+from tests.support.processes import BlockdProcess, ExecutorProcess
+from tests.support.waiting import wait_for
 
 LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 
