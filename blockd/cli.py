@@ -1,7 +1,8 @@
 """blockd-cli: the operator's window into a running blockd.
 
 Exit status: 0 on success, 1 when `check` finds a violated invariant or blockd answers with an error,
-69 (EX_UNAVAILABLE) when blockd does not answer within --timeout.
+69 (EX_UNAVAILABLE) when blockd does not answer within --timeout (a blockd that serves CURVE never answers a
+client without a key it knows: give --keys).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -17,6 +19,7 @@ import msgspec
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.errors import BlockdError
 from blockd.protocol import DEFAULT_ENDPOINT
+from common.auth import KEYS_ENV, KeysError, KeySet
 
 EX_UNAVAILABLE = 69
 
@@ -26,7 +29,10 @@ def _run(ctx: click.Context, action: Callable[[BlockdClient], Any]) -> Any:
     try:
         return action(client)
     except BlockdUnavailable as exc:
-        click.echo(f"error: {exc} (is blockd running? set --endpoint or BLOCKD_ENDPOINT)", err=True)
+        click.echo(
+            f"error: {exc} (is blockd running? set --endpoint or BLOCKD_ENDPOINT; with keys: --keys or PAGEDKV_KEYS)",
+            err=True,
+        )
         ctx.exit(EX_UNAVAILABLE)
     except BlockdError as exc:
         click.echo(f"error: blockd answered {exc.code}: {exc.message}", err=True)
@@ -56,14 +62,29 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--endpoint", envvar="BLOCKD_ENDPOINT", default=DEFAULT_ENDPOINT, help="blockd's ZeroMQ endpoint.")
 @click.option("--timeout", type=float, default=3.0, help="Seconds to wait for blockd before giving up.")
+@click.option(
+    "--keys",
+    "keys_dir",
+    envvar=KEYS_ENV,
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Key directory of a blockd that serves CURVE (`pagedkv keys generate`). Env: PAGEDKV_KEYS.",
+)
+@click.option("--key-name", default="operator", help="Which key of --keys to use (an operator's).")
 @click.pass_context
-def main(ctx: click.Context, endpoint: str, timeout: float) -> None:
+def main(ctx: click.Context, endpoint: str, timeout: float, keys_dir: Path | None, key_name: str) -> None:
     """Inspect and operate a running blockd.
 
     Exit status: 0 on success; 1 when blockd answers with an error or `check` finds a violated invariant;
     69 when blockd does not answer within --timeout.
     """
-    ctx.obj = BlockdClient(endpoint, timeout_s=timeout)
+    curve = None
+    if keys_dir is not None:
+        try:
+            curve = KeySet(keys_dir).client(key_name)
+        except KeysError as exc:
+            raise click.ClickException(str(exc)) from None
+    ctx.obj = BlockdClient(endpoint, timeout_s=timeout, curve=curve)
 
 
 @main.command()

@@ -34,6 +34,7 @@ from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.manager import DEFAULT_MAX_LOOKUP_TOKENS
 from blockd.pool import AdmitResult, AppendResult, TokenIds
+from common.auth import ClientCurve
 from common.tokens import TOKEN_BYTES, as_packed, unpack_tokens
 
 R = TypeVar("R")
@@ -53,9 +54,11 @@ class BlockdClient:
         timeout_s: float = 5.0,
         context: zmq.Context | None = None,
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
+        curve: ClientCurve | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.curve = curve  # this client's keys, for a blockd that serves CURVE (common.auth)
         # blockd cuts off a peer that sends more than its limit (ZeroMQ MAXMSGSIZE) without a word: a request
         # over the limit is refused here instead, with too_large.
         self.max_message_bytes = max_message_bytes
@@ -70,6 +73,8 @@ class BlockdClient:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.RECONNECT_IVL, 50)
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if self.curve is not None:
+                self.curve.apply(socket)
             socket.connect(self.endpoint)
             self._socket = socket
         return self._socket
@@ -285,7 +290,12 @@ class PoolClient:
         socket, whatever the caller's thread is doing (a long forward pass, say). The thread never registers:
         when blockd has lost the pool it sets `needs_resync` for the owner's thread to act on."""
         if self._heartbeats is None:
-            client = BlockdClient(self.client.endpoint, timeout_s=self.client.timeout_s, context=self.client._context)
+            client = BlockdClient(
+                self.client.endpoint,
+                timeout_s=self.client.timeout_s,
+                context=self.client._context,
+                curve=self.client.curve,
+            )
             self._heartbeats = _Heartbeats(self, client, interval_s)
             self._heartbeats.start()
 

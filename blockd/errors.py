@@ -25,6 +25,8 @@ class ErrorCode(StrEnum):
     POOL_TOO_LARGE = "pool_too_large"  # num_blocks past --max-blocks-per-pool
     UNSUPPORTED_BLOCK_SIZE = "unsupported_block_size"  # a block size outside --block-sizes
     TOO_MANY_TOKENS = "too_many_tokens"  # a lookup past --max-lookup-tokens, or more tokens than a pool holds
+    # Authentication (with keys): the sender's role may not make this request; it changes nothing.
+    FORBIDDEN = "forbidden"
     INTERNAL = "internal"
 
     @classmethod

@@ -1,9 +1,15 @@
 """The one block-hash function of pagedkv.
 
-hash(block i) = BLAKE2b-128(hash(block i-1) or the root, token ids of block i, extra key).
+hash(block i) = BLAKE2b-128(hash(block i-1) or the root, token ids of block i, extra key), keyed with the
+deployment secret when there is one (`--deployment-secret`).
 
-The root is derived from a per-deployment secret-free string, and the extra key from the model identity and the
-optional cache salt, so a tenant with a salt can only ever hit its own prefixes and two models never share one.
+The root is derived from the deployment name, and the extra key from the model identity and the optional cache
+salt, so a tenant with a salt can only ever hit its own prefixes and two models never share one. Every variable
+field (deployment, model id, salt) goes in length-prefixed, so no two different field lists hash alike; the other
+inputs of a block hash have fixed lengths (parent and extra: 16 bytes; the ids: block_size x 4 bytes).
+
+With a deployment secret every hash is a keyed BLAKE2b (a MAC): the hashes blockd writes to Redis tell nobody
+without the secret whether they stand for a guessed prompt. Without one (the default) they are plain BLAKE2b.
 Token ids are packed as little-endian uint32, so the value is identical across processes, machines and restarts
 (unlike Python's `hash()`). The same packing (common.tokens) is the wire format for token ids: a packed prompt
 is hashed as it arrives, without converting a single id.
@@ -13,22 +19,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import Any
 
 from common.tokens import TOKEN_BYTES, as_packed
 
 HASH_BYTES = 16
 _EMPTY = blake2b(digest_size=HASH_BYTES)
+_PRIMED: dict[bytes, Any] = {b"": _EMPTY}
 
 
-def root_hash(deployment: str = "pagedkv") -> bytes:
-    """The parent hash of every chain's first block."""
-    return blake2b(b"pagedkv-root\0" + deployment.encode(), digest_size=HASH_BYTES).digest()
+def secret_key(secret: str | bytes | None) -> bytes:
+    """The BLAKE2b key of a deployment secret (any length in, 32 bytes out; b"" for none: unkeyed)."""
+    if not secret:
+        return b""
+    data = secret.encode() if isinstance(secret, str) else secret
+    return blake2b(_field(b"pagedkv-secret") + _field(data), digest_size=32).digest()
 
 
-def extra_key(model_id: str, cache_salt: str | None = None) -> bytes:
+def _field(data: bytes) -> bytes:
+    """A variable-length field as it goes into a hash: its length (uint32 LE), then itself."""
+    return len(data).to_bytes(4, "little") + data
+
+
+def _hasher(key: bytes) -> Any:
+    state = _PRIMED.get(key)
+    if state is None:
+        state = _PRIMED[key] = blake2b(digest_size=HASH_BYTES, key=key)
+    return state
+
+
+def root_hash(deployment: str = "pagedkv", key: bytes = b"") -> bytes:
+    """The parent hash of every chain's first block (`key`: the deployment's secret_key, or b"")."""
+    state = _hasher(key).copy()
+    state.update(_field(b"pagedkv-root") + _field(deployment.encode()))
+    return state.digest()
+
+
+def extra_key(model_id: str, cache_salt: str | None = None, key: bytes = b"") -> bytes:
     """Everything besides the tokens that decides whether two blocks hold the same KV."""
-    salt = b"" if cache_salt is None else b"\1" + cache_salt.encode()
-    return blake2b(b"pagedkv-extra\0" + model_id.encode() + b"\0" + salt, digest_size=HASH_BYTES).digest()
+    salt = b"\0" if cache_salt is None else b"\1" + _field(cache_salt.encode())
+    state = _hasher(key).copy()
+    state.update(_field(b"pagedkv-extra") + _field(model_id.encode()) + salt)
+    return state.digest()
 
 
 def chain_hashes(
@@ -38,10 +70,12 @@ def chain_hashes(
     extra: bytes,
     start_block: int = 0,
     stop_block: int | None = None,
+    key: bytes = b"",
 ) -> list[bytes]:
     """Chained hashes of full blocks [start_block, stop_block) of `tokens` (ids, or ids packed).
 
-    `parent` is the hash of block start_block-1 (or the root when start_block is 0).
+    `parent` is the hash of block start_block-1 (or the root when start_block is 0); `key` the deployment's
+    secret_key (b"": unkeyed).
     """
     packed = as_packed(tokens)
     stride = block_size * TOKEN_BYTES
@@ -49,7 +83,7 @@ def chain_hashes(
     stop = full if stop_block is None else min(stop_block, full)
     hashes: list[bytes] = []
     h = parent
-    fresh = _EMPTY.copy  # copying a primed state beats parsing blake2b's keyword arguments per block
+    fresh = _hasher(key).copy  # copying a primed state beats parsing blake2b's keyword arguments per block
     for offset in range(start_block * stride, stop * stride, stride):
         state = fresh()
         state.update(h + packed[offset : offset + stride] + extra)

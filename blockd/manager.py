@@ -81,8 +81,10 @@ class BlockManager:
         events: PoolEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits | None = None,
+        hash_key: bytes = b"",
     ) -> None:
         self.lease_timeout_s = lease_timeout_s
+        self.hash_key = hash_key  # blockd.hashing.secret_key(--deployment-secret), b"" without one
         self.limits = limits or Limits(block_sizes=None)
         self.deployment = deployment
         self.events = events or PoolEvents()
@@ -183,7 +185,7 @@ class BlockManager:
         generations = req.generations
         if generations is None and resync and previous is not None:
             generations = previous.generation  # blockd never lost them; the executor simply did not send its own
-        pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal())
+        pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal(), hash_key=self.hash_key)
         # Build the new pool completely before touching the registry: a bad sequence leaves everything as it was.
         if generations is not None:
             pool.adopt_generations(generations)

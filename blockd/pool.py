@@ -161,7 +161,14 @@ class BlockPool:
     def token_ids(self, seq_id: str) -> list[int]:
         return unpack_tokens(self._seq(seq_id).tokens)
 
-    def __init__(self, spec: PoolSpec, *, deployment: str = "pagedkv", journal: Journal | None = None) -> None:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        *,
+        deployment: str = "pagedkv",
+        journal: Journal | None = None,
+        hash_key: bytes = b"",
+    ) -> None:
         if spec.num_blocks <= 0:
             raise BlockdError(ErrorCode.INVALID_REQUEST, f"num_blocks must be positive, got {spec.num_blocks}")
         if spec.block_size <= 0:
@@ -169,8 +176,9 @@ class BlockPool:
         self.spec = spec
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
-        self.root = root_hash(deployment)
-        self._default_extra = extra_key(spec.model_id)
+        self.hash_key = hash_key  # the deployment secret's key (b"": unkeyed hashes)
+        self.root = root_hash(deployment, hash_key)
+        self._default_extra = extra_key(spec.model_id, None, hash_key)
         self.refcount: list[int] = [0] * spec.num_blocks
         self.block_hash: list[bytes | None] = [None] * spec.num_blocks
         self.generation: list[int] = [0] * spec.num_blocks
@@ -187,7 +195,7 @@ class BlockPool:
     # ----------------------------------------------------------------------------------------- helpers
 
     def extra_for(self, cache_salt: str | None) -> bytes:
-        return self._default_extra if cache_salt is None else extra_key(self.spec.model_id, cache_salt)
+        return self._default_extra if cache_salt is None else extra_key(self.spec.model_id, cache_salt, self.hash_key)
 
     def _seq(self, seq_id: str) -> SeqState:
         seq = self.seqs.get(seq_id)
@@ -284,7 +292,7 @@ class BlockPool:
                 f"a prompt of {n} tokens is more than pool {self.spec.pool_id!r} holds ({self.num_blocks * bs})",
             )
         extra = self.extra_for(cache_salt)
-        hashes = chain_hashes(packed, bs, self.root, extra)
+        hashes = chain_hashes(packed, bs, self.root, extra, key=self.hash_key)
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs)
         refcount = self.refcount
         cached = len(hits) * bs
@@ -370,7 +378,9 @@ class BlockPool:
         hashes = seq.hashes
         if len(hashes) < full:
             parent = hashes[-1] if hashes else self.root
-            hashes.extend(chain_hashes(seq.tokens, self.block_size, parent, seq.extra, len(hashes), full))
+            hashes.extend(
+                chain_hashes(seq.tokens, self.block_size, parent, seq.extra, len(hashes), full, self.hash_key)
+            )
         index, block_hash, table = self.index, self.block_hash, seq.table
         added = 0
         for i in range(seq.committed, full):
@@ -421,7 +431,7 @@ class BlockPool:
         """Hashes of the prompt blocks an admit could reuse (all full blocks but a last one holding the end)."""
         packed = _packed(tokens)
         limit = max(len(packed) // _TOKEN_BYTES - 1, 0) // self.block_size
-        return chain_hashes(packed, self.block_size, self.root, self.extra_for(cache_salt), 0, limit)
+        return chain_hashes(packed, self.block_size, self.root, self.extra_for(cache_salt), 0, limit, self.hash_key)
 
     def lookup(self, tokens: TokenIds, cache_salt: str | None = None) -> int:
         """How many prompt tokens `admit` would find cached right now."""

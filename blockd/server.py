@@ -27,7 +27,7 @@ import zmq
 from blockd import protocol as p
 from blockd.embedded_redis import EmbeddedRedis
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import epoch_fingerprint
+from blockd.hashing import epoch_fingerprint, secret_key
 from blockd.kv_events import KvEventPublisher
 from blockd.manager import (
     DEFAULT_MAX_BLOCKS_PER_POOL,
@@ -40,6 +40,7 @@ from blockd.manager import (
 from blockd.metrics import BlockdMetrics
 from blockd.persistence import DEFAULT_QUEUE_LIMIT, NoPersistence, RedisKeys, RedisPersistence
 from common import __version__
+from common.auth import KEYS_ENV, KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
@@ -50,6 +51,37 @@ _TICK_S = 0.02
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "pagedkv" / "blockd"
+
+
+#: What each role may ask blockd (with keys; without them every peer may ask everything).
+OPERATOR_REQUESTS = (p.Stats, p.Pools, p.GetSequence, p.Check, p.ResetPrefixCache)
+EXECUTOR_REQUESTS = (p.Register, p.Heartbeat, p.Step, p.Unregister, p.ResetPrefixCache)
+GATEWAY_REQUESTS = (p.Lookup,)
+
+
+def authorize(principal: Principal | None, request: p.Request) -> None:
+    """BlockdError(forbidden) unless the sender's role allows this request (executors: on their own pool only)."""
+    kind = type(request)
+    if principal is None:
+        allowed, why = False, "this key is not known"
+    elif principal.role is Role.OPERATOR:
+        allowed, why = kind in OPERATOR_REQUESTS, "an operator key may not"
+    elif principal.role is Role.GATEWAY:
+        allowed, why = kind in GATEWAY_REQUESTS, "a gateway key may only look up prefixes; it may not"
+    else:
+        pool_id: str | None = getattr(request, "pool_id", None)
+        allowed = kind in EXECUTOR_REQUESTS and pool_id is not None and principal.may_act_on(pool_id)
+        if kind is p.ResetPrefixCache and getattr(request, "epoch", None) is None:
+            allowed = False  # an executor resets only its own pool, proven by its epoch
+        why = (
+            f"executor key {principal.name!r} may act only on pool {principal.pool!r}; it may not"
+            if principal.pool is not None and kind in EXECUTOR_REQUESTS
+            else f"executor key {principal.name!r} may not"
+        )
+    if not allowed:
+        tag = kind.__struct_config__.tag  # type: ignore[attr-defined]
+        target = getattr(request, "pool_id", None)
+        raise BlockdError(ErrorCode.FORBIDDEN, f"{why} {tag}" + (f" pool {target!r}" if target else ""))
 
 
 class BlockdServer:
@@ -64,9 +96,11 @@ class BlockdServer:
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
         log: Any = None,
         kv_events: KvEventPublisher | None = None,
+        auth: ServerAuth | None = None,
     ) -> None:
         self.manager = manager
         self.kv_events = kv_events
+        self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
         self.persistence = persistence
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
@@ -90,8 +124,9 @@ class BlockdServer:
 
     # ------------------------------------------------------------------------------ request handling
 
-    def handle(self, frame: bytes) -> bytes:
-        """Answer one request frame. Never raises: every failure becomes an error reply."""
+    def handle(self, frame: bytes, principal: Principal | None = None) -> bytes:
+        """Answer one request frame (from `principal`, when keys are in use). Never raises: every failure becomes
+        an error reply."""
         started = time.perf_counter()
         request_id = 0
         op = "invalid"
@@ -99,6 +134,8 @@ class BlockdServer:
             request = p.decode_request(frame, self.max_message_bytes)
             request_id = request.id
             op = type(request).__struct_config__.tag  # type: ignore[attr-defined]
+            if self.auth is not None:
+                authorize(principal, request)
             reply = p.encode_ok(request_id, self._handlers[type(request)](request))
             outcome = "ok"
         except p.RequestError as exc:
@@ -199,18 +236,25 @@ class BlockdServer:
                 # Drain what is queued before housekeeping, so bursts are answered back to back.
                 for _ in range(256):
                     try:
-                        frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     if len(frames) != 2:
                         reply = p.encode_error(0, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}")
                     else:
-                        reply = self.handle(frames[1])
-                    socket.send_multipart([frames[0], reply])
+                        principal = self.auth.principal(frames[1]) if self.auth is not None else None
+                        reply = self.handle(frames[1].bytes, principal)
+                    socket.send_multipart([frames[0].bytes, reply])
             self.tick(time.monotonic())
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
+    if auth is not None:
+        auth.stop()
+    context.destroy(linger=0)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -280,6 +324,22 @@ class BlockdServer:
 )
 @click.option("--deployment", default="pagedkv", help="Namespace of the block hashes (the chain's root).")
 @click.option(
+    "--deployment-secret",
+    envvar="PAGEDKV_DEPLOYMENT_SECRET",
+    default=None,
+    show_default=False,
+    help="Key every block hash with this secret (keyed BLAKE2b), so the hashes in Redis reveal nothing about the "
+    "prompts without it. Changing it makes the persisted prefixes unreachable (they age out). Env: "
+    "PAGEDKV_DEPLOYMENT_SECRET.",
+)
+@click.option(
+    "--deployment-secret-file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="PAGEDKV_DEPLOYMENT_SECRET_FILE",
+    default=None,
+    help="Read --deployment-secret from this file (its first line).",
+)
+@click.option(
     "--redis-prefix",
     default=None,
     help="Prefix of every Redis key blockd writes ('<prefix>:blockd:v1:...'), so deployments can share a Redis. "
@@ -305,6 +365,22 @@ class BlockdServer:
     default=None,
     help="ROUTER endpoint answering replay requests for missed KV event batches, e.g. tcp://*:5571.",
 )
+@click.option(
+    "--keys",
+    "keys_dir",
+    envvar=KEYS_ENV,
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Key directory (`pagedkv keys generate DIR`): serve CURVE only, to executor, gateway and operator keys, "
+    "each kept to its role. Env: PAGEDKV_KEYS.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=False,
+    envvar="PAGEDKV_INSECURE",
+    help="Allow listening beyond loopback without --keys (anyone who reaches the port may do anything).",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     endpoint: str,
@@ -322,10 +398,14 @@ def main(
     block_sizes: str,
     max_lookup_tokens: int,
     deployment: str,
+    deployment_secret: str | None,
+    deployment_secret_file: Path | None,
     redis_prefix: str | None,
     persistence_queue: int,
     kv_events_endpoint: str | None,
     kv_events_replay_endpoint: str | None,
+    keys_dir: Path | None,
+    insecure: bool,
     log_level: str,
 ) -> None:
     """blockd: the block-manager daemon of pagedkv.
@@ -357,9 +437,21 @@ def main(
         block_sizes=sizes,
         max_lookup_tokens=max_lookup_tokens,
     )
+    refusal = unkeyed_refusal("blockd", endpoint, keys_dir, insecure)
+    if refusal:
+        raise click.UsageError(refusal)
     # Bind first: a second blockd on the same endpoint fails here, before it touches anyone's Redis.
     context = zmq.Context()
+    auth: ServerAuth | None = None
+    if keys_dir is not None:
+        try:
+            auth = ServerAuth(context, KeySet(keys_dir), (Role.EXECUTOR, Role.GATEWAY, Role.OPERATOR))
+        except KeysError as exc:
+            _give_up(context, auth)
+            raise click.ClickException(str(exc)) from None
     socket = context.socket(zmq.ROUTER)
+    if auth is not None:
+        auth.secure(socket)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects under its old identity takes it over
     socket.setsockopt(zmq.MAXMSGSIZE, limit)  # a peer that sends more is cut off before it is read
@@ -368,7 +460,7 @@ def main(
     try:
         socket.bind(endpoint)
     except zmq.ZMQError as exc:
-        context.destroy(linger=0)
+        _give_up(context, auth)
         raise click.ClickException(f"cannot bind {endpoint}: {exc}") from None
     embedded: EmbeddedRedis | None = None
     store: RedisPersistence | NoPersistence
@@ -380,7 +472,7 @@ def main(
             try:
                 redis_url = embedded.start()
             except (RuntimeError, FileNotFoundError) as exc:
-                context.destroy(linger=0)
+                _give_up(context, auth)
                 raise click.ClickException(str(exc)) from None
             log.info("embedded redis started", url=redis_url, state_dir=str(state_dir))
         store = RedisPersistence(
@@ -389,6 +481,8 @@ def main(
             keys=RedisKeys(redis_prefix or deployment),
             queue_limit=persistence_queue,
         )
+    if deployment_secret_file is not None:
+        deployment_secret = deployment_secret_file.read_text().strip()
     kv_events = None
     if kv_events_endpoint is not None:
         try:
@@ -397,7 +491,13 @@ def main(
             context.destroy(linger=0)
             raise click.ClickException(f"cannot open the KV events endpoints: {exc}") from None
     events = store if kv_events is None else kv_events  # the publisher hears pool changes and passes them on
-    manager = BlockManager(lease_timeout_s=lease_timeout, deployment=deployment, events=events, limits=limits)
+    manager = BlockManager(
+        lease_timeout_s=lease_timeout,
+        deployment=deployment,
+        events=events,
+        limits=limits,
+        hash_key=secret_key(deployment_secret),
+    )
     specs, records = store.load()
     manager.restore(specs, records)
     store.start()
@@ -412,7 +512,9 @@ def main(
     metrics = BlockdMetrics() if metrics_port else None
     if metrics is not None:
         metrics.serve(metrics_port, metrics_host)
-    server = BlockdServer(manager, store, metrics=metrics, max_message_bytes=limit, log=log, kv_events=kv_events)
+    server = BlockdServer(
+        manager, store, metrics=metrics, max_message_bytes=limit, log=log, kv_events=kv_events, auth=auth
+    )
 
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
@@ -430,6 +532,9 @@ def main(
         block_sizes=list(sizes),
         redis_keys=store.stats(time.monotonic()).key_prefix or None,
         kv_events=kv_events.endpoint if kv_events is not None else None,
+        keyed_hashes=bool(deployment_secret),
+        auth="curve" if auth is not None else "none",
+        keys=len(auth.principals) if auth is not None else None,
     )
     try:
         server.serve(socket)
@@ -439,6 +544,8 @@ def main(
         socket.close()
         if kv_events is not None:
             kv_events.close()
+        if auth is not None:
+            auth.stop()
         context.term()
         store.close()
         if embedded is not None:

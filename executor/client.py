@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from common.auth import ClientCurve
 from common.tokens import pack_tokens
 from executor import protocol as ep
 from executor.params import SamplingParams
@@ -33,11 +34,20 @@ class ExecutorRejected(ValueError):
 
 
 class ExecutorClient:
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 10.0,
+        context: zmq.Context | None = None,
+        curve: ClientCurve | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:  # an executor that serves CURVE (common.auth): a gateway's or operator's keys
+            curve.apply(self.socket)
         self.socket.connect(endpoint)
         self._ids = itertools.count()
         self._backlog: list[ep.Outbound] = []  # messages that arrived while waiting for something else

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from blockd.client import BlockdClient, BlockdUnavailable, PoolClient
+from common.auth import ClientCurve
 from executor import protocol as ep
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, ModelRunner
@@ -86,11 +87,12 @@ class Engine:
         seed: int | None = None,
         timeout_s: float = 2.0,
         retry_for_s: float = 30.0,
+        curve: ClientCurve | None = None,
     ) -> Engine:
         """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
         pool = PoolClient(
-            BlockdClient(blockd_endpoint, timeout_s=timeout_s),
+            BlockdClient(blockd_endpoint, timeout_s=timeout_s, curve=curve),
             pool_id=pool_id,
             num_blocks=num_blocks,
             block_size=block_size,

@@ -33,6 +33,7 @@ import zmq
 
 from blockd.client import BlockdUnavailable, PoolClient, PoolFenced
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
+from common.auth import KEYS_ENV, KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.tokens import TOKEN_BYTES, unpack_tokens
@@ -66,8 +67,10 @@ class ExecutorServer:
         context: zmq.Context | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        auth: ServerAuth | None = None,
     ) -> None:
         self.engine = engine
+        self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
         self.info = info
         self.max_queued_requests = max_queued_requests
         self.context = context or zmq.Context.instance()
@@ -76,6 +79,8 @@ class ExecutorServer:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a peer that sends more is cut off unread
         self.socket.setsockopt(zmq.RCVHWM, max(1000, 4 * max_queued_requests))  # then a peer waits in TCP buffers
+        if auth is not None:
+            auth.secure(self.socket)
         self.socket.bind(bind)
         self.owners: dict[str, bytes] = {}  # request id -> the gateway connection it came from
         self.stopping = False
@@ -147,12 +152,37 @@ class ExecutorServer:
     def _drain(self) -> None:
         while True:
             try:
-                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:
+            if len(frames) != 2:
                 continue  # not two frames: not one of ours
+            identity, frame = frames[0].bytes, frames[1].bytes
+            if self.auth is not None and not self._allowed(identity, frame, self.auth.principal(frames[1])):
+                continue
             self._handle(identity, frame)
+
+    def _allowed(self, identity: bytes, frame: bytes, principal: Principal | None) -> bool:
+        """With keys: gateways may submit, abort and ask; operators may only ask (load, info). Anything else is
+        answered `forbidden` and changes nothing."""
+        if principal is not None and principal.role is Role.GATEWAY:
+            return True
+        try:
+            message = ep.decode_inbound(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            message = None
+        if principal is not None and principal.role is Role.OPERATOR and type(message) in (ep.GetLoad, ep.GetInfo):
+            return True
+        who = f"{principal.role} key {principal.name!r}" if principal is not None else "an unknown key"
+        self._reply(
+            identity,
+            ep.Rejected(
+                request_id=getattr(message, "request_id", "") or _peek_request_id(frame),
+                code="forbidden",
+                message=f"{who} may not send {type(message).__name__ if message else 'this'} to an executor",
+            ),
+        )
+        return False
 
     def _reply(self, identity: bytes, message: ep.Message) -> None:
         self.socket.send_multipart([identity, ep.encode(message)])
@@ -369,6 +399,22 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     default=DEFAULT_MAX_QUEUED_REQUESTS,
     help="Requests held at once (running or waiting); more are rejected with queue_full.",
 )
+@click.option(
+    "--keys",
+    "keys_dir",
+    envvar=KEYS_ENV,
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
+    "pool's executor key (pool-POOL, else executor). Env: PAGEDKV_KEYS.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=False,
+    envvar="PAGEDKV_INSECURE",
+    help="Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     model_dir,
@@ -388,6 +434,8 @@ def main(
     pool_wait,
     max_message_bytes,
     max_queued_requests,
+    keys_dir,
+    insecure,
     log_level,
 ) -> None:
     """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
@@ -395,6 +443,9 @@ def main(
     Every option can also be set by an environment variable: PAGEDKV_EXECUTOR_ and the option's name in
     capitals with underscores (PAGEDKV_EXECUTOR_MODEL, PAGEDKV_EXECUTOR_KV_CACHE_MEMORY, ...)."""
     configure_logging("executor", log_level)
+    refusal = unkeyed_refusal("the executor", bind, keys_dir, insecure)
+    if refusal:
+        raise click.UsageError(refusal)
     device = _device(device_spec)
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
@@ -417,6 +468,13 @@ def main(
     block_size_int = int(block_size)
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
     pool_id = pool_id or _default_pool_id(bind, device)
+    keys = curve = None
+    if keys_dir is not None:
+        try:
+            keys = KeySet(keys_dir)
+            curve = keys.executor_client(pool_id)
+        except KeysError as exc:
+            raise click.ClickException(str(exc)) from None
     # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
     engine = Engine.assemble(
         loaded,
@@ -428,6 +486,7 @@ def main(
         backend=kernels,
         seed=seed,
         retry_for_s=2.0,
+        curve=curve,
     )
     runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
@@ -443,8 +502,14 @@ def main(
         device=str(device),
         eos_token_ids=list(loaded.config.eos_token_ids),
     )
+    auth = None
+    if keys is not None:
+        try:
+            auth = ServerAuth(zmq.Context.instance(), keys, (Role.GATEWAY, Role.OPERATOR))
+        except KeysError as exc:
+            raise click.ClickException(str(exc)) from None
     server = ExecutorServer(
-        engine, bind, info, max_message_bytes=message_limit, max_queued_requests=max_queued_requests
+        engine, bind, info, max_message_bytes=message_limit, max_queued_requests=max_queued_requests, auth=auth
     )
     log.info(
         "executor_ready",
@@ -464,6 +529,7 @@ def main(
         pool_id=pool_id,
         epoch=engine.pool.epoch_fingerprint,
         blockd=blockd_endpoint,
+        auth="curve" if auth is not None else "none",
         pid=os.getpid(),
     )
 

@@ -74,6 +74,8 @@ class _Common(BaseModel):
     spaces_between_special_tokens: bool = True  # what vLLM does with a fast tokenizer: nothing (transformers too)
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's isolation)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 

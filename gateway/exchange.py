@@ -396,6 +396,7 @@ async def respond(
             arrival,
             replayable=not body.stream,
             output=output,
+            cache_salt=body.cache_salt,
         )
         for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=False))
     ]
@@ -433,7 +434,7 @@ async def respond(
 def echo_only(gateway: Gateway, body: _Common, prompts: list[list[int]], echo: Sequence[str]) -> Response:
     """`echo` with `max_tokens: 0`: each choice is its prompt's text, nothing is generated."""
     envelope = responses.Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), gateway.model_name)
-    usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+    usage = Usage(prompt_tokens=sum(len(p) for p in prompts), report_cached=False)  # nothing ran: nothing cached
     indices = [(p, p * body.n + j) for p in range(len(prompts)) for j in range(body.n)]
     gateway.metrics.requests.labels(route="/v1/completions", status="200").inc()
     if not body.stream:

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.auth import ClientCurve
 from common.tokens import pack_tokens
 from executor import protocol as ep
 from executor.params import SamplingParams
@@ -55,8 +56,10 @@ class ExecutorLink:
         timeout_s: float = 5.0,
         poll_interval_s: float | None = None,
         compatible: Callable[[ep.Info], str | None] = lambda info: None,
+        curve: ClientCurve | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve  # the gateway's keys, for executors that serve CURVE
         self.compatible = compatible  # why this gateway cannot use an executor (another model), or None
         self.refused: str | None = None
         self.timeout_s = timeout_s
@@ -105,13 +108,17 @@ class ExecutorLink:
 
     # ------------------------------------------------------------------------------------------ requests
 
-    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> asyncio.Queue[StreamItem]:
+    def submit(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> asyncio.Queue[StreamItem]:
         """Send a request; its deltas arrive on the returned queue. Raises ExecutorUnavailable."""
         if not self.healthy or self._sync is None:
             raise ExecutorUnavailable(f"executor {self.endpoint} is out of rotation")
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.streams[request_id] = queue
-        frame = ep.encode(ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params))
+        frame = ep.encode(
+            ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
+        )
         try:
             self._sync.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -149,6 +156,8 @@ class ExecutorLink:
         socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for an executor that is not connected
         socket.setsockopt(zmq.RECONNECT_IVL, 100)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            self.curve.apply(socket)
         self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         socket.connect(self.endpoint)
         self._socket = socket

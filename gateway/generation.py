@@ -64,6 +64,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    report_cached: bool = True  # False: cached_tokens stays out of the response (it tells of others' prompts)
 
 
 class _Choice:
@@ -89,6 +90,8 @@ class Generation:
         arrival: float | None = None,
         replayable: bool = False,
         output: OutputOptions | None = None,
+        cache_salt: str | None = None,
+        report_cached_tokens: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt = list(prompt)
@@ -100,7 +103,9 @@ class Generation:
         self.arrival = time.monotonic() if arrival is None else arrival
         self.replayable = replayable
         self.output = output or OutputOptions()
-        self.usage = Usage(prompt_tokens=len(self.prompt))
+        self.cache_salt = cache_salt
+        self.report_cached_tokens = report_cached_tokens
+        self.usage = Usage(prompt_tokens=len(self.prompt), report_cached=report_cached_tokens)
         self.executor: str | None = None  # the pool that served it
         self.first_token_at: float | None = None
         self.submitted_at: float | None = None  # first handed to an executor
@@ -163,14 +168,14 @@ class Generation:
 
     async def _submit(self, tried: set[str], attempt: int) -> asyncio.Queue[StreamItem]:
         while True:
-            route = await self.router.choose(self.prompt, exclude=tried)
+            route = await self.router.choose(self.prompt, exclude=tried, cache_salt=self.cache_salt)
             if route is None:
                 detail = "every executor is out of rotation" if not tried else "the executors tried were lost"
                 raise errors.no_executor(detail)
             link = route.link
             submitted_id = self.request_id if attempt == 0 else f"{self.request_id}-retry{attempt}"
             try:
-                queue = link.submit(submitted_id, self.prompt, self.params)
+                queue = link.submit(submitted_id, self.prompt, self.params, self.cache_salt)
             except ExecutorUnavailable:
                 tried.add(link.endpoint)
                 continue
@@ -187,7 +192,7 @@ class Generation:
                 )
                 for _ in range(self.params.n)
             ]
-            self.usage = Usage(prompt_tokens=len(self.prompt))
+            self.usage = Usage(prompt_tokens=len(self.prompt), report_cached=self.report_cached_tokens)
             self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
             return queue
 

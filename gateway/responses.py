@@ -35,12 +35,14 @@ def error_event(error: APIError) -> str:
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.report_cached:  # else hidden: it would tell whether someone else sent this prefix
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
 
 
 def total_usage(usages: Sequence[Usage]) -> Usage:
@@ -48,6 +50,7 @@ def total_usage(usages: Sequence[Usage]) -> Usage:
         sum(u.prompt_tokens for u in usages),
         sum(u.completion_tokens for u in usages),
         sum(u.cached_tokens for u in usages),
+        all(u.report_cached for u in usages),
     )
 
 

@@ -20,6 +20,7 @@ from starlette.routing import Match
 
 from gateway import errors
 from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
+from gateway.auth import install_api_keys
 from gateway.errors import APIError
 from gateway.exchange import echo_only, respond
 from gateway.state import Gateway, GatewayConfig
@@ -41,6 +42,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="pagedkv gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
+    install_api_keys(app, config.api_keys, protect_health=config.protect_health, protect_metrics=config.protect_metrics)
 
     def route_label(request: Request) -> str:
         """The metric label of a request's route: its template (/v1/models/{name:path}), never the raw path, so

@@ -26,6 +26,7 @@ import structlog
 
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.errors import BlockdError
+from common.auth import ClientCurve
 from gateway import ROUTING_POLICIES
 from gateway.executors import ExecutorLink
 
@@ -53,20 +54,23 @@ class PrefixLookup:
         timeout_s: float = 0.25,
         retry_after_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        curve: ClientCurve | None = None,
     ) -> None:
-        self._client = BlockdClient(endpoint, timeout_s=timeout_s)
+        self._client = BlockdClient(endpoint, timeout_s=timeout_s, curve=curve)
         self._clock = clock
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockd-lookup")
         self.retry_after_s = retry_after_s
         self.reachable = True
         self._next_try = 0.0
 
-    async def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
+    async def cached_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         if not self.reachable and self._clock() < self._next_try:
             return {}
         self._next_try = self._clock() + self.retry_after_s  # one probe at a time while it is away
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._thread, self._client.lookup, tokens)
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._client.lookup, tokens, cache_salt
+            )
         except (BlockdUnavailable, BlockdError) as exc:
             if self.reachable:
                 log.warning(
@@ -105,8 +109,11 @@ class Router:
         start = next(self._turn) % len(links)
         return links[start:] + links[:start]
 
-    async def choose(self, prompt: Sequence[int], exclude: AbstractSet[str] = frozenset()) -> Route | None:
-        """The executor for this prompt, or None if no executor is in rotation."""
+    async def choose(
+        self, prompt: Sequence[int], exclude: AbstractSet[str] = frozenset(), cache_salt: str | None = None
+    ) -> Route | None:
+        """The executor for this prompt (prefixes looked up under its cache salt), or None if no executor is in
+        rotation."""
         candidates = self.healthy(exclude)
         if not candidates:
             return None
@@ -115,7 +122,7 @@ class Router:
             return Route(ordered[0], 0)
         cached: dict[str, int] = {}
         if self.policy == "prefix" and self.lookup is not None:
-            cached = await self.lookup.cached_tokens(prompt)
+            cached = await self.lookup.cached_tokens(prompt, cache_salt)
             ordered = [link for link in ordered if link.healthy] or ordered  # the wait may have changed things
         return pick(ordered, cached if self.policy == "prefix" else {}, self.load_slack)
 

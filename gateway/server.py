@@ -6,6 +6,7 @@ import the app only when it runs, so `--help` stays fast.
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,10 +14,13 @@ from typing import TYPE_CHECKING
 import click
 
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
+from common.auth import KEYS_ENV, KeysError, KeySet, is_loopback
 from common.logs import configure_logging
 from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
 from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS
+
+API_KEY_ENV = "PAGEDKV_GATEWAY_API_KEY"
 
 if TYPE_CHECKING:
     from gateway.state import GatewayConfig
@@ -123,6 +127,46 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     "Hermes and Qwen), llama3_json (Llama 3's JSON), none; auto: by the model's chat template.",
 )
 @click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    allow_from_autoenv=False,
+    help="An API key clients must send (Authorization: Bearer KEY); repeat for several. Also "
+    "PAGEDKV_GATEWAY_API_KEY (comma-separated) and --api-key-file. None: the API is open.",
+)
+@click.option(
+    "--api-key-file",
+    "api_key_files",
+    multiple=True,
+    allow_from_autoenv=False,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="A file of API keys, one a line (# comments); repeatable.",
+)
+@click.option("--protect-health", is_flag=True, help="/health needs an API key too (by default it is open).")
+@click.option("--protect-metrics", is_flag=True, help="/metrics needs an API key too (by default it is open).")
+@click.option(
+    "--report-cached-tokens",
+    is_flag=True,
+    help="Report usage.prompt_tokens_details.cached_tokens for every request. By default only requests with a "
+    "cache_salt see it: for the others it would tell whether someone else sent the same prefix.",
+)
+@click.option(
+    "--keys",
+    "keys_dir",
+    envvar=KEYS_ENV,
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Key directory (`pagedkv keys generate DIR`) of a blockd and executors that serve CURVE: the gateway "
+    "connects with its gateway key. Env: PAGEDKV_KEYS.",
+)
+@click.option("--key-name", default="gateway", help="Which key of --keys is this gateway's.")
+@click.option(
+    "--insecure",
+    is_flag=True,
+    envvar="PAGEDKV_INSECURE",
+    help="Allow --host beyond loopback without API keys (anyone who reaches the port may generate).",
+)
+@click.option(
     "--log-level",
     default="info",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -141,6 +185,14 @@ def main(
     executor_timeout: float,
     max_body_bytes: str,
     tool_call_parser: str,
+    api_keys: tuple[str, ...],
+    api_key_files: tuple[Path, ...],
+    protect_health: bool,
+    protect_metrics: bool,
+    report_cached_tokens: bool,
+    keys_dir: Path | None,
+    key_name: str,
+    insecure: bool,
     log_level: str,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) in front of executors.
@@ -152,7 +204,21 @@ def main(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-body-bytes") from None
     configure_logging("gateway", log_level)
+    from gateway.auth import read_api_keys
     from gateway.state import GatewayConfig
+
+    keys = read_api_keys(api_keys, os.environ.get(API_KEY_ENV), api_key_files)
+    if not keys and not insecure and not is_loopback(host):
+        raise click.UsageError(
+            f"the gateway would listen on {host}, beyond loopback, without API keys: give --api-key, "
+            f"{API_KEY_ENV} or --api-key-file, or --insecure to serve an open API anyway"
+        )
+    curve = None
+    if keys_dir is not None:
+        try:
+            curve = KeySet(keys_dir).client(key_name)
+        except KeysError as exc:
+            raise click.ClickException(str(exc)) from None
 
     if model_dir is None:
         from common.default_model import ensure_default_model
@@ -169,6 +235,11 @@ def main(
         executor_timeout_s=executor_timeout,
         max_body_bytes=body_limit,
         tool_call_parser=tool_call_parser,
+        curve=curve,
+        api_keys=keys,
+        protect_health=protect_health,
+        protect_metrics=protect_metrics,
+        report_cached_tokens=report_cached_tokens,
     )
     run_gateway(config, host=host, port=port, log_level=log_level)
 

@@ -16,6 +16,7 @@ from typing import TypeVar
 import structlog
 import zmq.asyncio
 
+from common.auth import ClientCurve
 from executor.params import SamplingParams
 from executor.protocol import Info as ExecutorInfo
 from gateway import errors
@@ -43,6 +44,11 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_threads: int = 2
     tool_call_parser: str = "auto"  # gateway.tool_calls.TOOL_CALL_PARSERS
+    curve: ClientCurve | None = None  # the gateway's keys for CURVE-serving blockd and executors (common.auth)
+    api_keys: tuple[str, ...] = ()  # Authorization: Bearer keys the HTTP API accepts; none: open
+    protect_health: bool = False  # /health needs an API key too
+    protect_metrics: bool = False  # /metrics needs an API key too
+    report_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens without a cache_salt
 
 
 class Gateway:
@@ -55,10 +61,12 @@ class Gateway:
         self.created = int(time.time())
         self.context = zmq.asyncio.Context()
         self.links = [
-            ExecutorLink(e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible)
+            ExecutorLink(
+                e, self.context, timeout_s=config.executor_timeout_s, compatible=self._compatible, curve=config.curve
+            )
             for e in config.executors
         ]
-        self.lookup = PrefixLookup(config.blockd_endpoint) if config.routing == "prefix" else None
+        self.lookup = PrefixLookup(config.blockd_endpoint, curve=config.curve) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
         self.in_flight = 0  # generations admitted (a request's prompts x n), bounded by max_queue
         # Tokenizing and chat templating run here, off the event loop: a huge prompt must not stall the links'
@@ -148,6 +156,7 @@ class Gateway:
         arrival: float,
         replayable: bool,
         output: OutputOptions | None = None,
+        cache_salt: str | None = None,
     ) -> Generation:
         return Generation(
             request_id=request_id,
@@ -160,4 +169,6 @@ class Gateway:
             arrival=arrival,
             replayable=replayable,
             output=output,
+            cache_salt=cache_salt,
+            report_cached_tokens=self.config.report_cached_tokens or cache_salt is not None,
         )

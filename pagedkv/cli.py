@@ -30,6 +30,7 @@ class LazyGroup(click.Group):
         "make-model": "pagedkv.tools.model_gen.cli:make_model",
         "serve": "pagedkv.serve:serve",
         "chaos": "pagedkv.tools.chaos:chaos",
+        "keys": "pagedkv.tools.keys:keys",
     },
 )
 @click.version_option(package_name="pagedkv")

@@ -108,6 +108,7 @@ class LocalStack:
         log_dir: Path | None = None,
         startup_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = _stderr,
+        keys: bool = True,
     ) -> None:
         if executors < 1:
             raise ValueError(f"executors must be at least 1, not {executors}")
@@ -130,6 +131,7 @@ class LocalStack:
         self.gateway_args = tuple(gateway_args)
         self._given_log_dir = Path(log_dir).expanduser().resolve() if log_dir is not None else None
         self.startup_timeout_s = startup_timeout_s
+        self.keys = keys  # a CURVE key set of its own (<state-dir>/keys) for blockd, executors and gateway
         self._progress = progress or (lambda _line: None)
         self._state_dir: Path | None = None
         self._owns_state_dir = False
@@ -193,6 +195,19 @@ class LocalStack:
         return self._given_log_dir or self.state_dir / "logs"
 
     @property
+    def keys_dir(self) -> Path | None:
+        """The stack's key directory (`blockd-cli --keys DIR`, PAGEDKV_KEYS=DIR); None when started without keys."""
+        return self.state_dir / "keys" if self.keys else None
+
+    def operator_keys(self) -> Any:
+        """The operator's CURVE keys (common.auth.ClientCurve) for blockd and executor clients; None without keys."""
+        if self.keys_dir is None:
+            return None
+        from common.auth import KeySet
+
+        return KeySet(self.keys_dir).client("operator")
+
+    @property
     def processes(self) -> dict[str, subprocess.Popen[bytes]]:
         """Child name (blockd, executor-0.., gateway) -> its process, for those started so far."""
         return dict(self._processes)
@@ -251,6 +266,10 @@ class LocalStack:
             self._state_dir = Path(tempfile.mkdtemp(prefix="pagedkv-serve-"))
             self._owns_state_dir = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.keys_dir is not None:
+            from common.auth import generate
+
+            generate(self.keys_dir, [f"executor-{i}" for i in range(self.executors)], force=True)
         self._blockd_port, *self._executor_ports = net.free_ports(1 + self.executors)
         self._progress(
             f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; logs in {self.log_dir}"
@@ -324,6 +343,9 @@ class LocalStack:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("PAGEDKV_KEYS", None)
+        if self.keys_dir is not None:
+            env["PAGEDKV_KEYS"] = str(self.keys_dir)  # each child reads its own key and trusts the others'
         if self.device == "cpu" and name.startswith("executor-") and "OMP_NUM_THREADS" not in os.environ:
             # Executors on one CPU share its cores: torch would otherwise give each of them all of them.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.executors))
@@ -372,7 +394,7 @@ class LocalStack:
     def _probe_blockd(self) -> str | None:
         from blockd.client import BlockdClient, BlockdUnavailable
 
-        with BlockdClient(self.blockd_endpoint, timeout_s=_PROBE_TIMEOUT_S) as client:
+        with BlockdClient(self.blockd_endpoint, timeout_s=_PROBE_TIMEOUT_S, curve=self.operator_keys()) as client:
             try:
                 client.pools()
             except BlockdUnavailable:
@@ -382,7 +404,7 @@ class LocalStack:
     def _probe_executor(self, endpoint: str) -> str | None:
         from executor.client import ExecutorClient, ExecutorUnavailable
 
-        with ExecutorClient(endpoint, timeout_s=_PROBE_TIMEOUT_S) as client:
+        with ExecutorClient(endpoint, timeout_s=_PROBE_TIMEOUT_S, curve=self.operator_keys()) as client:
             try:
                 info = client.info()
             except ExecutorUnavailable:
@@ -489,7 +511,8 @@ def _curl_example(stack: LocalStack) -> str:
     payload = json.dumps(
         {"model": stack.model_name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
     )
-    return f"curl {stack.base_url}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(payload)}"
+    auth = " -H 'Authorization: Bearer $API_KEY'" if "--api-key" in stack.gateway_args else ""
+    return f"curl {stack.base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(payload)}"
 
 
 @click.command("serve", context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -543,6 +566,14 @@ def _curl_example(stack: LocalStack) -> str:
     default=None,
     help="Where each process logs (blockd.log, executor-N.log, gateway.log). Default: <state-dir>/logs.",
 )
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    help="An API key clients must send (Authorization: Bearer KEY); repeatable. Needed with a --host beyond "
+    "loopback unless --insecure.",
+)
+@click.option("--insecure", is_flag=True, help="Serve an open API on a --host beyond loopback.")
 def serve(
     model_dir: Path | None,
     executors: int,
@@ -554,6 +585,8 @@ def serve(
     kv_cache_memory: str | None,
     state_dir: Path | None,
     log_dir: Path | None,
+    api_keys: tuple[str, ...],
+    insecure: bool,
 ) -> None:
     """Run a whole local stack: blockd, executors and the OpenAI-compatible gateway, until Ctrl-C.
 
@@ -571,7 +604,11 @@ def serve(
         kv_cache_memory=kv_cache_memory,
         state_dir=state_dir,
         log_dir=log_dir,
-        gateway_args=() if tool_call_parser == "auto" else ("--tool-call-parser", tool_call_parser),
+        gateway_args=[
+            *(a for key in api_keys for a in ("--api-key", key)),
+            *(["--insecure"] if insecure else []),
+            *([] if tool_call_parser == "auto" else ["--tool-call-parser", tool_call_parser]),
+        ],
     )
 
     def interrupted(_signum: int, _frame: FrameType | None) -> None:
@@ -592,6 +629,8 @@ def serve(
                 f"  api        {stack.base_url}\n"
                 f"  model      {stack.model_name}\n"
                 f"  logs       {stack.log_dir}{' (removed on exit)' if temporary else ''}\n"
+                f"  keys       {stack.keys_dir} (blockd-cli --endpoint {stack.blockd_endpoint} --keys "
+                f"{stack.keys_dir})\n"
                 f"  processes  {pids}\n\n"
                 f"Try:\n  {_curl_example(stack)}\n\n"
                 "Ctrl-C stops everything."

@@ -415,6 +415,7 @@ def own_stack(options: StackOptions, routing: str) -> Iterator[Any]:
             routing=routing,
             kv_cache_memory=options.kv_cache_memory,
             persistence=False,
+            gateway_args=["--report-cached-tokens"],  # the prefix hit rate is what this bench compares
         ) as stack:
             yield stack
     except StackFailed as exc:

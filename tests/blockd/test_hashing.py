@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockd.hashing import HASH_BYTES, chain_hashes, extra_key, root_hash
+from blockd.hashing import HASH_BYTES, chain_hashes, extra_key, root_hash, secret_key
 from common.tokens import pack_tokens, unpack_tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,14 +36,18 @@ print(json.dumps(out))
 """
 
 
-def reference_chain(tokens: list[int], bs: int, parent: bytes, extra: bytes) -> list[bytes]:
+def reference_chain(tokens: list[int], bs: int, parent: bytes, extra: bytes, key: bytes = b"") -> list[bytes]:
     """The documented formula, written out independently: BLAKE2b-128(parent, uint32-LE ids, extra)."""
     out = []
     for i in range(len(tokens) // bs):
         block = struct.pack(f"<{bs}I", *tokens[i * bs : (i + 1) * bs])
-        parent = blake2b(parent + block + extra, digest_size=16).digest()
+        parent = blake2b(parent + block + extra, digest_size=16, key=key).digest()
         out.append(parent)
     return out
+
+
+def field(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
 
 
 @pytest.mark.parametrize("hashseed", ["0", "12345"])
@@ -67,9 +71,11 @@ def test_hash_is_identical_in_another_process(hashseed: str) -> None:
 
 @pytest.mark.parametrize(("tokens", "bs", "model", "salt"), CASES)
 def test_hash_follows_the_documented_formula(tokens: list[int], bs: int, model: str, salt: str | None) -> None:
-    root = blake2b(b"pagedkv-root\0pagedkv", digest_size=16).digest()
+    root = blake2b(field(b"pagedkv-root") + field(b"pagedkv"), digest_size=16).digest()
     assert root == ROOT
     extra = extra_key(model, salt)
+    tail = b"\0" if salt is None else b"\1" + field(salt.encode())
+    assert extra == blake2b(field(b"pagedkv-extra") + field(model.encode()) + tail, digest_size=16).digest()
     assert chain_hashes(tokens, bs, root, extra) == reference_chain(tokens, bs, root, extra)
     assert all(len(h) == HASH_BYTES == 16 for h in chain_hashes(tokens, bs, root, extra))
 
@@ -156,3 +162,31 @@ def test_ids_outside_uint32_are_refused(bad: list[int]) -> None:
         pack_tokens(bad)
     with pytest.raises(OverflowError):
         chain_hashes(bad, 1, ROOT, EXTRA)
+
+
+def test_variable_fields_are_length_prefixed() -> None:
+    """Moving bytes between the deployment name, the model id and the salt never gives the same hash."""
+    assert extra_key("ab", "c") != extra_key("a", "bc") != extra_key("abc", "")
+    assert extra_key("a\0\1b") != extra_key("a", "b")
+    assert extra_key("m", "") != extra_key("m", None)
+    assert root_hash("a") != root_hash("a\0")
+
+
+def test_a_deployment_secret_keys_every_hash() -> None:
+    """With --deployment-secret every hash is a keyed BLAKE2b: nobody without the secret can recompute one, so
+    the hashes stored in Redis do not confirm a guessed prompt."""
+    tokens = list(range(32))
+    key = secret_key("s3cret")
+    assert len(key) == 32 and secret_key(None) == secret_key("") == b""
+    plain = chain_hashes(tokens, 4, root_hash(), extra_key("m"))
+    keyed = chain_hashes(tokens, 4, root_hash(key=key), extra_key("m", key=key), key=key)
+    other = secret_key("another")
+    keyed_other = chain_hashes(tokens, 4, root_hash(key=other), extra_key("m", key=other), key=other)
+    assert len(keyed) == len(plain) == 8
+    assert not set(plain) & set(keyed) and not set(keyed) & set(keyed_other)
+    # Knowing one stored hash (a parent) does not let anyone check the next block without the key.
+    assert chain_hashes(tokens, 4, keyed[0], extra_key("m", key=key), 1, 2) != [keyed[1]]
+    assert chain_hashes(tokens, 4, keyed[0], extra_key("m", key=key), 1, 2, key) == [keyed[1]]
+    assert keyed == reference_chain(tokens, 4, root_hash(key=key), extra_key("m", key=key), key)
+    # Deterministic: the same secret gives the same hashes (a restarted blockd finds its prefixes).
+    assert keyed == chain_hashes(tokens, 4, root_hash(key=key), extra_key("m", key=key), key=key)

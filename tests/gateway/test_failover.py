@@ -161,6 +161,7 @@ def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: 
         "1",
         "--executor-timeout",
         "60",
+        keys_dir=stack.keys_dir,
     )
     executors = [stack.processes[name].pid for name in ("executor-0", "executor-1")]
     body = {"model": stack.model_name, "prompt": "x", "max_tokens": 2}
@@ -210,7 +211,9 @@ def test_no_executor_answers_503_and_health_says_so(model_dir: Path, tmp_path: P
 def test_executors_serving_another_model_are_refused(stack: LocalStack, tmp_path: Path) -> None:
     """A gateway whose tokenizer is not the executors' model would send them token ids that mean other words."""
     other = tiny_model(tmp_path, "other-model", vocab_size=1024)
-    gateway = GatewayProcess(other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log")
+    gateway = GatewayProcess(
+        other, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log", keys_dir=stack.keys_dir
+    )
     try:
         gateway.wait_listening()
         wait_for(

@@ -222,14 +222,15 @@ def test_logprobs_in_both_formats(client, stack, tokenizer) -> None:
 
 def test_repeated_long_prefix_is_cached_and_routed_to_its_holder(client, stack, tokenizer) -> None:
     shared = list(range(100, 100 + 160))  # ten full blocks
+    salt = {"cache_salt": "prefix-test"}  # cached_tokens is reported to requests with a salt (or --report-...)
     first = client.completions.with_raw_response.create(
-        model=stack.model_name, prompt=[*shared, 7, 8], max_tokens=2, temperature=0
+        model=stack.model_name, prompt=[*shared, 7, 8], max_tokens=2, temperature=0, extra_body=salt
     )
     holder = first.headers["x-pagedkv-executor"]
     assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
     for suffix in ([9, 10, 11], [12], [13, 14]):
         again = client.completions.with_raw_response.create(
-            model=stack.model_name, prompt=shared + suffix, max_tokens=2, temperature=0
+            model=stack.model_name, prompt=shared + suffix, max_tokens=2, temperature=0, extra_body=salt
         )
         assert again.headers["x-pagedkv-executor"] == holder
         assert again.parse().usage.prompt_tokens_details.cached_tokens >= 160

@@ -58,7 +58,7 @@ class FakeLookup:
         self.calls: list[list[int]] = []
         self.on_call = on_call
 
-    async def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
+    async def cached_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         self.calls.append(list(tokens))
         if callable(self.on_call):
             self.on_call()
@@ -254,9 +254,9 @@ def counted_lookup(retry_after_s: float) -> tuple[PrefixLookup, FakeClock, list[
     calls: list[tuple[int, ...]] = []
     original = lookup._client.lookup
 
-    def counted(tokens):
+    def counted(tokens, cache_salt=None):
         calls.append(tuple(tokens))
-        return original(tokens)
+        return original(tokens, cache_salt)
 
     lookup._client.lookup = counted  # type: ignore[method-assign]
     return lookup, clock, calls

@@ -5,6 +5,7 @@ process, what blockd and the gateway report, transformers' reference text, and p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,7 +44,12 @@ def local_stack(model_dir: Path, log_dir: Path, **options: Any) -> LocalStack:
 class GatewayProcess:
     """A gateway process of its own (`python -m gateway.server`), for instance in front of a stack's executors."""
 
-    def __init__(self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str) -> None:
+    def __init__(
+        self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str, keys_dir: Path | None = None
+    ) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_KEYS"}
+        if keys_dir is not None:  # a stack's key set (LocalStack.keys_dir): the gateway's key
+            env["PAGEDKV_KEYS"] = str(keys_dir)
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log.open("wb")
@@ -64,6 +70,7 @@ class GatewayProcess:
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
 
     def wait_listening(self) -> None:
@@ -108,6 +115,14 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
+def stack_env(stack: LocalStack) -> dict[str, str]:
+    """The environment for a CLI aimed at the stack (its keys, if it has any)."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_KEYS"}
+    if stack.keys_dir is not None:
+        env["PAGEDKV_KEYS"] = str(stack.keys_dir)
+    return env
+
+
 def blockd_stats(stack: LocalStack) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "blockd.cli", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
@@ -115,6 +130,7 @@ def blockd_stats(stack: LocalStack) -> dict[str, Any]:
         text=True,
         timeout=30,
         check=True,
+        env=stack_env(stack),
     )
     return json.loads(out.stdout)
 

@@ -17,6 +17,7 @@ import redis
 
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.embedded_redis import EmbeddedRedis
+from common.auth import ClientCurve
 from common.net import free_port
 from executor import protocol as ep
 from executor.client import ExecutorClient, ExecutorUnavailable
@@ -82,10 +83,11 @@ class RedisProcess:
 class BlockdProcess:
     """One blockd daemon process, started with the given flags, that a test can kill -9 and restart."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, curve: ClientCurve | None = None) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.args = args
         self.log_path = log_path
+        self.curve = curve  # the keys its clients use (an operator's), when it serves CURVE
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -96,7 +98,7 @@ class BlockdProcess:
             stderr=log,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        with BlockdClient(self.endpoint, timeout_s=0.5) as client:
+        with BlockdClient(self.endpoint, timeout_s=0.5, curve=self.curve) as client:
             _until_it_answers("blockd", self.process, client.pools, BlockdUnavailable, self.log, timeout_s)
 
     def log(self) -> str:
@@ -115,8 +117,8 @@ class BlockdProcess:
         self.process.terminate()
         return self.process.wait(timeout=20)
 
-    def client(self, timeout_s: float = 3.0) -> BlockdClient:
-        return BlockdClient(self.endpoint, timeout_s=timeout_s)
+    def client(self, timeout_s: float = 3.0, curve: ClientCurve | None = None) -> BlockdClient:
+        return BlockdClient(self.endpoint, timeout_s=timeout_s, curve=curve or self.curve)
 
 
 class ExecutorProcess:
