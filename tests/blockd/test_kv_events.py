@@ -158,7 +158,7 @@ def rebuild(vllm: types.ModuleType, batches: dict[int, tuple[bytes, bytes]], dep
 
 def _register(manager: BlockManager, pool_id: str, model_id: str, epoch: int, **extra: Any) -> None:
     manager.register(
-        p.Register(v=1, id=1, pool_id=pool_id, num_blocks=24, block_size=4, model_id=model_id, epoch=epoch, **extra)
+        p.Register(v=1, id=1, pool_id=pool_id, num_blocks=24, block_size=8, model_id=model_id, epoch=epoch, **extra)
     )
 
 
@@ -166,7 +166,8 @@ def test_events_decoded_by_vllm_rebuild_blockds_index(vllm: types.ModuleType) ->
     publisher = KvEventPublisher(PoolEvents(), "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=100_000)
     subscriber = Subscriber(publisher.endpoint, publisher.replay_endpoint or "")
     try:
-        manager = BlockManager(events=publisher)
+        now = [0.0]  # a clock the test moves: a restarted executor's new epoch waits for the old lease to end
+        manager = BlockManager(events=publisher, clock=lambda: now[0])
         models = {"executor-0": "model-a", "executor-1": "model-b"}
         epochs = dict.fromkeys(models, 1)
         for pool_id, model_id in models.items():
@@ -201,6 +202,7 @@ def test_events_decoded_by_vllm_rebuild_blockds_index(vllm: types.ModuleType) ->
             elif roll < 0.89:  # the executor restarted: a new epoch, a clean pool
                 counts["evictions"] += pool.counters.evictions  # the new pool counts from zero
                 epochs[pool_id] += 1
+                now[0] += manager.lease_timeout_s + 1  # the old process's lease has run out
                 _register(manager, pool_id, models[pool_id], epochs[pool_id])
                 live[pool_id] = []
                 counts["new_epoch"] += 1
@@ -239,8 +241,8 @@ def test_replay_sends_from_the_asked_sequence_number(vllm: types.ModuleType) -> 
         _register(manager, "p", "m", 1)
         for i in range(5):  # five batches: one AllBlocksCleared (registration) + four stores
             if i:
-                manager.pools["p"].admit(f"s{i}", [i] * 8)
-                manager.pools["p"].commit(f"s{i}", 8)
+                manager.pools["p"].admit(f"s{i}", [i] * 16)
+                manager.pools["p"].commit(f"s{i}", 16)
             publisher.flush()
         deadline = time.monotonic() + 5
         while subscriber.replay_from(0) < 3 and time.monotonic() < deadline:  # the thread publishes shortly
@@ -252,7 +254,7 @@ def test_replay_sends_from_the_asked_sequence_number(vllm: types.ModuleType) -> 
         topic, payload = subscriber.batches[4]
         assert topic == b"kv@p@m"
         (stored,) = vllm.decoder.decode(payload).events
-        assert stored.token_ids == [4] * 8 and stored.parent_block_hash is None and len(stored.block_hashes) == 2
+        assert stored.token_ids == [4] * 16 and stored.parent_block_hash is None and len(stored.block_hashes) == 2
     finally:
         subscriber.close()
         publisher.close()
@@ -274,9 +276,9 @@ def test_blockd_publishes_with_kv_events_endpoint(tmp_path: Path, vllm: types.Mo
     subscriber = Subscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
     try:
         with BlockdClient(blockd.endpoint) as client:
-            pool = PoolClient(client, pool_id="executor-0", num_blocks=16, block_size=4, model_id="tiny")
+            pool = PoolClient(client, pool_id="executor-0", num_blocks=16, block_size=8, model_id="tiny")
             pool.register()
-            tokens = list(range(100, 110))
+            tokens = list(range(100, 118))
             pool.admit("a", tokens)
             assert pool.commit("a", len(tokens)) == 2
             pool.free("a")
