@@ -4,7 +4,8 @@ Unknown fields are refused (a setting that would be silently ignored is worse th
 defines that pagedkv does not implement are accepted only at their neutral value. Extensions, with vLLM's names
 and meaning: `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `bad_words`
 (words: each is banned with and without a leading space, as vLLM does), `allowed_token_ids`, `priority` (0 only:
-requests are served first come, first served), `request_id`.
+requests are served first come, first served), `request_id`. Structured output (`response_format`,
+`structured_outputs`, `guided_*`) is on both endpoints: see gateway.structured.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from executor.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
+from gateway.structured import StructuredOutputFields
 
 if TYPE_CHECKING:
     from gateway.text import Tokenizer
@@ -39,7 +41,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (accepted; see app.py)
 
 
-class _Common(BaseModel):
+class _Common(StructuredOutputFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -144,6 +146,7 @@ class _Common(BaseModel):
             logit_bias=logit_bias,
             bad_words_token_ids=self.bad_words_token_ids(tokenizer),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            structured=self.grammar_spec(),
         )
 
     def bad_words_token_ids(self, tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
@@ -232,7 +235,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
 
     @model_validator(mode="after")
@@ -241,8 +243,6 @@ class ChatCompletionRequest(_Common):
             raise ParamError("tools", "tools are not supported by pagedkv")
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by pagedkv")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ParamError("response_format", "response_format other than text is not supported by pagedkv")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self

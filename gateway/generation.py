@@ -122,6 +122,8 @@ class Generation:
                         if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
                             retry = True  # another executor may have a larger cache
                             break
+                        if item.code == "invalid_grammar" and self.params.structured is not None:
+                            raise errors.invalid_request(item.message, param=self.params.structured.param or None)
                         raise _REJECTIONS.get(item.code, errors.internal)(item.message)
                     event = self._on_delta(item)
                     if event is not None:

@@ -174,7 +174,6 @@ def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
         ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"at most {MAX_STOP_STRINGS}"),
