@@ -150,8 +150,15 @@ class Engine:
                 self.grammars = Grammars(
                     getattr(self.runner, "model_dir", None), self.config.vocab_size, self.config.eos_token_ids
                 )
-            self._compiling[request_id] = (first, self.grammars.compile(params.structured))
-            return
+            future = self.grammars.compile(params.structured)
+            if not future.done():
+                self._compiling[request_id] = (first, future)
+                return
+            if future.exception() is not None:  # a spec seen before, and refused then
+                del self.requests[request_id]
+                raise RequestRejected(*_grammar_rejection(future.exception()))
+            request.grammar = future.result()  # a cache hit: no step to wait for
+            first.matcher = new_matcher(request.grammar)
         self.scheduler.add(first)
 
     def _admit_compiled(self) -> list[ep.Delta | ep.Rejected]:
@@ -166,8 +173,8 @@ class Engine:
             if error is not None:
                 self.requests.pop(request_id, None)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
-                code = "invalid_grammar" if isinstance(error, GrammarRejected) else "structured_output_unavailable"
-                out.append(ep.Rejected(request_id=request_id, code=code, message=str(error)))
+                code, message = _grammar_rejection(error)
+                out.append(ep.Rejected(request_id=request_id, code=code, message=message))
                 continue
             request.grammar = future.result()
             seq.matcher = new_matcher(request.grammar)
@@ -238,7 +245,6 @@ class Engine:
         """Run one step; raises BlockdUnavailable (the step stays pending, nothing is lost) if blockd is away.
         Besides deltas, it returns `Rejected` for requests whose structured-output grammar did not compile."""
         scheduler = self.scheduler
-        rejected = self._admit_compiled() if self._compiling else []
         if self._pending is None:
             self._pending = scheduler.plan()
         plan = self._pending
@@ -256,9 +262,13 @@ class Engine:
             deltas += self._sample(chunks, logits)
         for request_id, index in self._take_deferred_aborts():
             deltas += self.abort(request_id, index)
-        if not chunks and self._compiling:  # nothing else to do: wait a little for a grammar, not in a spin
-            futures.wait([f for _, f in self._compiling.values()], timeout=0.01, return_when=futures.FIRST_COMPLETED)
-        return [*rejected, *deltas] if rejected else deltas
+        if self._compiling:  # admitted here, after the step's blockd call: a rejection is never lost to its failure
+            if not chunks:  # nothing else to do: wait a little for a grammar rather than spin
+                futures.wait(
+                    [f for _, f in self._compiling.values()], timeout=0.01, return_when=futures.FIRST_COMPLETED
+                )
+            return [*deltas, *self._admit_compiled()]
+        return deltas
 
     def _take_deferred_aborts(self) -> list[tuple[str, int | None]]:
         taken, self._deferred_aborts = self._deferred_aborts, []
@@ -368,3 +378,8 @@ class Engine:
             completion_tokens=seq.num_generated,
             cached_tokens=request.num_cached_tokens,
         )
+
+
+def _grammar_rejection(error: BaseException) -> tuple[str, str]:
+    """(code, message) of the Rejected for a grammar that did not compile."""
+    return ("invalid_grammar" if isinstance(error, GrammarRejected) else "structured_output_unavailable", str(error))

@@ -10,10 +10,11 @@ import re
 import time
 
 import jsonschema
+import pytest
 import torch
 
 from executor import protocol as ep
-from executor.engine import Engine
+from executor.engine import Engine, RequestRejected
 from executor.params import GrammarSpec, SamplingParams
 from executor.sampling import Sampler, SampleRow
 from executor.structured import BitmaskApplier, Grammars, build_grammar, new_matcher
@@ -170,6 +171,10 @@ def test_a_spec_that_does_not_compile_is_rejected_and_others_go_on(tiny_models, 
         assert rejected.message.startswith(param) and words in rejected.message, rejected.message
     tokens, reasons = out["fine"]
     assert reasons == ["stop"] and re.fullmatch("[0-9]{4}", decode(model, tokens[0]))
+    assert not engine.requests and not engine.has_work()
+    with pytest.raises(RequestRejected) as info:  # the same spec again: refused at once, from the cache
+        engine.add_request("again", prompt, bad_regex)
+    assert info.value.code == "invalid_grammar" and "parenthesis" in info.value.message
     assert not engine.requests and not engine.has_work()
 
 
