@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -154,8 +155,18 @@ class Grammars:
 
     def _compile(self, spec: GrammarSpec) -> Any:
         compiler = self._get_compiler()
+        started = time.perf_counter()
         grammar = build_grammar(spec)
-        return compiler.compile_grammar(grammar)
+        compiled = compiler.compile_grammar(grammar)
+        log.info(
+            "grammar_compiled",
+            kind=spec.kind,
+            chars=len(spec.source),
+            compile_ms=round((time.perf_counter() - started) * 1000, 1),
+            cache_hits=self.hits,
+            cache_misses=self.misses,
+        )
+        return compiled
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:
