@@ -5,12 +5,18 @@ copies -> one forward pass over every scheduled chunk -> sampling -> deltas. The
 (`PoolClient.step`): the forward pass starts once blockd has answered. (`PoolClient.submit_step` /
 `finish_step` would let it overlap the forward pass; nothing uses them yet.) The engine is single-threaded and
 owns everything it touches; the server drives it and carries its deltas to gateways.
+
+A request with structured output (`params.structured`) has its grammar compiled off the step's thread
+(executor.structured: cached per spec); it enters the scheduler once that is done, and a spec that does not
+compile comes out of a later step as `Rejected`. Its sequences each advance a grammar matcher with every token,
+and finish ("stop") when the matcher terminates.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from concurrent import futures
 from dataclasses import dataclass
 
 import structlog
@@ -24,6 +30,7 @@ from executor.runner import LoadedModel, ModelRunner
 from executor.sampling import Sampler, SampleRow, choice_generator
 from executor.scheduler import Chunk, Scheduler, StepPlan
 from executor.sequence import Request, Sequence, Status
+from executor.structured import GrammarRejected, Grammars, new_matcher
 from kernels.dispatch import Backend
 
 log = structlog.get_logger("executor")
@@ -72,6 +79,10 @@ class Engine:
         self._resync_first = False
         self._deferred_aborts: list[tuple[str, int | None]] = []
         self.blockd_reachable = True
+        # Structured output: the compiled-grammar cache (made for the first such request), and the requests
+        # whose grammar is still compiling, kept out of the scheduler until it is ready.
+        self.grammars: Grammars | None = None
+        self._compiling: dict[str, tuple[Sequence, futures.Future]] = {}
 
     @classmethod
     def assemble(
@@ -136,7 +147,41 @@ class Engine:
         first = Sequence(f"{request_id}#0", request, 0, list(prompt), choice_generator(params, 0, self.runner.device))
         request.sequences.append(first)
         self.requests[request_id] = request
+        if params.structured is not None:
+            if self.grammars is None:
+                self.grammars = Grammars(
+                    getattr(self.runner, "model_dir", None), self.config.vocab_size, self.config.eos_token_ids
+                )
+            future = self.grammars.compile(params.structured)
+            if not future.done():
+                self._compiling[request_id] = (first, future)
+                return
+            if future.exception() is not None:  # a spec seen before, and refused then
+                del self.requests[request_id]
+                raise RequestRejected(*_grammar_rejection(future.exception()))
+            request.grammar = future.result()  # a cache hit: no step to wait for
+            first.matcher = new_matcher(request.grammar)
         self.scheduler.add(first)
+
+    def _admit_compiled(self) -> list[ep.Delta | ep.Rejected]:
+        """Requests whose grammar is compiled go to the scheduler; those whose grammar failed are rejected."""
+        out: list[ep.Delta | ep.Rejected] = []
+        for request_id, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            request = seq.request
+            error = future.exception()
+            if error is not None:
+                self.requests.pop(request_id, None)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                code, message = _grammar_rejection(error)
+                out.append(ep.Rejected(request_id=request_id, code=code, message=message))
+                continue
+            request.grammar = future.result()
+            seq.matcher = new_matcher(request.grammar)
+            self.scheduler.add(seq)
+        return out
 
     def abort(self, request_id: str, index: int | None = None) -> list[ep.Delta]:
         """Stop a request, or only its choice `index`; blocks are freed at the next step. Unknown (or already
@@ -147,6 +192,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None:
             return []
+        self._compiling.pop(request_id, None)
         if index is not None and request.params.n > 1:
             return self._abort_choice(request, index)
         del self.requests[request_id]
@@ -179,7 +225,7 @@ class Engine:
         return [delta]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def load(self) -> ep.LoadReport:
         s = self.scheduler
@@ -197,8 +243,9 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ the step
 
-    def step(self) -> list[ep.Delta]:
-        """Run one step; raises BlockdUnavailable (the step stays pending, nothing is lost) if blockd is away."""
+    def step(self) -> list[ep.Delta | ep.Rejected]:
+        """Run one step; raises BlockdUnavailable (the step stays pending, nothing is lost) if blockd is away.
+        Besides deltas, it returns `Rejected` for requests whose structured-output grammar did not compile."""
         scheduler = self.scheduler
         if self._pending is None:
             self._pending = scheduler.plan()
@@ -217,6 +264,12 @@ class Engine:
             deltas += self._sample(chunks, logits)
         for request_id, index in self._take_deferred_aborts():
             deltas += self.abort(request_id, index)
+        if self._compiling:  # admitted here, after the step's blockd call: a rejection is never lost to its failure
+            if not chunks:  # nothing else to do: wait a little for a grammar rather than spin
+                futures.wait(
+                    [f for _, f in self._compiling.values()], timeout=0.01, return_when=futures.FIRST_COMPLETED
+                )
+            return [*deltas, *self._admit_compiled()]
         return deltas
 
     def _take_deferred_aborts(self) -> list[tuple[str, int | None]]:
@@ -250,14 +303,15 @@ class Engine:
         row_of: list[int] = []  # logits row of each sample row
         choices: list[tuple[Sequence, int | None]] = []  # (sequence, index of a new choice or None)
         for i, seq in enumerate(sampling):
-            rows.append(SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len))
+            rows.append(SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len, seq.matcher))
             row_of.append(i)
             choices.append((seq, None))
             request = seq.request
             if seq.index == 0 and len(request.sequences) == 1 and request.params.n > 1 and seq.num_generated == 0:
                 for index in range(1, request.params.n):  # the other choices start from the same prompt logits
                     generator = choice_generator(seq.params, index, self.runner.device)
-                    rows.append(SampleRow(seq.params, generator, seq.tokens, seq.prompt_len))
+                    matcher = None if request.grammar is None else new_matcher(request.grammar)
+                    rows.append(SampleRow(seq.params, generator, seq.tokens, seq.prompt_len, matcher))
                     row_of.append(i)
                     choices.append((seq, index))
         if not rows:
@@ -278,10 +332,16 @@ class Engine:
                     row.generator,
                 )
                 seq.num_computed = seq.num_registered = seq.committed_tokens = parent.prompt_len
+                seq.matcher = row.matcher
                 parent.request.sequences.append(seq)
             seq.tokens.append(token)
             self.generated_tokens += 1
-            reason = self._finish_reason(seq, token)
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                # Only when other processing banned every token the grammar allows (min_tokens past its end...)
+                log.warning("grammar_rejected_token", request_id=seq.request.request_id, token=token)
+                reason: str | None = "error"
+            else:
+                reason = self._finish_reason(seq, token)
             if new_index is not None and reason is None:
                 self.scheduler.fork(parent, seq)
             elif new_index is not None:
@@ -295,6 +355,8 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
             return "length"
@@ -318,3 +380,8 @@ class Engine:
             completion_tokens=seq.num_generated,
             cached_tokens=request.num_cached_tokens,
         )
+
+
+def _grammar_rejection(error: BaseException) -> tuple[str, str]:
+    """(code, message) of the Rejected for a grammar that did not compile."""
+    return ("invalid_grammar" if isinstance(error, GrammarRejected) else "structured_output_unavailable", str(error))

@@ -13,6 +13,36 @@ import msgspec
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 128  # token sequences per request (a word usually gives two: with and without a leading space)
 MAX_BAD_WORD_TOKENS = 64  # tokens per banned sequence
+MAX_GRAMMAR_CHARS = 1 << 20  # the source of a structured-output constraint (a JSON schema, regex, grammar)
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A structured-output constraint, compact: the executor compiles it (xgrammar) once per distinct spec.
+
+    kind "json": `source` is a JSON schema (JSON text); "json_object": any JSON object (`source` empty);
+    "regex": a regular expression; "choice": a JSON array of the strings allowed; "grammar": an EBNF grammar
+    (xgrammar's, as vLLM's `guided_grammar`). `param` names the request parameter it came from, for messages.
+    """
+
+    kind: str
+    source: str = ""
+    any_whitespace: bool = True  # JSON kinds: whitespace between elements allowed (vLLM's default)
+    param: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        return (self.kind, self.source, self.any_whitespace)
+
+    def validate(self) -> str | None:
+        if self.kind not in GRAMMAR_KINDS:
+            return f"structured output kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            return f"{self.param or 'the structured output constraint'} is over {MAX_GRAMMAR_CHARS} characters"
+        if self.kind != "json_object" and not self.source:
+            return f"{self.param or 'the structured output constraint'} must not be empty"
+        return None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -36,6 +66,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each token once
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # last token banned where the output ends with the rest
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    structured: GrammarSpec | None = None  # output constrained to a JSON schema, regex, choice or grammar
 
     def validate(self, vocab_size: int) -> str | None:
         if not self.max_tokens >= 1:
@@ -55,6 +86,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             return f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"
+        if self.structured is not None and (problem := self.structured.validate()):
+            return problem
         return self._validate_processing(vocab_size)
 
     def _validate_processing(self, vocab_size: int) -> str | None:

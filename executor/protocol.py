@@ -72,7 +72,8 @@ class Rejected(Message, tag="rejected"):
     request_id: str
     # "invalid_request" | "unsupported_version" | "context_length_exceeded" | "capacity_exceeded" |
     # "duplicate_request" | "queue_full" (past --max-queued-requests) | "not_owner" (an Abort from a connection
-    # that did not submit the request)
+    # that did not submit the request) | "invalid_grammar" (its structured-output constraint does not compile; sent
+    # a step or more after the submit) | "structured_output_unavailable"
     code: str
     message: str
 

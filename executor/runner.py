@@ -34,6 +34,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_s: float
+    model_dir: Path | None = None  # where the checkpoint (and its tokenizer) is
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
@@ -49,7 +50,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
         if device.type == "cpu" and dtype is torch.bfloat16:
             dtype = torch.float32  # bfloat16 matmuls are slow on most CPUs
     model = build_model(config, iter_weights(model_dir), dtype=dtype, device=device)
-    return LoadedModel(config, model, dtype, device, time.perf_counter() - started)
+    return LoadedModel(config, model, dtype, device, time.perf_counter() - started, Path(model_dir))
 
 
 class ModelRunner:
@@ -65,6 +66,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.model_dir = loaded.model_dir
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = backend

@@ -13,6 +13,10 @@ gathers and scatters over the rows' token ids (repetition over prompt and output
 over the output as OpenAI). Greedy rows take the argmax of the processed logits; random rows then apply
 temperature, min_p (batched), top-k and top-p.
 
+Structured output comes before all of it: the rows whose sequence has a grammar matcher get their token bitmask
+(filled per row by xgrammar) applied to the batch's logits in one masked op (executor.structured); a batch without
+such rows skips it.
+
 Logprobs are those of the model's distribution (log-softmax of the raw logits), before any processing,
 temperature and truncation, so they mean the same thing whatever the sampling settings (vLLM's default too).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +53,7 @@ class SampleRow:
     generator: torch.Generator | None
     tokens: Sequence[int] = ()
     prompt_len: int = 0
+    matcher: Any = None  # the sequence's xgrammar GrammarMatcher, when its output is constrained
 
 
 @dataclass
@@ -65,12 +71,24 @@ class Sampler:
         else:
             self.shared.manual_seed(seed)
         self.eos_token_ids = tuple(eos_token_ids)  # banned (unless ignore_eos) while a row is short of min_tokens
+        self._bitmask: Any = None  # executor.structured.BitmaskApplier, made for the first constrained row
+
+    def _constrain(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+        if self._bitmask is None:
+            from executor.structured import BitmaskApplier
+
+            self._bitmask = BitmaskApplier()
+        self._bitmask(logits, constrained, [rows[i].matcher for i in constrained])
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         """logits: float32 `[len(rows), vocab]` (not modified)."""
         processed = logits
+        constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+        if constrained:
+            processed = logits.clone()
+            self._constrain(processed, rows, constrained)
         if any(row.params.processes_logits for row in rows):
-            processed = process_logits(logits.clone(), rows, self.eos_token_ids)
+            processed = process_logits(processed if constrained else logits.clone(), rows, self.eos_token_ids)
         tokens = torch.argmax(processed, dim=-1)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random and any(rows[i].params.min_p != 0.0 for i in random):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class Request:
     arrival_s: float
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    grammar: Any = None  # its compiled structured-output grammar (xgrammar), once compiled
 
     @property
     def finished(self) -> bool:
@@ -57,6 +59,7 @@ class Sequence:
     fork_parent: str | None = None  # set until the fork that creates it in blockd has been sent
     finish_reason: str | None = None
     preemptions: int = 0
+    matcher: Any = None  # its xgrammar GrammarMatcher (structured output), advanced with each token
 
     @property
     def prompt_len(self) -> int:

@@ -254,13 +254,15 @@ class ExecutorServer:
                 "generate",
             )
 
-    def _send(self, deltas: list[ep.Delta]) -> None:
+    def _send(self, deltas: list[ep.Delta | ep.Rejected]) -> None:
+        """Deltas to the gateways that asked (and `Rejected` for a request refused after its submit: a
+        structured-output grammar that did not compile)."""
         for delta in deltas:
             identity = self.owners.get(delta.request_id)
             if identity is not None:
                 self.socket.send_multipart([identity, ep.encode(delta)])
         # Only after the whole batch: a request's choices can all finish in one step.
-        for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
+        for request_id in {d.request_id for d in deltas if type(d) is ep.Rejected or d.finish_reason is not None}:
             if request_id not in self.engine.requests:
                 self.owners.pop(request_id, None)
 

@@ -4,7 +4,8 @@ Unknown fields are refused (a setting that would be silently ignored is worse th
 defines that pagedkv does not implement are accepted only at their neutral value. Extensions, with vLLM's names
 and meaning: `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `bad_words`
 (words: each is banned with and without a leading space, as vLLM does), `allowed_token_ids`, `priority` (0 only:
-requests are served first come, first served), `request_id`.
+requests are served first come, first served), `request_id`. Structured output (`response_format`,
+`structured_outputs`, `guided_*`) is on both endpoints: see gateway.structured.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from executor.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from gateway.errors import invalid_request
 from gateway.generation import OutputOptions
+from gateway.structured import StructuredOutputFields
 
 if TYPE_CHECKING:
     from gateway.text import Tokenizer
@@ -41,7 +43,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
 
 
-class _Common(BaseModel):
+class _Common(StructuredOutputFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -154,6 +156,7 @@ class _Common(BaseModel):
             logit_bias=logit_bias,
             bad_words_token_ids=self.bad_words_token_ids(tokenizer),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            structured=self.grammar_spec(),
         )
 
     def bad_words_token_ids(self, tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
@@ -349,7 +352,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
     # extensions (vLLM)
     add_special_tokens: bool = False
@@ -366,11 +368,8 @@ class ChatCompletionRequest(_Common):
             choice = "a named function" if isinstance(self.tool_choice, NamedToolChoice) else "'required'"
             raise ParamError(
                 "tool_choice",
-                f"tool_choice {choice} needs structured output (a grammar enforcing the call), which pagedkv "
-                "does not have yet: use 'auto' or 'none'",
+                f"tool_choice {choice} is not supported by pagedkv yet (forcing a call): use 'auto' or 'none'",
             )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ParamError("response_format", "response_format other than text is not supported by pagedkv")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self

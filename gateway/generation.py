@@ -139,6 +139,8 @@ class Generation:
                             retry = True  # another executor may have a larger cache
                             break
                         self._choices = []  # refused: nothing ran, nothing to count as aborted
+                        if item.code == "invalid_grammar" and self.params.structured is not None:
+                            raise errors.invalid_request(item.message, param=self.params.structured.param or None)
                         raise _REJECTIONS.get(item.code, errors.internal)(item.message)
                     event = self._on_delta(item)
                     if event is not None:
