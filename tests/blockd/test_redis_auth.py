@@ -18,8 +18,7 @@ from blockd.embedded_redis import find_redis_server
 from blockd.hashing import chain_hashes, extra_key, root_hash, secret_key
 from blockd.persistence import redact
 from common.net import free_port
-from tests.blockd.conftest import TEST_BLOCK_SIZES
-from tests.support.processes import BlockdProcess
+from tests.support.processes import TEST_BLOCK_SIZES, BlockdProcess
 from tests.support.waiting import wait_for
 
 PASSWORD = "pw-Zq81-not-in-logs"

@@ -372,7 +372,7 @@ def test_vllm_metrics_after_requests(client, stack, tokenizer) -> None:
 def test_tools_and_tool_history_are_rendered_by_the_template(client, stack, model_dir, tokenizer) -> None:
     from transformers import AutoTokenizer
 
-    from tests.gateway.test_tool_calls import HISTORY, TOOLS, hf_messages
+    from tests.support.tools import HISTORY, TOOLS, hf_messages
 
     hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     rendered = hf.apply_chat_template(hf_messages(), tools=TOOLS, add_generation_prompt=True, tokenize=False)
@@ -404,7 +404,7 @@ def test_tools_and_tool_history_are_rendered_by_the_template(client, stack, mode
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_choice_is_refused_until_structured_output(client, stack, tool_choice) -> None:
-    from tests.gateway.test_tool_calls import TOOLS
+    from tests.support.tools import TOOLS
 
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
@@ -419,10 +419,16 @@ def test_forced_tool_choice_is_refused_until_structured_output(client, stack, to
 
 def test_tool_call_parser_flag(stack, model_dir, tmp_path) -> None:
     """--tool-call-parser none: 'auto' has nothing to parse with, and says so; 'none' still renders the tools."""
-    from tests.gateway.test_tool_calls import TOOLS
+    from tests.support.tools import TOOLS
 
     gateway = GatewayProcess(
-        model_dir, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log", "--tool-call-parser", "none"
+        model_dir,
+        stack.executor_endpoints,
+        stack.blockd_endpoint,
+        tmp_path / "gw.log",
+        "--tool-call-parser",
+        "none",
+        keys_dir=stack.keys_dir,
     )
     try:
         gateway.wait_listening()
