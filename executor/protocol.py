@@ -66,6 +66,9 @@ class Delta(Message, tag="delta"):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # of this choice so far
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # Asked with SamplingParams.prompt_logprobs: one entry per prompt token after the first (the first has no
+    # logprob), sent once, in the request's first delta.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Rejected(Message, tag="rejected"):
