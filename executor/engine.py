@@ -253,7 +253,9 @@ class Engine:
         targets = [request.prompt[pos + 1] for request, span in spans for pos in span]
         logprobs = torch.log_softmax(logits, dim=-1)
         index = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-        chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+        chosen_t = logprobs.gather(1, index[:, None])
+        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
         k = max(request.params.prompt_logprobs for request, _ in spans)
         top_values: list[list[float]] = [[]] * len(targets)
         top_ids: list[list[int]] = [[]] * len(targets)
@@ -266,7 +268,7 @@ class Engine:
             keep = request.params.prompt_logprobs
             for _ in span:
                 top = list(zip(top_ids[row][:keep], top_values[row][:keep], strict=True))
-                request.prompt_logprobs.append(ep.TokenLogprob(targets[row], chosen[row], top))
+                request.prompt_logprobs.append(ep.TokenLogprob(targets[row], chosen[row], top, ranks[row]))
                 row += 1
 
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[ep.Delta]:

@@ -51,10 +51,11 @@ class GetInfo(Message, tag="get_info"):
 Inbound = Submit | Abort | GetLoad | GetInfo
 
 
-class TokenLogprob(msgspec.Struct, array_like=True):
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+    rank: int | None = None  # of token_id among all tokens (1 = the most likely); set for prompt logprobs
 
 
 class Delta(Message, tag="delta"):

@@ -66,6 +66,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     priority: int = 0
     request_id: str | None = Field(default=None, max_length=200)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 
@@ -82,6 +83,8 @@ class _Common(BaseModel):
             raise ParamError(
                 "priority", "priority scheduling is not supported by pagedkv (first come, first served): leave it at 0"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
@@ -101,6 +104,11 @@ class _Common(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """How many alternatives the executor scores at each prompt token (None: prompt not scored)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -136,6 +144,7 @@ class _Common(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs_k,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -172,7 +181,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -180,13 +189,24 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ParamError("echo", "echo is not supported by pagedkv")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens 0 is only allowed with echo (the prompt only)")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ParamError("n", "max_tokens 0 (the prompt only) needs n = 1")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs is not available when stream is true")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of is not supported by pagedkv (only best_of == n)")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported by pagedkv (no fill-in-the-middle); leave it out")
         return self
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs scores the prompt too (its first token's logprob is null, as OpenAI's)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""

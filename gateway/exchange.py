@@ -118,6 +118,15 @@ class Exchange:
     def choice_index(self, position: int, event: ChoiceEvent) -> int:
         return position * self.n + event.index
 
+    def echoed(self, position: int) -> str:
+        """The prompt's text, as echo puts it before the completion: as given, or decoded from token ids."""
+        prompt = self.body.prompts()[position]  # type: ignore[attr-defined]
+        return prompt if isinstance(prompt, str) else self.gateway.tokenizer.decode(prompt)
+
+    @property
+    def echo(self) -> bool:
+        return self.kind == "completion" and getattr(self.body, "echo", False)
+
     # -------------------------------------------------------------------------------- streaming
 
     async def stream(self, first: tuple[int, ChoiceEvent], release: contextlib.ExitStack) -> AsyncIterator[str]:
@@ -157,15 +166,17 @@ class Exchange:
     def _chunk(self, position: int, event: ChoiceEvent, offsets: dict[int, int]) -> str:
         index = self.choice_index(position, event)
         if self.kind == "completion":
+            text = event.text
+            if self.echo and index not in offsets:  # the choice's first chunk (echo with logprobs: not streamed)
+                text = self.echoed(position) + text
+                offsets[index] = 0
             logprobs = None
             if self.logprobs is not None:
                 accumulated = responses.CompletionLogprobs()
                 accumulated.add(self.gateway.tokenizer, event.logprobs, offsets.get(index, 0))
                 logprobs = accumulated.body()
-            offsets[index] = offsets.get(index, 0) + len(event.text)
-            return responses.sse(
-                responses.completion_chunk(self.envelope, index, event.text, logprobs, event.finish_reason)
-            )
+            offsets[index] = offsets.get(index, 0) + len(text)
+            return responses.sse(responses.completion_chunk(self.envelope, index, text, logprobs, event.finish_reason))
         delta = {"content": event.text} if event.text else {}
         logprobs_list = None
         if self.logprobs is not None:
@@ -200,7 +211,10 @@ class Exchange:
         async for position, event in self.events:
             take(position, event)
         usage = responses.total_usage([g.usage for g in self.generations])
+        prompt_k = self.body.prompt_logprobs  # vLLM's prompt_logprobs (not echo's)
         if self.kind == "completion":
+            if self.echo:
+                self._echo(texts, completion_logprobs)
             choices = [
                 {
                     "index": i,
@@ -210,6 +224,10 @@ class Exchange:
                 }
                 for i in range(count)
             ]
+            if prompt_k is not None:
+                for i, choice in enumerate(choices):
+                    entries = self.generations[i // self.n].prompt_logprobs
+                    choice["prompt_logprobs"] = responses.prompt_logprobs(self.gateway.tokenizer, entries, prompt_k)
             return responses.completion_body(self.envelope, choices, usage)
         choices = [
             {
@@ -220,7 +238,28 @@ class Exchange:
             }
             for i in range(count)
         ]
-        return responses.chat_body(self.envelope, choices, usage)
+        body = responses.chat_body(self.envelope, choices, usage)
+        if prompt_k is not None:  # vLLM's chat responses carry them once, beside the choices
+            entries = self.generations[0].prompt_logprobs
+            body["prompt_logprobs"] = responses.prompt_logprobs(self.gateway.tokenizer, entries, prompt_k)
+        return body
+
+    def _echo(self, texts: list[str], logprobs: list[responses.CompletionLogprobs]) -> None:
+        """echo: each choice's text starts with its prompt's, and its logprobs with the prompt tokens'."""
+        tokenizer = self.gateway.tokenizer
+        for i in range(len(texts)):
+            generation = self.generations[i // self.n]
+            prompt = self.echoed(i // self.n)
+            texts[i] = prompt + texts[i]
+            if self.logprobs is not None:
+                echoed = responses.CompletionLogprobs()
+                echoed.add_prompt(tokenizer, generation.prompt, generation.prompt_logprobs or [], self.logprobs)
+                generated = logprobs[i]
+                echoed.tokens += generated.tokens
+                echoed.token_logprobs += generated.token_logprobs
+                echoed.top_logprobs += generated.top_logprobs
+                echoed.text_offset += [offset + len(prompt) for offset in generated.text_offset]
+                logprobs[i] = echoed
 
 
 class _EventStream(StreamingResponse):

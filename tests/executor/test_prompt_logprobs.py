@@ -25,6 +25,8 @@ def check(entries, model_dir, prompt: list[int], k: int) -> None:
     for i, entry in enumerate(entries):
         assert entry.token_id == prompt[i + 1]
         assert abs(entry.logprob - reference[i, prompt[i + 1]].item()) <= TOL, f"position {i + 1}"
+        rank = int((reference[i] > reference[i, prompt[i + 1]]).sum()) + 1
+        assert abs(entry.rank - rank) <= 1  # a near tie may order either way
         values, ids = reference[i].topk(k)
         assert len(entry.top) == k
         for (token, value), ref_token, ref_value in zip(entry.top, ids.tolist(), values.tolist(), strict=True):

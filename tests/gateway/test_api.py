@@ -85,7 +85,8 @@ def test_temperature_out_of_range(temperature: float) -> None:
         ("n", 0),
         ("n", 65),
         ("top_k", -1),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("prompt_logprobs", MAX_LOGPROBS + 1),
         ("seed", 2**63),
         ("logprobs", MAX_LOGPROBS + 1),
     ],
@@ -193,13 +194,26 @@ def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
     assert CompletionRequest.model_validate(completion(n=2, best_of=2)).n == 2
 
 
-@pytest.mark.parametrize(
-    "fields, words", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")]
-)
+@pytest.mark.parametrize("fields, words", [({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")])
 def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, param = refusal(CompletionRequest, completion(**fields))
     assert words in message and "not supported" in message
     assert param == words
+
+
+def test_max_tokens_0_only_with_echo_and_prompt_logprobs_not_streamed() -> None:
+    body = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, logprobs=2, prompt_logprobs=1))
+    assert body.sampling(0, 2).prompt_logprobs == 2  # echo's logprobs score the prompt too
+    assert CompletionRequest.model_validate(completion(prompt_logprobs=3)).sampling(5, None).prompt_logprobs == 3
+    assert CompletionRequest.model_validate(completion(echo=True)).sampling(5, None).prompt_logprobs is None
+    for fields, param in (
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "n": 2}, "n"),
+        ({"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"stream": True, "echo": True, "logprobs": 0}, "echo"),
+    ):
+        assert refusal(CompletionRequest, completion(**fields))[1] == param, fields
+    assert refusal(ChatCompletionRequest, chat(stream=True, prompt_logprobs=0))[1] == "prompt_logprobs"
 
 
 def test_stream_options_with_stream() -> None:
