@@ -68,3 +68,22 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_models, bl
     assert results["one"][0].prompt_logprobs == []  # a one-token prompt has nothing to score
     assert SamplingParams(max_tokens=0, n=2).validate(512) is not None
     assert SamplingParams(prompt_logprobs=21).validate(512) is not None
+
+
+def test_prompt_logprobs_survive_preemption(tiny_models, blockd):
+    model = tiny_models["qwen2"]
+    prompts = random_prompts([60, 75, 50, 70], vocab=512, seed=13)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    # 8 tokens a step: prefills take many steps, and decodes outgrow the 14 blocks while later prompts are scored.
+    engine = make_engine(model, blockd.endpoint, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=8)
+    preempted_while_scoring = []
+
+    def watch(_step, engine) -> None:
+        preempted_while_scoring.extend(
+            s for s in engine.scheduler.waiting if s.preemptions and s.request.prompt_logprobs_pending
+        )
+
+    results = drive(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]}, on_step=watch)
+    assert preempted_while_scoring, "a request must be preempted half way through its prompt's scoring"
+    for i, prompt in enumerate(prompts):
+        check(results[f"r{i}"][0].prompt_logprobs, model, prompt, 1)
