@@ -119,3 +119,11 @@ def test_refusals(client):
     ):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny-chat", prompt=PROMPT, **kwargs)
+
+
+def test_streamed_echo_starts_with_the_prompt(client):
+    chunks = list(client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=3, echo=True, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    zero = list(client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in zero if c.choices) == PROMPT
