@@ -428,7 +428,13 @@ def test_tool_call_parser_flag(stack, model_dir, tmp_path) -> None:
     from tests.gateway.test_tool_calls import TOOLS
 
     gateway = GatewayProcess(
-        model_dir, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log", "--tool-call-parser", "none"
+        model_dir,
+        stack.executor_endpoints,
+        stack.blockd_endpoint,
+        tmp_path / "gw.log",
+        "--tool-call-parser",
+        "none",
+        keys_dir=stack.keys_dir,  # the stack's executors take only its key set's clients
     )
     try:
         gateway.wait_listening()
