@@ -78,6 +78,8 @@ class _Common(StructuredOutputFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: each prompt token's logprob (after the first) and the k most likely there; not streamed
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 
@@ -94,6 +96,8 @@ class _Common(StructuredOutputFields):
             raise ParamError(
                 "priority", "priority scheduling is not supported by pagedkv (first come, first served): leave it at 0"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
@@ -113,6 +117,11 @@ class _Common(StructuredOutputFields):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """How many alternatives the executor scores at each prompt token (None: prompt not scored)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -148,6 +157,7 @@ class _Common(StructuredOutputFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs_k,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -226,24 +236,36 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _echo_and_best_of(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ParamError(
-                "logprobs",
-                "echo with logprobs needs the prompt's logprobs, which pagedkv's executor does not compute yet",
-            )
         if self.max_tokens == 0 and not self.echo:
-            raise ParamError("max_tokens", "max_tokens: 0 is only allowed with echo: true")
+            raise ParamError("max_tokens", "max_tokens: 0 is only allowed with echo: true (the prompt only)")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs is not available when stream is true")
         if self.best_of is not None:
             if not self.n <= self.best_of <= MAX_N:
                 raise ParamError("best_of", f"best_of must be at least n ({self.n}) and at most {MAX_N}")
             if self.best_of > self.n and self.stream:
                 raise ParamError("best_of", "best_of greater than n cannot be streamed")
+        if self.max_tokens == 0 and self.prompt_logprobs_k is not None and self.sampled_choices != 1:
+            # The executor scores the prompt once; echo alone (no logprobs) is answered by the gateway, any n.
+            raise ParamError("n", "max_tokens 0 with the prompt's logprobs (the prompt only) needs n = 1")
         return self
 
     @property
     def sampled_choices(self) -> int:
         """How many choices are sampled per prompt: best_of, of which the n best are returned."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs scores the prompt too (its first token's logprob is null, as OpenAI's)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def gateway_only(self) -> bool:
+        """echo with max_tokens 0 and nothing to score: the answer is the prompt's text, no executor runs."""
+        return self.max_tokens == 0 and self.prompt_logprobs_k is None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""

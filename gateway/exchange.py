@@ -298,7 +298,10 @@ class Exchange:
             take(position, event)
         usage = responses.total_usage([g.usage for g in self.generations])
         kept = self._best(cumulative)
+        prompt_k = self.body.prompt_logprobs  # vLLM's prompt_logprobs (echo's are in the choices' logprobs)
         if self.kind == "completion":
+            if self.echo is not None and self.logprobs is not None:
+                self._echo_logprobs(kept, completion_logprobs)
             choices = [
                 {
                     "index": i,
@@ -308,6 +311,10 @@ class Exchange:
                 }
                 for i, c in enumerate(kept)
             ]
+            if prompt_k is not None:
+                for c, choice in zip(kept, choices, strict=True):
+                    entries = self.generations[c // self.sampled].prompt_logprobs
+                    choice["prompt_logprobs"] = responses.prompt_logprobs(tokenizer, entries, prompt_k, self.as_ids)
             return responses.completion_body(self.envelope, choices, usage)
         choices = []
         for i, c in enumerate(kept):
@@ -320,7 +327,28 @@ class Exchange:
                     "logprobs": {"content": chat_logprobs[c]} if self.logprobs is not None else None,
                 }
             )
-        return responses.chat_body(self.envelope, choices, usage)
+        body = responses.chat_body(self.envelope, choices, usage)
+        if prompt_k is not None:  # vLLM's chat responses carry them once, beside the choices
+            entries = self.generations[0].prompt_logprobs
+            body["prompt_logprobs"] = responses.prompt_logprobs(tokenizer, entries, prompt_k, self.as_ids)
+        return body
+
+    def _echo_logprobs(self, kept: list[int], logprobs: list[responses.CompletionLogprobs]) -> None:
+        """echo with logprobs: each returned choice's logprobs start with its prompt tokens' (the first one null),
+        scored by the executor; the generated tokens' offsets already count the echoed text."""
+        tokenizer = self.gateway.tokenizer
+        for c in kept:
+            generation = self.generations[c // self.sampled]
+            echoed = responses.CompletionLogprobs()
+            echoed.add_prompt(
+                tokenizer, generation.prompt, generation.prompt_logprobs or [], self.logprobs or 0, self.as_ids
+            )
+            generated = logprobs[c]
+            echoed.tokens += generated.tokens
+            echoed.token_logprobs += generated.token_logprobs
+            echoed.top_logprobs += generated.top_logprobs
+            echoed.text_offset += generated.text_offset
+            logprobs[c] = echoed
 
     def _best(self, cumulative: list[float]) -> list[int]:
         """The choices returned, in order: all of them; or with best_of, per prompt the n of highest

@@ -85,7 +85,8 @@ def test_temperature_out_of_range(temperature: float) -> None:
         ("n", 0),
         ("n", 65),
         ("top_k", -1),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("prompt_logprobs", MAX_LOGPROBS + 1),
         ("seed", 2**63),
         ("logprobs", MAX_LOGPROBS + 1),
     ],
@@ -203,7 +204,8 @@ def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], wor
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"echo": True, "logprobs": 1}, "logprobs", "prompt's logprobs"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo", "not available when stream is true"),
+        ({"echo": True, "logprobs": 1, "max_tokens": 0, "best_of": 2}, "n", "needs n = 1"),
         ({"max_tokens": 0}, "max_tokens", "only allowed with echo"),
         ({"n": 3, "best_of": 2}, "best_of", "at least n"),
         ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
@@ -223,6 +225,26 @@ def test_echo_best_of_and_truncation_accepted() -> None:
     everything = CompletionRequest.model_validate(completion(truncate_prompt_tokens=-1))
     assert everything.truncate([1, 2, 3, 4], 3) == [2, 3, 4]
     assert everything.add_special_tokens and not ChatCompletionRequest.model_validate(chat()).add_special_tokens
+
+
+def test_max_tokens_0_only_with_echo_and_prompt_logprobs_not_streamed() -> None:
+    body = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, logprobs=2, prompt_logprobs=1))
+    assert body.sampling(0, 2).prompt_logprobs == 2  # echo's logprobs score the prompt too
+    assert CompletionRequest.model_validate(completion(prompt_logprobs=3)).sampling(5, None).prompt_logprobs == 3
+    assert CompletionRequest.model_validate(completion(echo=True)).sampling(5, None).prompt_logprobs is None
+    for fields, param in (
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "logprobs": 0, "n": 2}, "n"),  # scored by the executor: n = 1
+        ({"max_tokens": 0, "echo": True, "prompt_logprobs": 0, "n": 2}, "n"),
+        ({"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"stream": True, "echo": True, "logprobs": 0}, "echo"),
+    ):
+        assert refusal(CompletionRequest, completion(**fields))[1] == param, fields
+    echo_only = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, n=2))  # the gateway answers
+    assert echo_only.gateway_only and echo_only.sampling(0, None).prompt_logprobs is None
+    scored = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, logprobs=0))
+    assert not scored.gateway_only and scored.sampling(0, 0).prompt_logprobs == 0
+    assert refusal(ChatCompletionRequest, chat(stream=True, prompt_logprobs=0))[1] == "prompt_logprobs"
 
 
 def test_stream_options_with_stream() -> None:

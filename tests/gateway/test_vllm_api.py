@@ -290,9 +290,15 @@ def test_echo_puts_the_prompt_first(client, stack, model_dir, tokenizer) -> None
             assert only.usage.completion_tokens == 0
             assert only.usage.prompt_tokens == len(tokenizer.encode(PROMPT)) + len(tokenizer.encode("hello"))
 
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1)
-    assert "prompt's logprobs" in refused.value.message
+    # echo with logprobs: the prompt is scored by the executor (its first token null), then the completion's
+    scored = client.completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1, **GREEDY
+    )
+    lp = scored.choices[0].logprobs
+    prompt_len = len(tokenizer.encode(PROMPT))
+    assert scored.choices[0].text.startswith(PROMPT) and len(lp.tokens) == prompt_len + 2
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert lp.text_offset[prompt_len] == len(PROMPT)
 
 
 def test_best_of_returns_the_choices_of_highest_cumulative_logprob(client, stack) -> None:
@@ -428,7 +434,7 @@ def test_tool_call_parser_flag(stack, model_dir, tmp_path) -> None:
         tmp_path / "gw.log",
         "--tool-call-parser",
         "none",
-        keys_dir=stack.keys_dir,
+        keys_dir=stack.keys_dir,  # the stack's executors take only its key set's clients
     )
     try:
         gateway.wait_listening()
