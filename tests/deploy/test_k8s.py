@@ -35,7 +35,7 @@ import yaml
 import zmq
 from click.core import ParameterSource
 
-from common.auth import generate
+from common.auth import KeySet, Role, ServerAuth, generate
 from executor import protocol as ep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -699,3 +699,44 @@ def test_the_executor_readiness_probe_asks_the_executor_its_load(tmp_path: Path)
         socket.close()
     silent = textwrap.dedent(code).replace("timeout_s=5", "timeout_s=0.5")
     assert subprocess.run([sys.executable, "-c", silent], cwd=ROOT, capture_output=True, timeout=60).returncode != 0
+
+
+def test_the_executor_readiness_probe_uses_the_operator_key(tmp_path: Path) -> None:
+    """With PAGEDKV_KEYS (as the executor pods have it) the probe connects with the operator key and gets its load
+    report from a CURVE-only socket that admits gateway and operator keys, as the executor's does; without keys
+    it never completes the handshake and fails."""
+    _, executor_c = container_of(rendered("gpu"), "executor")
+    code = executor_c["readinessProbe"]["exec"]["command"][2]
+    keys = tmp_path / "keys"
+    generate(keys)
+    context = zmq.Context()
+    auth = ServerAuth(context, KeySet(keys), (Role.GATEWAY, Role.OPERATOR))
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    auth.secure(socket)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    code = code.replace(":5560'", f":{port}'")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PAGEDKV_KEYS", None)
+    try:
+        probe = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**env, "PAGEDKV_KEYS": str(keys)})
+        assert socket.poll(30_000), "the probe sent nothing"
+        identity, frame = socket.recv_multipart(copy=False)
+        assert auth.principal(frame) is not None and auth.principal(frame).role is Role.OPERATOR
+        assert isinstance(ep.decode_inbound(frame.bytes), ep.GetLoad)
+        load = ep.LoadReport(
+            pool_id="executor-0", running=0, waiting=0, free_blocks=8, num_blocks=8, kv_utilization=0.0,
+            preemptions=0, steps=0,
+        )  # fmt: skip
+        socket.send_multipart([identity.bytes, ep.encode(load)])
+        assert probe.wait(timeout=30) == 0
+        unkeyed = subprocess.run(
+            [sys.executable, "-c", code.replace("timeout_s=5", "timeout_s=0.5")],
+            cwd=ROOT, env=env, capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert unkeyed.returncode != 0
+        assert not socket.poll(100), "a client without keys got a request through"
+    finally:
+        socket.close()
+        auth.stop()
+        context.term()
