@@ -4,7 +4,8 @@ One seeded offline workload: `--requests` prompts of random token ids (special t
 output lengths drawn uniformly from `--prompt-range` and `--output-range`, every request greedy with
 `ignore_eos` and exactly its own output length as `max_tokens`, so both systems generate the same tokens.
 
-- **pagedkv**: a real `blockd` daemon (subprocess on a free loopback port, no persistence) and the engine in this
+- **pagedkv**: a real `blockd` daemon (subprocess on a free loopback port, no persistence; `--blockd inprocess`:
+  a `BlockManager` in this process behind the same pool client, `blockd.inprocess`) and the engine in this
   process, built as the executor builds it; every request is submitted at once, then `engine.step()` runs until
   nothing is left. Its KV cache is `budget // bytes per block` blocks: sequences take blocks as they grow
   (continuous batching, chunked prefill, preemption by recompute).
@@ -18,6 +19,10 @@ The two take turns of about 0.2 s in one thread (the engine steps inside a `gene
 running while it has fewer output tokens out than the other, and each is timed over its own turns only: on a
 shared machine a burst of load from elsewhere then falls on both alike. (Two threads would each get their own
 OpenMP team, whose idle workers spin and slow down the other's.)
+
+`--blockd compare` leaves transformers out: the engine against the daemon and the engine against an in-process
+blockd take turns the same way, and the ratio daemon / in-process is what running blockd as its own service
+costs.
 
 Reported per system: output tokens per second of its own wall time (prefill included), the most sequences
 running at once, and the ratio pagedkv / hf; the last stdout line is one JSON object. Progress goes to stderr.
