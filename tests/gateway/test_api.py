@@ -173,8 +173,20 @@ def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "not supported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "not supported"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "needs tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "g"}}},
+            "not among the tools: 'g'",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined with response_format",
+        ),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
         ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
@@ -184,6 +196,40 @@ def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
 def test_unsupported_chat_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, _ = refusal(ChatCompletionRequest, chat(**fields))
     assert words in message, message
+
+
+def test_forced_tool_choice_is_a_json_schema_constraint_as_vllm_builds_it() -> None:
+    import jsonschema
+
+    defs = {"Unit": {"enum": ["C", "F"]}}
+    weather = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "$defs": defs}
+    tools = [
+        {"type": "function", "function": {"name": "weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "now"}},
+    ]
+    named = ChatCompletionRequest.model_validate(chat(tools=tools, tool_choice={"function": {"name": "now"}}))
+    spec = named.sampling(16, None).structured
+    assert spec is not None and spec.kind == "json" and spec.param == "tool_choice"
+    assert json.loads(spec.source) == {"type": "object", "properties": {}}  # the function's parameters
+    for parallel in (True, False):
+        body = ChatCompletionRequest.model_validate(
+            chat(tools=tools, tool_choice="required", parallel_tool_calls=parallel)
+        )
+        spec = body.sampling(16, None).structured
+        assert spec is not None
+        schema = json.loads(spec.source)
+        assert schema["$defs"] == defs and '"$defs":' not in json.dumps(schema["items"])  # gathered at the top
+        one = [{"name": "weather", "parameters": {"unit": "C"}}]
+        two = [*one, {"name": "now", "parameters": {}}]
+        jsonschema.validate(one, schema)
+        for wrong in ([], [{"name": "later", "parameters": {}}], [{"name": "weather", "parameters": {"unit": "K"}}]):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(wrong, schema)
+        if parallel:
+            jsonschema.validate(two, schema)
+        else:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(two, schema)
 
 
 def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
