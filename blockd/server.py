@@ -40,7 +40,8 @@ from blockd.manager import (
 from blockd.metrics import BlockdMetrics
 from blockd.persistence import DEFAULT_QUEUE_LIMIT, NoPersistence, RedisKeys, RedisPersistence
 from common import __version__
-from common.auth import KEYS_ENV, KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
+from common.auth import KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
+from common.clicks import insecure_option, keys_option
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
@@ -378,22 +379,11 @@ def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
     default=None,
     help="ROUTER endpoint answering replay requests for missed KV event batches, e.g. tcp://*:5571.",
 )
-@click.option(
-    "--keys",
-    "keys_dir",
-    envvar=KEYS_ENV,
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Key directory (`pagedkv keys generate DIR`): serve CURVE only, to executor, gateway and operator keys, "
-    "each kept to its role. Env: PAGEDKV_KEYS.",
+@keys_option(
+    "Key directory (`pagedkv keys generate DIR`): serve CURVE only, to executor, gateway and operator keys, "
+    "each kept to its role.",
 )
-@click.option(
-    "--insecure",
-    is_flag=True,
-    default=False,
-    envvar="PAGEDKV_INSECURE",
-    help="Allow listening beyond loopback without --keys (anyone who reaches the port may do anything).",
-)
+@insecure_option("Allow listening beyond loopback without --keys (anyone who reaches the port may do anything).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     endpoint: str,
