@@ -46,7 +46,7 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
-from pagedkv.bench.common import blockd_daemon, length_range_option, table_lines
+from pagedkv.bench.common import blockd_daemon, length_range_option, machine_busy_s, requests_option, table_lines
 
 DEFAULT_REQUESTS = 256
 DEFAULT_PROMPT_RANGE = (16, 256)
@@ -453,27 +453,16 @@ def _compare_blockd(
 # ---------------------------------------------------------------------------------------------------- command
 
 
-def _machine_busy_s() -> float | None:
-    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 class OtherLoad:
     """How much of the machine's CPU went to other processes (blockd included) while the timed runs ran."""
 
     def __enter__(self) -> Self:
-        self.busy, self.own, self.wall = _machine_busy_s(), time.process_time(), time.perf_counter()
+        self.busy, self.own, self.wall = machine_busy_s(), time.process_time(), time.perf_counter()
         self.share: float | None = None
         return self
 
     def __exit__(self, *_: object) -> None:
-        busy = _machine_busy_s()
+        busy = machine_busy_s()
         if busy is None or self.busy is None:
             return
         others = (busy - self.busy) - (time.process_time() - self.own)
@@ -534,14 +523,7 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     default=None,
     help="Weights and KV cache dtype of both (default: float32 on cpu, bfloat16 on cuda).",
 )
-@click.option(
-    "--requests",
-    "num_requests",
-    type=click.IntRange(min=1),
-    default=DEFAULT_REQUESTS,
-    show_default=True,
-    help="Requests in the workload.",
-)
+@requests_option(DEFAULT_REQUESTS, "Requests in the workload.")
 @length_range_option("--prompt-range", DEFAULT_PROMPT_RANGE, "MIN MAX prompt length in tokens (uniform).")
 @length_range_option(
     "--output-range",
