@@ -13,10 +13,12 @@ an API key that the load clients send.
 Scenarios: kill -9 and SIGSTOP/SIGCONT of each service and of Redis; a second executor with a duplicated
 --pool-id (it must exit, outputs unchanged); steps, unregisters and resets for another executor's pool from a
 foreign DEALER holding another pool's key (refused: forbidden) or an any-pool executor key (refused:
-stale_epoch); malformed ZeroMQ frames to blockd (each timed: its reply to every single frame) and to the
-executors (random bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized registers and
-lookups); the gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts,
-clients that disconnect mid-stream).
+stale_epoch); a peer without keys or with a stranger's keys (blockd and executors never answer it, nothing
+changes), a gateway key acting as an executor (forbidden), HTTP clients without or with a wrong API key (401);
+malformed ZeroMQ frames to blockd (each timed: its reply to every single frame) and to the executors (random
+bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized registers and lookups); the
+gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts, clients that disconnect
+mid-stream).
 
 Afterwards: blocks still held once the load has drained (leaked), `blockd-cli check`, the slowest blockd reply,
 each service's peak RSS against its idle RSS. A table, then one JSON object as the last line.
@@ -24,6 +26,7 @@ each service's peak RSS against its idle RSS. A table, then one JSON object as t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -48,6 +51,7 @@ import zmq
 from blockd import protocol as bp
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.embedded_redis import find_redis_server
+from blockd.errors import BlockdError
 from common.auth import ClientCurve, KeySet, generate
 from common.net import free_port
 from common.tokens import pack_tokens
@@ -458,6 +462,163 @@ def _cross_pool(stack: Stack, findings: Findings) -> None:
         context.term()
 
 
+PLANTED = "keyless-planted"  # the sequence a peer without keys tries to admit into executor-0's pool
+
+
+def _blockd_snapshot(stack: Stack) -> tuple[Any, ...]:
+    """What a peer without keys must not change: the pools (ids, epochs' fingerprints, sizes), dormant pools, and
+    the sequence it tried to plant (absent)."""
+    with BlockdClient(stack.blockd, timeout_s=5, curve=stack.curve("operator")) as client:
+        pools = sorted((p.pool_id, p.epoch_fingerprint, p.num_blocks, p.block_size) for p in client.pools().pools)
+        stats = client.stats()
+        try:
+            planted: Any = client.sequence(PLANTED, "executor-0")
+        except BlockdError as exc:
+            planted = f"absent ({exc.code})"
+        return pools, stats.totals.pools, stats.totals.blocks_total, sorted(stats.dormant_pools), planted
+
+
+def _keyless_blockd_frames(rng: random.Random, count: int) -> list[bytes]:
+    tokens = pack_tokens(range(64))
+    requests: list[bp.Request] = [
+        bp.Step(v=1, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=tokens)]),
+        bp.Step(v=1, id=2, pool_id="executor-0", epoch=0, ops=[bp.Commit(seq_id=PLANTED, num_computed_tokens=64)]),
+        bp.Step(v=1, id=3, pool_id="executor-1", epoch=0, ops=[bp.Free(seq_id="victim")]),
+        bp.Register(v=1, id=4, pool_id="keyless-pool", num_blocks=64, block_size=16, model_id="m", epoch=1),
+        bp.Unregister(v=1, id=5, pool_id="executor-1", epoch=0),
+        bp.ResetPrefixCache(v=1, id=6, pool_id="executor-0"),
+        bp.Lookup(v=1, id=7, tokens=tokens),
+        bp.Stats(v=1, id=8),
+        bp.Pools(v=1, id=9),
+        bp.Check(v=1, id=10),
+    ]
+    frames = [bp.encode(r) for r in requests]
+    return frames + [_bad_blockd_frame(rng, i) for i in range(count) if i % 80 != 5]  # no 4 MB lookups here
+
+
+def _keyless_executor_frames(rng: random.Random, count: int) -> list[bytes]:
+    messages: list[ep.Message] = [
+        ep.Submit(request_id="keyless-0", prompt=pack_tokens(range(10)), params=SamplingParams(max_tokens=4)),
+        ep.Abort(request_id="keyless-0"),
+        ep.GetLoad(),
+        ep.GetInfo(),
+    ]
+    return [ep.encode(m) for m in messages] + [_bad_executor_frame(rng, i) for i in range(count)]
+
+
+def _keyless_peers(stack: Stack, findings: Findings, frames: int, wait_s: float) -> None:
+    """Peers without keys (no CURVE at all), with a stranger's keypair (zmq.curve_keypair()), and with a key of a
+    role the service does not admit (an executor's key at an executor) send valid-looking requests and malformed
+    frames to blockd and to each executor: the handshake never completes, so no answer comes and nothing changes.
+    Then keys of the wrong role, which do complete it: a gateway's and an operator's acting as an executor at
+    blockd, an operator's submitting to an executor (refused: forbidden). And HTTP clients without or with a wrong
+    API key (401)."""
+    rng = random.Random(13)
+    before = _blockd_snapshot(stack)
+    server = stack.keys.client("gateway").server
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    strangers: dict[str, ClientCurve | None] = {
+        "no keys": None,
+        "a stranger's keys": ClientCurve(stranger_public, stranger_secret, server),
+    }
+    targets = [("blockd", stack.blockd, _keyless_blockd_frames(rng, frames))]
+    targets += [(f"executor-{i}", e, _keyless_executor_frames(rng, frames)) for i, e in enumerate(stack.executors)]
+    context = zmq.Context()
+    sockets: dict[zmq.Socket, str] = {}
+    try:
+        for target, endpoint, payload in targets:
+            peers = dict(strangers)
+            if target != "blockd":
+                peers["pool-executor-0's key"] = stack.curve("pool-executor-0")  # executors admit no executor key
+            for who, curve in peers.items():
+                socket = _dealer(context, endpoint, curve)
+                socket.setsockopt(zmq.SNDHWM, len(payload) + 10)
+                sockets[socket] = f"{who} -> {target}"
+                for frame in payload:
+                    findings.attacks += 1
+                    with contextlib.suppress(zmq.Again):  # not even queued: unanswered all the same
+                        socket.send(frame, zmq.NOBLOCK)
+        poller = zmq.Poller()
+        for socket in sockets:
+            poller.register(socket, zmq.POLLIN)
+        answered: Counter[str] = Counter()
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            for socket, _ in poller.poll(int(left * 1000) + 1):
+                while socket.poll(0):
+                    socket.recv()
+                    answered[sockets[socket]] += 1
+        sent = sum(len(p) for _, _, p in targets) * len(strangers) + sum(len(p) for _, _, p in targets[1:])
+        findings.unanswered += sent - sum(answered.values())
+        for peer, count in answered.items():
+            findings.problem(f"a peer without valid keys got {count} answers: {peer}")
+        findings.notes.append(
+            f"peers without keys: {sent} frames to blockd and the executors, {sum(answered.values())} answered"
+        )
+
+        def forbidden(who: str, socket: zmq.Socket, frame: bytes, executor: bool) -> None:
+            findings.attacks += 1
+            _, reply = _blockd_call(socket, frame)
+            if executor:
+                message = ep.decode_outbound(reply) if reply is not None else None
+                code = message.code if isinstance(message, ep.Rejected) and message.message else None
+            else:
+                code = _blockd_refusal(reply)
+            findings.unanswered += reply is None
+            if code == "forbidden":
+                findings.refused += 1
+                findings.battery[f"{who}: forbidden"] += 1
+            else:
+                findings.problem(f"{who}: not refused as forbidden ({code}, {reply!r})")
+
+        as_executor: list[bp.Request] = [
+            bp.Step(v=1, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=pack_tokens([1]))]),
+            bp.Register(v=1, id=2, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=5),
+            bp.Heartbeat(v=1, id=3, pool_id="executor-0", epoch=0),
+            bp.Unregister(v=1, id=4, pool_id="executor-1", epoch=0),
+            bp.ResetPrefixCache(v=1, id=5, pool_id="executor-0", epoch=0),
+        ]
+        for key in ("gateway", "operator"):
+            socket = _dealer(context, stack.blockd, stack.curve(key))
+            sockets[socket] = key
+            for request in as_executor:
+                if key == "operator" and isinstance(request, bp.ResetPrefixCache):
+                    continue  # an operator may reset a pool's prefix cache (blockd-cli); the epoch still fences it
+                forbidden(f"{key} key {type(request).__name__} at blockd", socket, bp.encode(request), False)
+        for i, endpoint in enumerate(stack.executors):
+            socket = _dealer(context, endpoint, stack.curve("operator"))
+            sockets[socket] = "operator"
+            submit = ep.Submit(request_id=f"operator-{i}", prompt=pack_tokens(range(10)), params=SamplingParams())
+            forbidden(f"operator key submit at executor-{i}", socket, ep.encode(submit), True)
+    finally:
+        for socket in sockets:
+            socket.close()
+        context.term()
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    for who, headers in (("no API key", {}), ("a wrong API key", {"Authorization": "Bearer not-the-key"})):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            findings.attacks += 1
+            try:
+                response = httpx.request(
+                    method, f"{stack.url}{path}", json=body if method == "POST" else None, headers=headers, timeout=30
+                )
+            except httpx.HTTPError as exc:
+                findings.problem(f"HTTP with {who}: no answer ({exc!r})")
+                continue
+            if _refusal(response) == "refused:401":
+                findings.refused += 1
+                findings.battery[f"HTTP {who} -> 401"] += 1
+            else:
+                findings.problem(f"HTTP {method} {path} with {who}: {response.status_code} {response.text[:200]!r}")
+
+    after = _blockd_snapshot(stack)
+    if after != before:
+        findings.problem(f"blockd changed under peers without keys: {before} -> {after}")
+    if not str(after[-1]).startswith("absent"):
+        findings.problem(f"the sequence a peer without keys tried to plant exists: {after[-1]}")
+
+
 def _bad_blockd_frame(rng: random.Random, i: int) -> bytes:
     kind = i % 8
     if kind == 0:
@@ -662,6 +823,7 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
     scenarios += [
         ("duplicated pool id", lambda: _duplicate_pool(stack, findings)),
         ("cross-pool step", lambda: _cross_pool(stack, findings)),
+        ("peer without keys", lambda: _keyless_peers(stack, findings, 200 if quick else 2_000, 2.0 if quick else 5.0)),
         (f"{frames} malformed frames to blockd", lambda: _malformed_blockd(stack, findings, frames)),
         (f"{frames} malformed frames to each executor", lambda: _malformed_executors(stack, findings, frames)),
         (
