@@ -19,8 +19,7 @@ import msgspec
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.errors import BlockdError
 from blockd.protocol import DEFAULT_ENDPOINT
-from common.auth import KeysError, KeySet
-from common.clicks import keys_option
+from common.clicks import client_keys, keys_option
 
 EX_UNAVAILABLE = 69
 
@@ -74,12 +73,7 @@ def main(ctx: click.Context, endpoint: str, timeout: float, keys_dir: Path | Non
     Exit status: 0 on success; 1 when blockd answers with an error or `check` finds a violated invariant;
     69 when blockd does not answer within --timeout.
     """
-    curve = None
-    if keys_dir is not None:
-        try:
-            curve = KeySet(keys_dir).client(key_name)
-        except KeysError as exc:
-            raise click.ClickException(str(exc)) from None
+    curve = client_keys(keys_dir, key_name)
     ctx.obj = BlockdClient(endpoint, timeout_s=timeout, curve=curve)
 
 

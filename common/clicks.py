@@ -34,3 +34,15 @@ def keys_option(help: str) -> Callable[[F], F]:
 def insecure_option(help: str) -> Callable[[F], F]:
     """`--insecure` (env PAGEDKV_INSECURE): listen beyond loopback without keys; `help` says what that opens."""
     return click.option("--insecure", is_flag=True, default=False, envvar="PAGEDKV_INSECURE", help=help)
+
+
+def client_keys(keys_dir: Path | None, key_name: str) -> Any:
+    """The CURVE client keys `key_name` of `keys_dir` (None without a directory); a usage error when unreadable."""
+    if keys_dir is None:
+        return None
+    from common.auth import KeysError, KeySet
+
+    try:
+        return KeySet(keys_dir).client(key_name)
+    except KeysError as exc:
+        raise click.ClickException(str(exc)) from None

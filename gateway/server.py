@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import click
 
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
-from common.auth import KeysError, KeySet, is_loopback
-from common.clicks import insecure_option, keys_option
+from common.auth import is_loopback
+from common.clicks import client_keys, insecure_option, keys_option
 from common.logs import configure_logging
 from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
@@ -204,12 +204,7 @@ def main(
             f"the gateway would listen on {host}, beyond loopback, without API keys: give --api-key, "
             f"{API_KEY_ENV} or --api-key-file, or --insecure to serve an open API anyway"
         )
-    curve = None
-    if keys_dir is not None:
-        try:
-            curve = KeySet(keys_dir).client(key_name)
-        except KeysError as exc:
-            raise click.ClickException(str(exc)) from None
+    curve = client_keys(keys_dir, key_name)
 
     if model_dir is None:
         from common.default_model import ensure_default_model

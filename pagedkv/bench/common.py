@@ -108,3 +108,8 @@ def requests_option(default: int, help: str) -> Callable[[F], F]:
     return click.option(
         "--requests", "num_requests", type=click.IntRange(min=1), default=default, show_default=True, help=help
     )
+
+
+def threads_option(help: str) -> Callable[[F], F]:
+    """`--threads N`: torch intra-op threads (default: torch's own choice, one per core)."""
+    return click.option("--threads", type=click.IntRange(min=1), default=None, help=help)

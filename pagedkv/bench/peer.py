@@ -38,7 +38,7 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
-from pagedkv.bench.common import machine_busy_s
+from pagedkv.bench.common import machine_busy_s, threads_option
 from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds
 from pagedkv.bench.throughput import BenchRequest, make_workload
 
@@ -597,12 +597,7 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     show_default=True,
     help="Largest gap between transformers' top two logits that makes a divergence a near tie.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="pagedkv's torch intra-op threads (default: torch's own choice, one per core).",
-)
+@threads_option("pagedkv's torch intra-op threads (default: torch's own choice, one per core).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workloads.")
 @click.pass_context
 def bench_peer(

@@ -46,7 +46,14 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
-from pagedkv.bench.common import blockd_daemon, length_range_option, machine_busy_s, requests_option, table_lines
+from pagedkv.bench.common import (
+    blockd_daemon,
+    length_range_option,
+    machine_busy_s,
+    requests_option,
+    table_lines,
+    threads_option,
+)
 
 DEFAULT_REQUESTS = 256
 DEFAULT_PROMPT_RANGE = (16, 256)
@@ -561,12 +568,7 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     show_default=True,
     help="Timed runs of the pair (each a fresh pass over the workload); the best of each is reported.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="torch intra-op threads of both (default: torch's own choice, one per core).",
-)
+@threads_option("torch intra-op threads of both (default: torch's own choice, one per core).")
 @click.option(
     "--blockd",
     "blockd_mode",
