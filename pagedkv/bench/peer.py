@@ -40,7 +40,7 @@ from common.clicks import unless_given
 from common.units import parse_size
 from pagedkv.bench.common import machine_busy_s, threads_option
 from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds
-from pagedkv.bench.throughput import BenchRequest, make_workload
+from pagedkv.bench.throughput import BenchRequest, bench_model, make_workload
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -622,8 +622,6 @@ def bench_peer(
 ) -> None:
     import torch
 
-    from common.default_model import ensure_default_model
-    from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
     from executor.runner import kv_bytes_per_block
     from pagedkv.bench.common import blockd_process
     from pagedkv.bench.throughput import build_engine
@@ -655,13 +653,7 @@ def bench_peer(
         settings.append(("vllm-bind", bind_cpus))
     labels = {"pagedkv": "pagedkv", "vllm-default": "vLLM default threads", "vllm-bind": f"vLLM bind {bind_cpus}"}
 
-    if model_dir is None:
-        click.echo("using the default model (generated on first use)", err=True)
-        model_dir = ensure_default_model()
-    try:
-        config = load_config(model_dir)
-    except (CheckpointError, UnsupportedModel) as exc:
-        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+    model_dir, config = bench_model(model_dir)
     special = _special_ids(model_dir, config)
     plans = {name: build_workload(specs[name], config.vocab_size, special, seed) for name in names}
     max_len = max(len(r.prompt) + r.output_len for reqs in plans.values() for r in reqs)

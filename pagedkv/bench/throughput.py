@@ -460,6 +460,21 @@ def _compare_blockd(
 # ---------------------------------------------------------------------------------------------------- command
 
 
+def bench_model(model_dir: Path | None) -> tuple[Path, Any]:
+    """The benchmark's checkpoint (the default model, generated on first use, when none is given) and its
+    config; a usage error naming --model when it cannot be served."""
+    from common.default_model import ensure_default_model
+    from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
+
+    if model_dir is None:
+        click.echo("using the default model (generated on first use)", err=True)
+        model_dir = ensure_default_model()
+    try:
+        return model_dir, load_config(model_dir)
+    except (CheckpointError, UnsupportedModel) as exc:
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+
+
 class OtherLoad:
     """How much of the machine's CPU went to other processes (blockd included) while the timed runs ran."""
 
@@ -603,8 +618,6 @@ def bench_throughput(
 ) -> None:
     import torch
 
-    from common.default_model import ensure_default_model
-    from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
     from executor.runner import DTYPES, kv_bytes_per_block
 
     if quick:
@@ -626,13 +639,7 @@ def bench_throughput(
     if threads is not None:
         torch.set_num_threads(threads)
 
-    if model_dir is None:
-        click.echo("using the default model (generated on first use)", err=True)
-        model_dir = ensure_default_model()
-    try:
-        config = load_config(model_dir)
-    except (CheckpointError, UnsupportedModel) as exc:
-        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+    model_dir, config = bench_model(model_dir)
 
     requests = make_workload(
         num_requests, prompt_range, output_range, config.vocab_size, _special_ids(model_dir, config), seed
