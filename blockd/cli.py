@@ -19,7 +19,7 @@ import msgspec
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.errors import BlockdError
 from blockd.protocol import DEFAULT_ENDPOINT
-from common.auth import KEYS_ENV, KeysError, KeySet
+from common.clicks import client_keys, keys_option
 
 EX_UNAVAILABLE = 69
 
@@ -62,13 +62,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--endpoint", envvar="BLOCKD_ENDPOINT", default=DEFAULT_ENDPOINT, help="blockd's ZeroMQ endpoint.")
 @click.option("--timeout", type=float, default=3.0, help="Seconds to wait for blockd before giving up.")
-@click.option(
-    "--keys",
-    "keys_dir",
-    envvar=KEYS_ENV,
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Key directory of a blockd that serves CURVE (`pagedkv keys generate`). Env: PAGEDKV_KEYS.",
+@keys_option(
+    "Key directory of a blockd that serves CURVE (`pagedkv keys generate`).",
 )
 @click.option("--key-name", default="operator", help="Which key of --keys to use (an operator's).")
 @click.pass_context
@@ -78,12 +73,7 @@ def main(ctx: click.Context, endpoint: str, timeout: float, keys_dir: Path | Non
     Exit status: 0 on success; 1 when blockd answers with an error or `check` finds a violated invariant;
     69 when blockd does not answer within --timeout.
     """
-    curve = None
-    if keys_dir is not None:
-        try:
-            curve = KeySet(keys_dir).client(key_name)
-        except KeysError as exc:
-            raise click.ClickException(str(exc)) from None
+    curve = client_keys(keys_dir, key_name)
     ctx.obj = BlockdClient(endpoint, timeout_s=timeout, curve=curve)
 
 

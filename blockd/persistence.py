@@ -228,12 +228,15 @@ class RedisPersistence(PoolEvents):
         socket_timeout_s: float = 2.0,
         keys: RedisKeys = DEFAULT_KEYS,
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        password: str | None = None,
     ) -> None:
         self.url = url
         self.flush_interval_s = flush_interval_s
         self.keys = keys
+        # A password in the URL wins over `password` (redis-py's from_url).
+        extra = {"password": password} if password else {}
         self.client = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, **extra
         )
         self.queue_limit = queue_limit
         # Bounded: +1 for the None that stops the writer.

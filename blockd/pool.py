@@ -273,8 +273,11 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
-    def admit(self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None) -> AdmitResult:
-        """Give a new sequence blocks for its whole prompt, reusing the longest cached prefix.
+    def admit(
+        self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None, *, reuse_prefix: bool = True
+    ) -> AdmitResult:
+        """Give a new sequence blocks for its whole prompt, reusing the longest cached prefix (unless
+        `reuse_prefix` is False: then every token is computed, and its blocks are still committed as usual).
 
         At least the prompt's last token is left to compute (its logits are needed), so a fully cached prompt
         reuses all but its last block. All or nothing: if blocks are missing, nothing changes.
@@ -293,7 +296,7 @@ class BlockPool:
             )
         extra = self.extra_for(cache_salt)
         hashes = chain_hashes(packed, bs, self.root, extra, key=self.hash_key)
-        hits = self.cached_prefix_blocks(hashes, (n - 1) // bs)
+        hits = self.cached_prefix_blocks(hashes, (n - 1) // bs) if reuse_prefix else []
         refcount = self.refcount
         cached = len(hits) * bs
         needed = growth(bs, cached, n - cached, len(hits)).blocks

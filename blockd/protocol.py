@@ -44,6 +44,7 @@ class Admit(msgspec.Struct, tag="admit"):
     seq_id: Name
     tokens: PackedTokens
     cache_salt: str | None = None
+    reuse_prefix: bool = True  # False: no prefix hit, every token is computed (e.g. for prompt logprobs)
 
 
 class Append(msgspec.Struct, tag="append"):

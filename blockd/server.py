@@ -40,7 +40,8 @@ from blockd.manager import (
 from blockd.metrics import BlockdMetrics
 from blockd.persistence import DEFAULT_QUEUE_LIMIT, NoPersistence, RedisKeys, RedisPersistence
 from common import __version__
-from common.auth import KEYS_ENV, KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
+from common.auth import KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
+from common.clicks import insecure_option, keys_option
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
@@ -251,6 +252,11 @@ class BlockdServer:
         self.running = False
 
 
+def _first_line(path: Path) -> str:
+    lines = path.read_text().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
     if auth is not None:
         auth.stop()
@@ -264,6 +270,14 @@ def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
     envvar="REDIS_URL",
     default=None,
     help="Redis to persist the prefix index in. Default: an embedded redis-server in --state-dir.",
+)
+@click.option(
+    "--redis-password-file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="REDIS_PASSWORD_FILE",
+    default=None,
+    help="Read Redis's password from this file (its first line), for a --redis-url without one (e.g. a compose or "
+    "Kubernetes secret). Env: REDIS_PASSWORD_FILE.",
 )
 @click.option("--persistence/--no-persistence", default=True, help="Persist the prefix index to Redis at all.")
 @click.option(
@@ -365,26 +379,16 @@ def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
     default=None,
     help="ROUTER endpoint answering replay requests for missed KV event batches, e.g. tcp://*:5571.",
 )
-@click.option(
-    "--keys",
-    "keys_dir",
-    envvar=KEYS_ENV,
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Key directory (`pagedkv keys generate DIR`): serve CURVE only, to executor, gateway and operator keys, "
-    "each kept to its role. Env: PAGEDKV_KEYS.",
+@keys_option(
+    "Key directory (`pagedkv keys generate DIR`): serve CURVE only, to executor, gateway and operator keys, "
+    "each kept to its role.",
 )
-@click.option(
-    "--insecure",
-    is_flag=True,
-    default=False,
-    envvar="PAGEDKV_INSECURE",
-    help="Allow listening beyond loopback without --keys (anyone who reaches the port may do anything).",
-)
+@insecure_option("Allow listening beyond loopback without --keys (anyone who reaches the port may do anything).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     endpoint: str,
     redis_url: str | None,
+    redis_password_file: Path | None,
     persistence: bool,
     state_dir: Path,
     flush_interval: float,
@@ -477,12 +481,13 @@ def main(
             log.info("embedded redis started", url=redis_url, state_dir=str(state_dir))
         store = RedisPersistence(
             redis_url,
+            password=_first_line(redis_password_file) if redis_password_file is not None else None,
             flush_interval_s=flush_interval,
             keys=RedisKeys(redis_prefix or deployment),
             queue_limit=persistence_queue,
         )
     if deployment_secret_file is not None:
-        deployment_secret = deployment_secret_file.read_text().strip()
+        deployment_secret = _first_line(deployment_secret_file)
     kv_events = None
     if kv_events_endpoint is not None:
         try:

@@ -144,6 +144,8 @@ class Engine:
                 "tokens for one sequence",
             )
         request = Request(request_id, params, prompt, cache_salt, time.monotonic())
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = []
         first = Sequence(f"{request_id}#0", request, 0, list(prompt), choice_generator(params, 0, self.runner.device))
         request.sequences.append(first)
         self.requests[request_id] = request
@@ -261,7 +263,10 @@ class Engine:
         if chunks:
             self.steps += 1
             logits = self.runner.execute(chunks, self.pool.seqs)
-            deltas += self._sample(chunks, logits)
+            sampled = sum(1 for c in chunks if c.samples)
+            if logits.shape[0] > sampled:
+                self._score_prompts(chunks, logits[sampled:])
+            deltas += self._sample(chunks, logits[:sampled])
         for request_id, index in self._take_deferred_aborts():
             deltas += self.abort(request_id, index)
         if self._compiling:  # admitted here, after the step's blockd call: a rejection is never lost to its failure
@@ -295,14 +300,48 @@ class Engine:
         self.blockd_reachable = True
         return results
 
+    def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+        """Prompt logprobs from the rows of each chunk's `scored_positions` (in chunk order): one batched
+        log-softmax, gather and top-k for the whole step."""
+        spans = [(c.seq.request, c.scored_positions) for c in chunks]
+        spans = [(request, span) for request, span in spans if span]
+        targets = [request.prompt[pos + 1] for request, span in spans for pos in span]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        index = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+        chosen_t = logprobs.gather(1, index[:, None])
+        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
+        k = max(request.params.prompt_logprobs for request, _ in spans)
+        top_values: list[list[float]] = [[]] * len(targets)
+        top_ids: list[list[int]] = [[]] * len(targets)
+        if k:
+            values, ids = torch.topk(logprobs, k, dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
+        row = 0
+        for request, span in spans:
+            assert len(request.prompt_logprobs) == span.start, "prompt logprobs must be scored without a gap"
+            keep = request.params.prompt_logprobs
+            for _ in span:
+                top = list(zip(top_ids[row][:keep], top_values[row][:keep], strict=True))
+                request.prompt_logprobs.append(ep.TokenLogprob(targets[row], chosen[row], top, ranks[row]))
+                row += 1
+
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[ep.Delta]:
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + len(chunk.token_ids)
         sampling = [c.seq for c in chunks if c.samples]
+        deltas = []
+        for seq in sampling:
+            if seq.params.max_tokens == 0:  # the prompt only (echo): computed, nothing generated
+                self.scheduler.finish(seq, "length")
+                deltas.append(self._delta(seq, [], None))
+                self._forget_if_done(seq.request)
         rows: list[SampleRow] = []
         row_of: list[int] = []  # logits row of each sample row
         choices: list[tuple[Sequence, int | None]] = []  # (sequence, index of a new choice or None)
         for i, seq in enumerate(sampling):
+            if seq.params.max_tokens == 0:
+                continue
             rows.append(SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len, seq.matcher))
             row_of.append(i)
             choices.append((seq, None))
@@ -315,10 +354,10 @@ class Engine:
                     row_of.append(i)
                     choices.append((seq, index))
         if not rows:
-            return []
-        picked = logits if len(rows) == len(sampling) else logits[torch.tensor(row_of, device=logits.device)]
+            return deltas
+        whole = row_of == list(range(len(sampling)))
+        picked = logits if whole else logits[torch.tensor(row_of, device=logits.device)]
         sampled = self.sampler(picked, rows)
-        deltas = []
         for (seq, new_index), row, token, logprob in zip(
             choices, rows, sampled.token_ids, sampled.logprobs, strict=False
         ):
@@ -370,6 +409,15 @@ class Engine:
 
     def _delta(self, seq: Sequence, tokens: list[int], logprob) -> ep.Delta:
         request = seq.request
+        prompt_logprobs = None
+        # Prompt logprobs are sent once, complete, in the request's first delta.
+        if (
+            request.prompt_logprobs is not None
+            and not request.prompt_logprobs_sent
+            and not request.prompt_logprobs_pending
+        ):
+            prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
         return ep.Delta(
             request_id=request.request_id,
             index=seq.index,
@@ -379,6 +427,7 @@ class Engine:
             prompt_tokens=len(request.prompt),
             completion_tokens=seq.num_generated,
             cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +46,24 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [L] int64 rows whose next-token logits are wanted
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` without its random initialisation: every parameter is loaded from the checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without its random initialisation (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, **factory: Any) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.empty(size, **factory))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,14 +95,14 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for every position up to the model's length, looked up per token."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(config)
         positions = torch.arange(config.max_model_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every token of a step, `[T, 1, head_dim]`: looked up once, used by every layer."""
@@ -102,15 +117,15 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias, **factory)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False, **factory)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -144,11 +159,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, **factory)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -156,12 +171,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.self_attn = Attention(config, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = MLP(config, **factory)
 
     def forward(self, h, batch, rope, kv_cache, backend, check) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, rope, kv_cache, backend, check)
@@ -169,22 +184,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, **factory) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 
 
 class PagedCausalLM(nn.Module):
-    """The whole model. `forward` takes one step's batch and the per-layer (K, V) caches, returns logits."""
+    """The whole model. `forward` takes one step's batch and the per-layer (K, V) caches, returns logits.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Its parameters are allocated uninitialised on `device` in `dtype` (`load_weights` fills every one);
+    the rotary tables are float32, computed not loaded."""
+
+    def __init__(
+        self, config: ModelConfig, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
-        self.rotary = Rotary(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderStack(config, device=device, dtype=dtype)
+        self.rotary = Rotary(config, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -254,13 +274,11 @@ class PagedCausalLM(nn.Module):
 def build_model(
     config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype, device: torch.device
 ) -> PagedCausalLM:
-    """Instantiate on `device` without random init, then load `weights` into it."""
-    with torch.device("meta"):
-        model = PagedCausalLM(config)
-    # Straight to the serving dtype: a float32 detour would need twice the device memory of the weights.
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:  # to_empty may have given the two names separate storage
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = Rotary(config).to(device)  # float32 tables, computed not loaded; cast per step like the reference
+    """Allocate on `device` in the serving dtype without random init, then load `weights` into it.
+
+    Uninitialised parameters, not the `meta` device: a module built on `meta` still runs its initialisers
+    there, and the first meta-tensor op imports `torch._dynamo` (seconds of startup, for nothing). Straight to
+    the serving dtype: a float32 detour would need twice the device memory of the weights."""
+    model = PagedCausalLM(config, device=device, dtype=dtype)
     model.load_weights(weights)  # copy_ casts each checkpoint tensor to the parameter's dtype
     return model.eval()

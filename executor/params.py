@@ -57,6 +57,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the chosen token's logprob and the k most likely
+    # None = none; k = each prompt token's logprob (after the first) and the k most likely there (vLLM's name).
+    # Computed from the prefill's logits; such a request never takes a prefix-cache hit (a cached prefix has no
+    # logits), so its whole prompt is computed.
+    prompt_logprobs: int | None = None
     # Logits processing (vLLM's names and meaning); each one's neutral value costs the sampler nothing.
     presence_penalty: float = 0.0  # minus this from each token seen in the output (OpenAI)
     frequency_penalty: float = 0.0  # minus this times the count of each token in the output (OpenAI)
@@ -69,8 +73,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     structured: GrammarSpec | None = None  # output constrained to a JSON schema, regex, choice or grammar
 
     def validate(self, vocab_size: int) -> str | None:
-        if not self.max_tokens >= 1:
-            return f"max_tokens must be at least 1, got {self.max_tokens}"
+        if not self.max_tokens >= 0:
+            return f"max_tokens must be at least 0, got {self.max_tokens}"
+        if self.max_tokens == 0 and self.n != 1:
+            return "max_tokens 0 (the prompt only, nothing generated) needs n = 1"
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
             return f"temperature must be in [0, 100], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
@@ -83,6 +89,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             return f"seed must fit in 64 bits, got {self.seed}"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            return f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             return f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"

@@ -51,10 +51,11 @@ class GetInfo(Message, tag="get_info"):
 Inbound = Submit | Abort | GetLoad | GetInfo
 
 
-class TokenLogprob(msgspec.Struct, array_like=True):
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+    rank: int | None = None  # of token_id among all tokens (1 = the most likely); set for prompt logprobs
 
 
 class Delta(Message, tag="delta"):
@@ -66,6 +67,9 @@ class Delta(Message, tag="delta"):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # of this choice so far
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # Asked with SamplingParams.prompt_logprobs: one entry per prompt token after the first (the first has no
+    # logprob), sent once, in the request's first delta.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Rejected(Message, tag="rejected"):

@@ -115,6 +115,9 @@ class ModelRunner:
             if chunk.samples:
                 logits_indices.append(starts[-1] - 1)
             rows.append(table[: -(-(chunk.start + n) // bs)])
+        for chunk, start in zip(chunks, starts, strict=False):  # then the rows prompt logprobs score, in order
+            scored = chunk.scored_positions
+            logits_indices.extend(range(start + scored.start - chunk.start, start + scored.stop - chunk.start))
         width = max(len(r) for r in rows)
         table_tensor = torch.zeros((len(rows), width), dtype=torch.int32)
         for i, r in enumerate(rows):
@@ -131,6 +134,7 @@ class ModelRunner:
         )
 
     def execute(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> torch.Tensor:
-        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order."""
+        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order, then
+        those of each chunk's `scored_positions` (prompt logprobs), chunk by chunk."""
         batch = self.build_batch(chunks, tables)
         return self.model(batch, self.kv_caches, self.backend)

@@ -59,6 +59,16 @@ class Chunk:
     def samples(self) -> bool:  # the chunk reaches the sequence's end, so its last row's logits are sampled
         return self.start + len(self.token_ids) == len(self.seq.tokens)
 
+    @property
+    def scored_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token for prompt logprobs (empty unless
+        the request asks and they are not scored yet)."""
+        request = self.seq.request
+        done = request.prompt_logprobs
+        if done is None:
+            return range(0)
+        return range(max(self.start, len(done)), min(self.start + len(self.token_ids), len(request.prompt) - 1))
+
 
 class Purpose(enum.Enum):
     """What a planned op is for; `Scheduler.apply` takes in its answer by this."""
@@ -225,7 +235,10 @@ class Scheduler:
             worst = growth(self.block_size, 0, len(seq.tokens), 0).blocks
             if worst > free - self.watermark:
                 break  # first come, first served: nobody overtakes the head of the queue
-            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), seq.request.cache_salt))
+            request = seq.request
+            # A prompt still to be scored for prompt logprobs is computed whole: a cached prefix has no logits.
+            reuse = not request.prompt_logprobs_pending
+            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), request.cache_salt, reuse))
             free -= worst
             free_slots -= 1
             budget -= 1

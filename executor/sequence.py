@@ -38,6 +38,15 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
     grammar: Any = None  # its compiled structured-output grammar (xgrammar), once compiled
+    # With params.prompt_logprobs: what the prefill has scored so far (entry i: prompt token i + 1), sent once
+    # complete, in the request's first delta.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs are asked and not all scored yet: the prompt must be computed, not taken from cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
     @property
     def finished(self) -> bool:

@@ -33,7 +33,8 @@ import zmq
 
 from blockd.client import BlockdUnavailable, PoolClient, PoolFenced
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
-from common.auth import KEYS_ENV, KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
+from common.auth import KeysError, KeySet, Principal, Role, ServerAuth, unkeyed_refusal
+from common.clicks import insecure_option, keys_option
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.tokens import TOKEN_BYTES, unpack_tokens
@@ -401,22 +402,11 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     default=DEFAULT_MAX_QUEUED_REQUESTS,
     help="Requests held at once (running or waiting); more are rejected with queue_full.",
 )
-@click.option(
-    "--keys",
-    "keys_dir",
-    envvar=KEYS_ENV,
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
-    "pool's executor key (pool-POOL, else executor). Env: PAGEDKV_KEYS.",
+@keys_option(
+    "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
+    "pool's executor key (pool-POOL, else executor).",
 )
-@click.option(
-    "--insecure",
-    is_flag=True,
-    default=False,
-    envvar="PAGEDKV_INSECURE",
-    help="Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).",
-)
+@insecure_option("Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     model_dir,

@@ -15,10 +15,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from executor.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
+from executor.params import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGPROBS,
+    GrammarSpec,
+    SamplingParams,
+)
 from gateway.errors import invalid_request
 from gateway.generation import OutputOptions
-from gateway.structured import StructuredOutputFields
+from gateway.structured import GUIDED_FIELDS, StructuredOutputFields
 
 if TYPE_CHECKING:
     from gateway.text import Tokenizer
@@ -78,6 +85,8 @@ class _Common(StructuredOutputFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's isolation)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: each prompt token's logprob (after the first) and the k most likely there; not streamed
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 
@@ -94,6 +103,8 @@ class _Common(StructuredOutputFields):
             raise ParamError(
                 "priority", "priority scheduling is not supported by pagedkv (first come, first served): leave it at 0"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
@@ -113,6 +124,11 @@ class _Common(StructuredOutputFields):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """How many alternatives the executor scores at each prompt token (None: prompt not scored)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -148,6 +164,7 @@ class _Common(StructuredOutputFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs_k,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -226,24 +243,36 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _echo_and_best_of(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ParamError(
-                "logprobs",
-                "echo with logprobs needs the prompt's logprobs, which pagedkv's executor does not compute yet",
-            )
         if self.max_tokens == 0 and not self.echo:
-            raise ParamError("max_tokens", "max_tokens: 0 is only allowed with echo: true")
+            raise ParamError("max_tokens", "max_tokens: 0 is only allowed with echo: true (the prompt only)")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs is not available when stream is true")
         if self.best_of is not None:
             if not self.n <= self.best_of <= MAX_N:
                 raise ParamError("best_of", f"best_of must be at least n ({self.n}) and at most {MAX_N}")
             if self.best_of > self.n and self.stream:
                 raise ParamError("best_of", "best_of greater than n cannot be streamed")
+        if self.max_tokens == 0 and self.prompt_logprobs_k is not None and self.sampled_choices != 1:
+            # The executor scores the prompt once; echo alone (no logprobs) is answered by the gateway, any n.
+            raise ParamError("n", "max_tokens 0 with the prompt's logprobs (the prompt only) needs n = 1")
         return self
 
     @property
     def sampled_choices(self) -> int:
         """How many choices are sampled per prompt: best_of, of which the n best are returned."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """echo with logprobs scores the prompt too (its first token's logprob is null, as OpenAI's)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def gateway_only(self) -> bool:
+        """echo with max_tokens 0 and nothing to score: the answer is the prompt's text, no executor runs."""
+        return self.max_tokens == 0 and self.prompt_logprobs_k is None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a string, token ids, or a batch of either."""
@@ -364,15 +393,51 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            choice = "a named function" if isinstance(self.tool_choice, NamedToolChoice) else "'required'"
-            raise ParamError(
-                "tool_choice",
-                f"tool_choice {choice} is not supported by pagedkv yet (forcing a call): use 'auto' or 'none'",
-            )
+        if self.forces_tool_call:
+            if not self.tools:
+                raise ParamError("tool_choice", "tool_choice 'required' or a named function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice):
+                name = self.tool_choice.function.get("name")
+                if name not in {tool.function.name for tool in self.tools}:
+                    raise ParamError("tool_choice", f"tool_choice names a function not among the tools: {name!r}")
+            constraints = [
+                name
+                for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                if getattr(self, name) is not None
+            ]
+            if self.response_format is not None and self.response_format.get("type") == "text":
+                constraints.remove("response_format")
+            if constraints:
+                raise ParamError(
+                    "tool_choice",
+                    "tool_choice 'required' or a named function constrains the output already: it cannot be "
+                    f"combined with {constraints[0]}",
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
         return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice 'required' or a named function: the output is constrained to the call(s) (vLLM's way)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice forces (None: not a named choice)."""
+        return self.tool_choice.function.get("name") if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """With a forced tool call, the JSON schema of its output, as vLLM builds it: a named function's
+        parameters; for 'required', an array (at least one item; one only without parallel_tool_calls) of
+        {"name": one of the tools, "parameters": its schema}."""
+        if not self.forces_tool_call or not self.tools:
+            return super().grammar_spec()
+        schema = forced_tool_schema(self.tools, self.named_tool, self.parallel_tool_calls)
+        source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        if len(source) > MAX_GRAMMAR_CHARS:
+            raise invalid_request(f"the tools' schemas are over {MAX_GRAMMAR_CHARS} characters", param="tools")
+        return GrammarSpec("json", source, param="tool_choice")
 
     @property
     def token_limit(self) -> int | None:
@@ -412,3 +477,34 @@ def require_json_object(body: Any) -> dict[str, Any]:
 def chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template sees them (transformers' `tools=`): OpenAI's tool objects, or None."""
     return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def forced_tool_schema(tools: list[Tool], named: str | None, parallel: bool) -> dict[str, Any]:
+    """The output schema of tool_choice 'required' (named None) or a named function, as vLLM's
+    `get_json_schema_from_tools`: `$defs` of the tools' parameters are gathered at the top for 'required'."""
+    if named is not None:
+        return next(_parameters(tool) for tool in tools if tool.function.name == named)
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        for key, value in (parameters.pop("$defs", None) or {}).items():
+            if key in defs and defs[key] != value:
+                raise invalid_request(f"the tools define $defs {key!r} differently", param="tools")
+            defs[key] = value
+        items.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -26,7 +27,7 @@ from gateway.api import _Common
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted, Usage
 from gateway.state import Gateway
-from gateway.tool_calls import ToolParser, make_parser
+from gateway.tool_calls import ToolCall, ToolParser, make_parser
 
 log = structlog.get_logger("gateway")
 T = TypeVar("T")
@@ -118,6 +119,11 @@ class Exchange:
         # tool calls looked for in the output (chat, tools given, tool_choice 'auto'): the parser's name
         self.tool_parser = gateway.tool_call_parser if getattr(body, "parses_tool_calls", False) else None
         self.parallel_tool_calls = getattr(body, "parallel_tool_calls", True)
+        # tool_choice 'required' or a named function: the output is the call(s) as JSON (structured output)
+        self.forced = getattr(body, "forces_tool_call", False)
+        self.named_tool: str | None = getattr(body, "named_tool", None)
+        self._forced_text: dict[int, str] = {}
+        self._forced_ids: dict[int, str] = {}
         self._parsers: dict[int, ToolParser] = {}
         self._calls_sent: dict[int, int] = {}
         self._call_numbers: dict[int, dict[str, int]] = {}
@@ -201,7 +207,9 @@ class Exchange:
                 )
             )
         finish_reason = event.finish_reason
-        if self.tool_parser is None:
+        if self.forced:
+            delta, finish_reason = self._forced_delta(index, event)
+        elif self.tool_parser is None:
             delta: dict[str, Any] = {"content": event.text} if event.text else {}
         else:
             delta, finish_reason = self._tool_delta(index, event)
@@ -248,8 +256,49 @@ class Exchange:
             finish_reason = "tool_calls"
         return delta, finish_reason
 
+    def _forced_delta(self, index: int, event: ChoiceEvent) -> tuple[dict[str, Any], str | None]:
+        """A chunk's delta under a forced tool call. Named: the call's id, type and name in the first chunk, then
+        its arguments as they are generated. 'required': the calls whole, once the choice's JSON array is
+        complete (its last chunk)."""
+        if self.named_tool is not None:
+            entry: dict[str, Any] = {"index": 0, "function": {"arguments": event.text}}
+            if index not in self._forced_ids:
+                self._forced_ids[index] = ToolCall(self.named_tool, "").id
+                entry.update(id=self._forced_ids[index], type="function")
+                entry["function"]["name"] = self.named_tool
+            elif not event.text:
+                return {}, event.finish_reason
+            return {"tool_calls": [entry]}, event.finish_reason
+        text = self._forced_text[index] = self._forced_text.get(index, "") + event.text
+        if event.finish_reason is None:
+            return {}, None
+        message, finish_reason = self._message(text, event.finish_reason)
+        if "tool_calls" not in message:
+            return {"content": text} if text else {}, finish_reason
+        calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        return {"tool_calls": calls}, finish_reason
+
+    def _forced_message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """tool_choice named or 'required', as vLLM answers it: a named call's arguments are the output
+        (finish reason as it is: "stop"); 'required''s JSON array becomes its calls (finish reason "tool_calls").
+        Output that is not the array (cut short by max_tokens) is answered as text."""
+        if self.named_tool is not None:
+            call = ToolCall(self.named_tool, text)
+            return {"role": "assistant", "content": None, "tool_calls": [call.body()]}, finish_reason
+        try:
+            items = json.loads(text)
+            calls = [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+        except (ValueError, TypeError, KeyError):
+            return {"role": "assistant", "content": text}, finish_reason
+        if not self.parallel_tool_calls:
+            calls = calls[:1]
+        message = {"role": "assistant", "content": None, "tool_calls": [c.body() for c in calls]}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
     def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole choice's message (and finish reason): its text, or the tool calls found in it."""
+        if self.forced:
+            return self._forced_message(text, finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tool_parser is None:
             return message, finish_reason
@@ -298,7 +347,10 @@ class Exchange:
             take(position, event)
         usage = responses.total_usage([g.usage for g in self.generations])
         kept = self._best(cumulative)
+        prompt_k = self.body.prompt_logprobs  # vLLM's prompt_logprobs (echo's are in the choices' logprobs)
         if self.kind == "completion":
+            if self.echo is not None and self.logprobs is not None:
+                self._echo_logprobs(kept, completion_logprobs)
             choices = [
                 {
                     "index": i,
@@ -308,6 +360,10 @@ class Exchange:
                 }
                 for i, c in enumerate(kept)
             ]
+            if prompt_k is not None:
+                for c, choice in zip(kept, choices, strict=True):
+                    entries = self.generations[c // self.sampled].prompt_logprobs
+                    choice["prompt_logprobs"] = responses.prompt_logprobs(tokenizer, entries, prompt_k, self.as_ids)
             return responses.completion_body(self.envelope, choices, usage)
         choices = []
         for i, c in enumerate(kept):
@@ -320,7 +376,28 @@ class Exchange:
                     "logprobs": {"content": chat_logprobs[c]} if self.logprobs is not None else None,
                 }
             )
-        return responses.chat_body(self.envelope, choices, usage)
+        body = responses.chat_body(self.envelope, choices, usage)
+        if prompt_k is not None:  # vLLM's chat responses carry them once, beside the choices
+            entries = self.generations[0].prompt_logprobs
+            body["prompt_logprobs"] = responses.prompt_logprobs(tokenizer, entries, prompt_k, self.as_ids)
+        return body
+
+    def _echo_logprobs(self, kept: list[int], logprobs: list[responses.CompletionLogprobs]) -> None:
+        """echo with logprobs: each returned choice's logprobs start with its prompt tokens' (the first one null),
+        scored by the executor; the generated tokens' offsets already count the echoed text."""
+        tokenizer = self.gateway.tokenizer
+        for c in kept:
+            generation = self.generations[c // self.sampled]
+            echoed = responses.CompletionLogprobs()
+            echoed.add_prompt(
+                tokenizer, generation.prompt, generation.prompt_logprobs or [], self.logprobs or 0, self.as_ids
+            )
+            generated = logprobs[c]
+            echoed.tokens += generated.tokens
+            echoed.token_logprobs += generated.token_logprobs
+            echoed.top_logprobs += generated.top_logprobs
+            echoed.text_offset += generated.text_offset
+            logprobs[c] = echoed
 
     def _best(self, cumulative: list[float]) -> list[int]:
         """The choices returned, in order: all of them; or with best_of, per prompt the n of highest

@@ -113,6 +113,8 @@ class Generation:
         self._submitted_id: str | None = None
         self._choices: list[_Choice] = []
         self._done = False
+        # Asked with params.prompt_logprobs: one entry per prompt token after the first, from the first delta.
+        self.prompt_logprobs: list[ep.TokenLogprob] | None = None
 
     async def events(self) -> AsyncIterator[ChoiceEvent | Restarted]:
         yielded = False
@@ -203,6 +205,8 @@ class Generation:
         if choice.finished:
             return None  # tokens that were in flight when its stop string was found
         now = time.monotonic()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.usage.cached_tokens = max(self.usage.cached_tokens, delta.cached_tokens)
         if delta.token_ids:
             self._count_tokens(choice, len(delta.token_ids), now)

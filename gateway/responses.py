@@ -62,8 +62,8 @@ class CompletionLogprobs:
     """The legacy completions format: parallel lists, one entry per generated token."""
 
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
     def add(self, tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob], offset: int, as_ids: bool = False) -> None:
@@ -82,6 +82,22 @@ class CompletionLogprobs:
             except UnicodeDecodeError:
                 pass  # the offset moves once the character is whole
 
+    def add_prompt(
+        self,
+        tokenizer: Tokenizer,
+        prompt: Sequence[int],
+        entries: Sequence[ep.TokenLogprob],
+        top: int,
+        as_ids: bool = False,
+    ) -> None:
+        """echo: the prompt's tokens come first, its first token with a null logprob and top_logprobs (OpenAI)."""
+        start = len(self.tokens)
+        self.add(tokenizer, [ep.TokenLogprob(prompt[0], 0.0, []), *entries], 0, as_ids)
+        self.token_logprobs[start] = None
+        self.top_logprobs[start] = None
+        for i, entry in enumerate(entries, start + 1):
+            self.top_logprobs[i] = {token_label(tokenizer, t, as_ids): lp for t, lp in entry.top[:top]}
+
     def body(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
@@ -94,6 +110,25 @@ class CompletionLogprobs:
 def token_label(tokenizer: Tokenizer, token_id: int, as_id: bool) -> str:
     """A token as logprobs name it: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
     return f"token_id:{token_id}" if as_id else tokenizer.token_text(token_id)
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[ep.TokenLogprob] | None, top: int, as_ids: bool = False
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict by token id (as a string)
+    of the prompt token and the `top` most likely ones, each with its logprob, rank and text."""
+    if entries is None:
+        return None
+
+    def one(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_label(tokenizer, token_id, as_ids)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries:
+        position = {str(t): one(lp, rank, t) for rank, (t, lp) in enumerate(entry.top[:top], 1)}
+        position.setdefault(str(entry.token_id), one(entry.logprob, entry.rank, entry.token_id))
+        out.append(position)
+    return out
 
 
 def chat_logprobs(

@@ -110,7 +110,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except BaseException:
             admission.close()
             raise
-        if body.max_tokens == 0:
+        if body.gateway_only:  # echo, max_tokens 0, no logprobs: nothing to run (with logprobs: scored)
             admission.close()
             return echo_only(gateway, body, prompts, echo)
         return await respond(

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import click
 
 from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
-from common.auth import KEYS_ENV, KeysError, KeySet, is_loopback
+from common.auth import is_loopback
+from common.clicks import client_keys, insecure_option, keys_option
 from common.logs import configure_logging
 from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
@@ -150,22 +151,12 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     help="Report usage.prompt_tokens_details.cached_tokens for every request. By default only requests with a "
     "cache_salt see it: for the others it would tell whether someone else sent the same prefix.",
 )
-@click.option(
-    "--keys",
-    "keys_dir",
-    envvar=KEYS_ENV,
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Key directory (`pagedkv keys generate DIR`) of a blockd and executors that serve CURVE: the gateway "
-    "connects with its gateway key. Env: PAGEDKV_KEYS.",
+@keys_option(
+    "Key directory (`pagedkv keys generate DIR`) of a blockd and executors that serve CURVE: the gateway "
+    "connects with its gateway key.",
 )
 @click.option("--key-name", default="gateway", help="Which key of --keys is this gateway's.")
-@click.option(
-    "--insecure",
-    is_flag=True,
-    envvar="PAGEDKV_INSECURE",
-    help="Allow --host beyond loopback without API keys (anyone who reaches the port may generate).",
-)
+@insecure_option("Allow --host beyond loopback without API keys (anyone who reaches the port may generate).")
 @click.option(
     "--log-level",
     default="info",
@@ -213,12 +204,7 @@ def main(
             f"the gateway would listen on {host}, beyond loopback, without API keys: give --api-key, "
             f"{API_KEY_ENV} or --api-key-file, or --insecure to serve an open API anyway"
         )
-    curve = None
-    if keys_dir is not None:
-        try:
-            curve = KeySet(keys_dir).client(key_name)
-        except KeysError as exc:
-            raise click.ClickException(str(exc)) from None
+    curve = client_keys(keys_dir, key_name)
 
     if model_dir is None:
         from common.default_model import ensure_default_model

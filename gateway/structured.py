@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from executor.params import MAX_GRAMMAR_CHARS, GrammarSpec
 from gateway.errors import invalid_request
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's other keys of structured_outputs that pagedkv takes: xgrammar is its only backend (nothing to fall back
 # from) and its JSON schemas are strict already (no properties beyond those listed, unless the schema says so).

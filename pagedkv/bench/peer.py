@@ -38,6 +38,7 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
+from pagedkv.bench.common import machine_busy_s, threads_option
 from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds
 from pagedkv.bench.throughput import BenchRequest, make_workload
 
@@ -172,17 +173,6 @@ def read_loadavg() -> list[float]:
         return []
 
 
-def _machine_busy_s() -> float | None:
-    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def schedule(systems: Sequence[str], runs: int) -> list[tuple[int, str]]:
     """The order of the timed runs: round by round, every system once per round in the given order."""
     return [(round_, name) for round_ in range(1, runs + 1) for name in systems]
@@ -205,11 +195,11 @@ def run_rounds(
     cpus = os.cpu_count() or 1
     for round_, name in schedule([s.name for s in systems], runs):
         load = read_loadavg()
-        busy = _machine_busy_s()
+        busy = machine_busy_s()
         started = time.perf_counter()
         result = by_name[name].run(requests, f"{workload}-run{round_}")
         wall = time.perf_counter() - started
-        busy_after = _machine_busy_s()
+        busy_after = machine_busy_s()
         others = None
         if busy is not None and busy_after is not None and wall > 0:
             others = max(0.0, (busy_after - busy) - result.cpu_s) / (wall * cpus)
@@ -607,12 +597,7 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     show_default=True,
     help="Largest gap between transformers' top two logits that makes a divergence a near tie.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="pagedkv's torch intra-op threads (default: torch's own choice, one per core).",
-)
+@threads_option("pagedkv's torch intra-op threads (default: torch's own choice, one per core).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workloads.")
 @click.pass_context
 def bench_peer(

@@ -56,7 +56,7 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
-from pagedkv.bench.common import length_range_option, table_lines
+from pagedkv.bench.common import length_range_option, requests_option, table_lines
 
 #: Token ids of every prompt: past the special tokens (0-3), below any test model's vocabulary (512).
 TOKEN_IDS = (4, 500)
@@ -574,14 +574,7 @@ def routing_ratios(prefix: Summary, rr: Summary) -> dict[str, float | None]:
     show_default=True,
     help="Requests in flight at once.",
 )
-@click.option(
-    "--requests",
-    "num_requests",
-    type=click.IntRange(min=1),
-    default=DEFAULT_REQUESTS,
-    show_default=True,
-    help="Requests of the serving load.",
-)
+@requests_option(DEFAULT_REQUESTS, "Requests of the serving load.")
 @length_range_option("--prompt-range", DEFAULT_PROMPT_RANGE, "MIN MAX prompt length in tokens (uniform).")
 @length_range_option(
     "--output-range", DEFAULT_OUTPUT_RANGE, "MIN MAX max_tokens (uniform); ignore_eos makes it the output length."

@@ -4,7 +4,8 @@ One seeded offline workload: `--requests` prompts of random token ids (special t
 output lengths drawn uniformly from `--prompt-range` and `--output-range`, every request greedy with
 `ignore_eos` and exactly its own output length as `max_tokens`, so both systems generate the same tokens.
 
-- **pagedkv**: a real `blockd` daemon (subprocess on a free loopback port, no persistence) and the engine in this
+- **pagedkv**: a real `blockd` daemon (subprocess on a free loopback port, no persistence; `--blockd inprocess`:
+  a `BlockManager` in this process behind the same pool client, `blockd.inprocess`) and the engine in this
   process, built as the executor builds it; every request is submitted at once, then `engine.step()` runs until
   nothing is left. Its KV cache is `budget // bytes per block` blocks: sequences take blocks as they grow
   (continuous batching, chunked prefill, preemption by recompute).
@@ -18,6 +19,10 @@ The two take turns of about 0.2 s in one thread (the engine steps inside a `gene
 running while it has fewer output tokens out than the other, and each is timed over its own turns only: on a
 shared machine a burst of load from elsewhere then falls on both alike. (Two threads would each get their own
 OpenMP team, whose idle workers spin and slow down the other's.)
+
+`--blockd compare` leaves transformers out: the engine against the daemon and the engine against an in-process
+blockd take turns the same way, and the ratio daemon / in-process is what running blockd as its own service
+costs.
 
 Reported per system: output tokens per second of its own wall time (prefill included), the most sequences
 running at once, and the ratio pagedkv / hf; the last stdout line is one JSON object. Progress goes to stderr.
@@ -41,7 +46,14 @@ import click
 
 from common.clicks import unless_given
 from common.units import parse_size
-from pagedkv.bench.common import blockd_daemon, length_range_option, table_lines
+from pagedkv.bench.common import (
+    blockd_daemon,
+    length_range_option,
+    machine_busy_s,
+    requests_option,
+    table_lines,
+    threads_option,
+)
 
 DEFAULT_REQUESTS = 256
 DEFAULT_PROMPT_RANGE = (16, 256)
@@ -125,7 +137,7 @@ def _synchronize(device: Any) -> None:
 
 def build_engine(
     model_dir: Path,
-    endpoint: str,
+    endpoint: str | None,
     *,
     device: Any,
     dtype: Any,
@@ -134,20 +146,36 @@ def build_engine(
     max_num_seqs: int,
     max_num_batched_tokens: int,
 ) -> Any:
-    """The engine as the executor builds it: model and KV cache here, its pool registered with blockd."""
+    """The engine as the executor builds it: model and KV cache here, its pool registered with blockd (at
+    `endpoint`; None: an in-process blockd, `blockd.inprocess.InProcessBlockd`, behind the same pool client)."""
+    from blockd.client import PoolClient
+    from blockd.inprocess import InProcessBlockd
     from executor.engine import Engine, EngineLimits
-    from executor.runner import load_model
+    from executor.runner import ModelRunner, load_model
 
-    engine = Engine.assemble(
-        load_model(model_dir, device, dtype),
-        endpoint,
-        pool_id="bench-throughput",
-        num_blocks=num_blocks,
-        block_size=block_size,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
-        seed=0,
-        timeout_s=10.0,
-    )
+    loaded = load_model(model_dir, device, dtype)
+    limits = EngineLimits(max_num_seqs, max_num_batched_tokens)
+    if endpoint is None:
+        runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
+        pool = PoolClient(
+            InProcessBlockd(timeout_s=10.0),
+            pool_id="bench-throughput",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            model_id=loaded.config.model_id,
+        )
+        engine = Engine(runner, pool, limits, seed=0)
+    else:
+        engine = Engine.assemble(
+            loaded,
+            endpoint,
+            pool_id="bench-throughput",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            limits=limits,
+            seed=0,
+            timeout_s=10.0,
+        )
     engine.pool.register()
     return engine
 
@@ -357,30 +385,91 @@ def run_interleaved(paged: PagedRun, hf: HfRun, progress: bool = True) -> tuple[
     return paged.result, hf.result
 
 
+def run_alternating(a: PagedRun, b: PagedRun) -> tuple[RunResult, RunResult]:
+    """Two engines through the same workload in this thread, taking turns of about TURN_S (each until it has
+    more output tokens out than the other), each timed over its own turns."""
+    assert a.total == b.total
+    while not (a.done and b.done):
+        for run, other in ((a, b), (b, a)):
+            if not run.done:
+                run.advance(other.result.output_tokens if not other.done else run.total, TURN_S)
+    return a.result, b.result
+
+
+def _compare_blockd(
+    model_dir: Path, requests: list[BenchRequest], repeat: int, settings: dict[str, Any], **build: Any
+) -> None:
+    """`--blockd compare`: the engine against the daemon and against an in-process blockd, taking turns."""
+    echo = click.echo
+    with (
+        tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp,
+        blockd_daemon(Path(tmp) / "blockd.log", "--no-persistence", "--lease-timeout", "3600") as ep,
+    ):
+        engines = {"daemon": build_engine(model_dir, ep, **build), "inprocess": build_engine(model_dir, None, **build)}
+        warm = [BenchRequest(f"w{i}", r.prompt[:16], 4) for i, r in enumerate(requests[:2])]
+        for engine in engines.values():
+            PagedRun(engine, warm, "warmup").advance(10**9)
+        runs: dict[str, list[RunResult]] = {name: [] for name in engines}
+        try:
+            for run in range(repeat):
+                first, second = ("daemon", "inprocess") if run % 2 == 0 else ("inprocess", "daemon")
+                a = PagedRun(engines[first], requests, f"run{run}")
+                b = PagedRun(engines[second], requests, f"run{run}")
+                run_alternating(a, b)
+                runs[first].append(a.result)
+                runs[second].append(b.result)
+                echo(
+                    f"[run {run + 1}/{repeat}] daemon {runs['daemon'][-1].tok_s:,.1f} tok/s, in-process "
+                    f"{runs['inprocess'][-1].tok_s:,.1f} tok/s: ratio "
+                    f"{runs['daemon'][-1].tok_s / runs['inprocess'][-1].tok_s:.3f}",
+                    err=True,
+                )
+        finally:
+            with contextlib.suppress(Exception):
+                engines["daemon"].pool.unregister()
+                engines["daemon"].pool.client.close()
+    ratios = [d.tok_s / i.tok_s for d, i in zip(runs["daemon"], runs["inprocess"], strict=True)]
+    daemon = statistics.median(r.tok_s for r in runs["daemon"])
+    inprocess = statistics.median(r.tok_s for r in runs["inprocess"])
+    ratio = statistics.median(ratios)
+    match = runs["daemon"][0].first_tokens == runs["inprocess"][0].first_tokens
+    echo(
+        f"blockd daemon {daemon:,.1f} tok/s, in-process {inprocess:,.1f} tok/s (medians of {repeat}); ratio "
+        f"daemon / in-process {ratio:.3f} (runs: {', '.join(f'{r:.3f}' for r in ratios)}); "
+        f"most concurrent {max(r.max_active for r in runs['daemon'])}; first request identical: {match}"
+    )
+    echo(
+        json.dumps(
+            {
+                "daemon_tok_s": round(daemon, 3),
+                "inprocess_tok_s": round(inprocess, 3),
+                "ratio": round(ratio, 4),
+                "ratios": [round(r, 4) for r in ratios],
+                "max_active": max(r.max_active for r in runs["daemon"]),
+                "output_tokens": runs["daemon"][0].output_tokens,
+                "first_request_match": match,
+                "requests": len(requests),
+                "repeat": repeat,
+                **settings,
+                **{k: str(v) if k in ("device", "dtype") else v for k, v in build.items()},
+            }
+        )
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- command
-
-
-def _machine_busy_s() -> float | None:
-    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 class OtherLoad:
     """How much of the machine's CPU went to other processes (blockd included) while the timed runs ran."""
 
     def __enter__(self) -> Self:
-        self.busy, self.own, self.wall = _machine_busy_s(), time.process_time(), time.perf_counter()
+        self.busy, self.own, self.wall = machine_busy_s(), time.process_time(), time.perf_counter()
         self.share: float | None = None
         return self
 
     def __exit__(self, *_: object) -> None:
-        busy = _machine_busy_s()
+        busy = machine_busy_s()
         if busy is None or self.busy is None:
             return
         others = (busy - self.busy) - (time.process_time() - self.own)
@@ -441,14 +530,7 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     default=None,
     help="Weights and KV cache dtype of both (default: float32 on cpu, bfloat16 on cuda).",
 )
-@click.option(
-    "--requests",
-    "num_requests",
-    type=click.IntRange(min=1),
-    default=DEFAULT_REQUESTS,
-    show_default=True,
-    help="Requests in the workload.",
-)
+@requests_option(DEFAULT_REQUESTS, "Requests in the workload.")
 @length_range_option("--prompt-range", DEFAULT_PROMPT_RANGE, "MIN MAX prompt length in tokens (uniform).")
 @length_range_option(
     "--output-range",
@@ -486,11 +568,17 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     show_default=True,
     help="Timed runs of the pair (each a fresh pass over the workload); the best of each is reported.",
 )
+@threads_option("torch intra-op threads of both (default: torch's own choice, one per core).")
 @click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="torch intra-op threads of both (default: torch's own choice, one per core).",
+    "--blockd",
+    "blockd_mode",
+    type=click.Choice(["daemon", "inprocess", "compare"]),
+    default="daemon",
+    show_default=True,
+    help="pagedkv's blockd: a real daemon over ZeroMQ (as served), or a BlockManager in this process behind the "
+    "same pool client (blockd.inprocess). compare: no transformers; the engine against the daemon and the engine "
+    "against an in-process blockd take turns on the workload, and their ratio (daemon / in-process) is the cost "
+    "of blockd being its own service.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of lengths and token ids.")
 @click.option("--quick", is_flag=True, help="A tiny run for tests (see above).")
@@ -509,6 +597,7 @@ def bench_throughput(
     max_num_batched_tokens: int,
     repeat: int,
     threads: int | None,
+    blockd_mode: str,
     seed: int,
     quick: bool,
 ) -> None:
@@ -576,6 +665,21 @@ def bench_throughput(
         )
     hf_batch = min(hf_batch, num_requests)
 
+    if blockd_mode == "compare":
+        _compare_blockd(
+            model_dir,
+            requests,
+            repeat,
+            {"prompt_range": list(prompt_range), "output_range": list(output_range), "seed": seed},
+            device=torch_device,
+            dtype=torch_dtype,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        return
+
     echo = click.echo
     prompts = [len(r.prompt) for r in requests]
     outputs = [r.output_len for r in requests]
@@ -595,10 +699,12 @@ def bench_throughput(
     )
 
     blockd_flags = ("--no-persistence", "--lease-timeout", "3600")  # a long lease: the pool idles while hf runs
-    with (
-        tempfile.TemporaryDirectory(prefix="pagedkv-bench-") as tmp,
-        blockd_daemon(Path(tmp) / "blockd.log", *blockd_flags) as ep,
-    ):
+    with contextlib.ExitStack() as stack:
+        if blockd_mode == "daemon":
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedkv-bench-"))
+            ep: str | None = stack.enter_context(blockd_daemon(Path(tmp) / "blockd.log", *blockd_flags))
+        else:
+            ep = None
         click.echo("loading both models; warm-up", err=True)
         engine = build_engine(
             model_dir,
@@ -658,7 +764,7 @@ def bench_throughput(
     ]
     cells = [
         [
-            f"pagedkv ({num_blocks} blocks of {block_size})",
+            f"pagedkv ({num_blocks} blocks of {block_size}, blockd {blockd_mode})",
             f"{num_requests:,}",
             f"{paged.output_tokens:,}",
             f"{paged.seconds:.1f}",
@@ -729,6 +835,7 @@ def bench_throughput(
                 "prompt_range": list(prompt_range),
                 "output_range": list(output_range),
                 "seed": seed,
+                "blockd": blockd_mode,
                 "kv_cache_bytes": budget,
                 "kv_bytes_per_token": per_token,
                 "block_size": block_size,

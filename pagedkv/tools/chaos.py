@@ -6,12 +6,19 @@ gateway, each under a supervisor loop that starts it again when it exits. First 
 taken from the clean stack (the reference); then clients keep asking for those prompts (streamed or not) while
 the scenarios run, and every complete answer is compared with its reference.
 
+The stack runs authenticated, as deployed: a CURVE key set is made at the start (`pagedkv keys generate`, one
+key per executor's pool), every service gets `--keys` (the supervisor restarts it with the same keys), the gateway
+an API key that the load clients send.
+
 Scenarios: kill -9 and SIGSTOP/SIGCONT of each service and of Redis; a second executor with a duplicated
 --pool-id (it must exit, outputs unchanged); steps, unregisters and resets for another executor's pool from a
-foreign DEALER (refused: stale_epoch); malformed ZeroMQ frames to blockd (each timed: its reply to every single
-frame) and to the executors (random bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized
-registers and lookups); the gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts,
-clients that disconnect mid-stream).
+foreign DEALER holding another pool's key (refused: forbidden) or an any-pool executor key (refused:
+stale_epoch); a peer without keys or with a stranger's keys (blockd and executors never answer it, nothing
+changes), a gateway key acting as an executor (forbidden), HTTP clients without or with a wrong API key (401);
+malformed ZeroMQ frames to blockd (each timed: its reply to every single frame) and to the executors (random
+bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized registers and lookups); the
+gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts, clients that disconnect
+mid-stream).
 
 Afterwards: blocks still held once the load has drained (leaked), `blockd-cli check`, the slowest blockd reply,
 each service's peak RSS against its idle RSS. A table, then one JSON object as the last line.
@@ -19,9 +26,11 @@ each service's peak RSS against its idle RSS. A table, then one JSON object as t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -42,12 +51,15 @@ import zmq
 from blockd import protocol as bp
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.embedded_redis import find_redis_server
+from blockd.errors import BlockdError
+from common.auth import ClientCurve, KeySet, generate
 from common.net import free_port
 from common.tokens import pack_tokens
 from executor import protocol as ep
 from executor.params import SamplingParams
 from pagedkv.bench.common import table_lines
 
+INTRUDER = "executor-intruder"  # an any-pool executor key in the attacker's hands (the cross-pool scenario)
 MODEL = dict(hidden_size=128, layers=2, heads=4, kv_heads=2, vocab_size=512, max_position=512, seed=0)
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
@@ -122,6 +134,13 @@ class Service:
 class Stack:
     def __init__(self, root: Path, model_dir: Path) -> None:
         self.root = root
+        # The key set: server, gateway, operator, pool-executor-0/1; and an any-pool executor key held by the
+        # attacker of the cross-pool scenario (a leaked or misissued key: fencing must still hold).
+        self.keys_dir = root / "keys"
+        generate(self.keys_dir, ["executor-0", "executor-1"])
+        zmq.auth.create_certificates(self.keys_dir, INTRUDER)
+        self.keys = KeySet(self.keys_dir)
+        self.api_key = secrets.token_urlsafe(24)
         ports = [free_port() for _ in range(5)]
         self.redis_port, blockd_port, *executor_ports, self.gateway_port = ports
         self.blockd = f"tcp://127.0.0.1:{blockd_port}"
@@ -136,11 +155,13 @@ class Stack:
         self._add("redis", redis_argv)
         blockd_argv = [py, "-m", "blockd.server", "--endpoint", self.blockd, "--log-level", "warning"]
         blockd_argv += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--state-dir", str(root / "blockd")]
+        blockd_argv += ["--keys", str(self.keys_dir)]
         self._add("blockd", blockd_argv)
         for i, endpoint in enumerate(self.executors):
             self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
         gateway_argv = [py, "-m", "gateway.server", "--model", str(model_dir), "--executors", ",".join(self.executors)]
         gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port), "--executor-timeout", "2"]
+        gateway_argv += ["--keys", str(self.keys_dir), "--api-key", self.api_key]
         self._add("gateway", [*gateway_argv, "--log-level", "warning"])
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
@@ -148,10 +169,19 @@ class Stack:
     def executor_argv(self, endpoint: str, pool_id: str) -> list[str]:
         argv = [sys.executable, "-m", "executor.server", "--model", str(self.model_dir), "--device", "cpu"]
         argv += ["--blockd", self.blockd, "--bind", endpoint, "--pool-id", pool_id, "--kv-cache-memory", "8MiB"]
+        argv += ["--keys", str(self.keys_dir)]
         return [*argv, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--log-level", "warning"]
 
     def _add(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.services[name] = Service(name, argv, self.root / f"{name}.log", env)
+
+    def curve(self, name: str) -> ClientCurve:
+        """A client's keys from the stack's key set: operator, gateway, pool-executor-N, or the intruder's."""
+        return self.keys.client(name)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def start(self, timeout_s: float) -> None:
         for service in self.services.values():
@@ -210,17 +240,19 @@ class Tally:
         return self.requests - self.ok - self.wrong
 
 
-def _ask(url: str, prompt: str, max_tokens: int, stream: bool, timeout: float = 60) -> tuple[str, str]:
+def _ask(
+    url: str, prompt: str, max_tokens: int, stream: bool, headers: dict[str, str], timeout: float = 60
+) -> tuple[str, str]:
     """(outcome, text): outcome is ok, cut (a stream broke after text), refused:<status>, unclear, transport."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     try:
         if not stream:
-            response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+            response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
             if response.status_code != 200:
                 return _refusal(response), ""
             return "ok", response.json()["choices"][0]["text"]
         text = ""
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout) as response:
             if response.status_code != 200:
                 response.read()
                 return _refusal(response), ""
@@ -252,8 +284,11 @@ def _refusal(response: httpx.Response) -> str:
 
 
 class Load:
-    def __init__(self, url: str, references: dict[str, str], max_tokens: int, clients: int) -> None:
+    def __init__(
+        self, url: str, references: dict[str, str], max_tokens: int, clients: int, headers: dict[str, str]
+    ) -> None:
         self.url = url
+        self.headers = headers
         self.references = references
         self.max_tokens = max_tokens
         self.tally = Tally()
@@ -274,7 +309,7 @@ class Load:
         prompts = list(self.references)
         while not self._stop.is_set():
             prompt = rng.choice(prompts)
-            outcome, text = _ask(self.url, prompt, self.max_tokens, stream=rng.random() < 0.5)
+            outcome, text = _ask(self.url, prompt, self.max_tokens, rng.random() < 0.5, self.headers)
             tally = self.tally
             with tally.lock:
                 tally.requests += 1
@@ -309,6 +344,11 @@ class Findings:
     executor_frames: int = 0
     battery: Counter[str] = field(default_factory=Counter)
     battery_unclear: int = 0
+    # Attacks (requests and frames sent by a scenario, not by the load): how many, how many were refused with a
+    # clear error, how many got no answer (what a peer without keys must get).
+    attacks: int = 0
+    refused: int = 0
+    unanswered: int = 0
 
     def problem(self, line: str) -> None:
         self.problems.append(line)
@@ -353,17 +393,35 @@ def _blockd_call(socket: zmq.Socket, frame: bytes, timeout_s: float = 5.0) -> tu
     return time.monotonic() - started, None
 
 
-def _dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def _dealer(context: zmq.Context, endpoint: str, curve: ClientCurve | None) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(socket)
     socket.connect(endpoint)
     return socket
 
 
+def _blockd_refusal(reply: bytes | None) -> str | None:
+    """The error code of a blockd reply that refused (None: no reply, not a refusal, or no clear error)."""
+    if reply is None:
+        return None
+    try:
+        decoded = msgspec.msgpack.decode(reply)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(decoded, dict) or decoded.get("ok"):
+        return None
+    error = decoded.get("error")
+    if isinstance(error, dict) and error.get("code") and error.get("message"):
+        return str(error["code"])
+    return None
+
+
 def _cross_pool(stack: Stack, findings: Findings) -> None:
-    """Changes to executor-0's pool from a foreign DEALER, with a guessed epoch: all refused."""
+    """Changes to executor-0's pool from a foreign DEALER with a guessed epoch, holding executor-1's key (refused:
+    forbidden) or an any-pool executor key (refused: stale_epoch, or the pool is held by a live executor)."""
     context = zmq.Context()
-    socket = _dealer(context, stack.blockd)
     try:
         attempts: list[bp.Request] = [
             bp.Step(v=1, id=1, pool_id="executor-0", epoch=12345, ops=[bp.Free(seq_id="victim")]),
@@ -382,17 +440,183 @@ def _cross_pool(stack: Stack, findings: Findings) -> None:
             bp.ResetPrefixCache(v=1, id=5, pool_id="executor-0", epoch=7),
             bp.Register(v=1, id=6, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=99),
         ]
-        for request in attempts:
-            elapsed, reply = _blockd_call(socket, bp.encode(request))
-            findings.slowest_blockd_reply_s = max(findings.slowest_blockd_reply_s, elapsed)
-            decoded = msgspec.msgpack.decode(reply) if reply is not None else None
-            if not decoded or decoded.get("ok") or not decoded.get("error"):
-                findings.problem(f"cross-pool {type(request).__name__} was not refused: {decoded}")
-            else:
-                findings.battery[f"cross-pool {decoded['error']['code']}"] += 1
+        for key in ("pool-executor-1", INTRUDER):
+            socket = _dealer(context, stack.blockd, stack.curve(key))
+            try:
+                for request in attempts:
+                    elapsed, reply = _blockd_call(socket, bp.encode(request))
+                    findings.slowest_blockd_reply_s = max(findings.slowest_blockd_reply_s, elapsed)
+                    findings.attacks += 1
+                    code = _blockd_refusal(reply)
+                    if code is None:
+                        findings.unanswered += reply is None
+                        findings.problem(f"cross-pool {type(request).__name__} ({key}) was not refused: {reply!r}")
+                    else:
+                        findings.refused += 1
+                        findings.battery[f"cross-pool {key} {code}"] += 1
+                        if key != INTRUDER and code != "forbidden":
+                            findings.problem(f"cross-pool {type(request).__name__} with {key}'s key: {code}")
+            finally:
+                socket.close()
     finally:
-        socket.close()
         context.term()
+
+
+PLANTED = "keyless-planted"  # the sequence a peer without keys tries to admit into executor-0's pool
+
+
+def _blockd_snapshot(stack: Stack) -> tuple[Any, ...]:
+    """What a peer without keys must not change: the pools (ids, epochs' fingerprints, sizes), dormant pools, and
+    the sequence it tried to plant (absent)."""
+    with BlockdClient(stack.blockd, timeout_s=5, curve=stack.curve("operator")) as client:
+        pools = sorted((p.pool_id, p.epoch_fingerprint, p.num_blocks, p.block_size) for p in client.pools().pools)
+        stats = client.stats()
+        try:
+            planted: Any = client.sequence(PLANTED, "executor-0")
+        except BlockdError as exc:
+            planted = f"absent ({exc.code})"
+        return pools, stats.totals.pools, stats.totals.blocks_total, sorted(stats.dormant_pools), planted
+
+
+def _keyless_blockd_frames(rng: random.Random, count: int) -> list[bytes]:
+    tokens = pack_tokens(range(64))
+    requests: list[bp.Request] = [
+        bp.Step(v=1, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=tokens)]),
+        bp.Step(v=1, id=2, pool_id="executor-0", epoch=0, ops=[bp.Commit(seq_id=PLANTED, num_computed_tokens=64)]),
+        bp.Step(v=1, id=3, pool_id="executor-1", epoch=0, ops=[bp.Free(seq_id="victim")]),
+        bp.Register(v=1, id=4, pool_id="keyless-pool", num_blocks=64, block_size=16, model_id="m", epoch=1),
+        bp.Unregister(v=1, id=5, pool_id="executor-1", epoch=0),
+        bp.ResetPrefixCache(v=1, id=6, pool_id="executor-0"),
+        bp.Lookup(v=1, id=7, tokens=tokens),
+        bp.Stats(v=1, id=8),
+        bp.Pools(v=1, id=9),
+        bp.Check(v=1, id=10),
+    ]
+    frames = [bp.encode(r) for r in requests]
+    return frames + [_bad_blockd_frame(rng, i) for i in range(count) if i % 80 != 5]  # no 4 MB lookups here
+
+
+def _keyless_executor_frames(rng: random.Random, count: int) -> list[bytes]:
+    messages: list[ep.Message] = [
+        ep.Submit(request_id="keyless-0", prompt=pack_tokens(range(10)), params=SamplingParams(max_tokens=4)),
+        ep.Abort(request_id="keyless-0"),
+        ep.GetLoad(),
+        ep.GetInfo(),
+    ]
+    return [ep.encode(m) for m in messages] + [_bad_executor_frame(rng, i) for i in range(count)]
+
+
+def _keyless_peers(stack: Stack, findings: Findings, frames: int, wait_s: float) -> None:
+    """Peers without keys (no CURVE at all), with a stranger's keypair (zmq.curve_keypair()), and with a key of a
+    role the service does not admit (an executor's key at an executor) send valid-looking requests and malformed
+    frames to blockd and to each executor: the handshake never completes, so no answer comes and nothing changes.
+    Then keys of the wrong role, which do complete it: a gateway's and an operator's acting as an executor at
+    blockd, an operator's submitting to an executor (refused: forbidden). And HTTP clients without or with a wrong
+    API key (401)."""
+    rng = random.Random(13)
+    before = _blockd_snapshot(stack)
+    server = stack.keys.client("gateway").server
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    strangers: dict[str, ClientCurve | None] = {
+        "no keys": None,
+        "a stranger's keys": ClientCurve(stranger_public, stranger_secret, server),
+    }
+    targets = [("blockd", stack.blockd, _keyless_blockd_frames(rng, frames))]
+    targets += [(f"executor-{i}", e, _keyless_executor_frames(rng, frames)) for i, e in enumerate(stack.executors)]
+    context = zmq.Context()
+    sockets: dict[zmq.Socket, str] = {}
+    try:
+        for target, endpoint, payload in targets:
+            peers = dict(strangers)
+            if target != "blockd":
+                peers["pool-executor-0's key"] = stack.curve("pool-executor-0")  # executors admit no executor key
+            for who, curve in peers.items():
+                socket = _dealer(context, endpoint, curve)
+                socket.setsockopt(zmq.SNDHWM, len(payload) + 10)
+                sockets[socket] = f"{who} -> {target}"
+                for frame in payload:
+                    findings.attacks += 1
+                    with contextlib.suppress(zmq.Again):  # not even queued: unanswered all the same
+                        socket.send(frame, zmq.NOBLOCK)
+        poller = zmq.Poller()
+        for socket in sockets:
+            poller.register(socket, zmq.POLLIN)
+        answered: Counter[str] = Counter()
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            for socket, _ in poller.poll(int(left * 1000) + 1):
+                while socket.poll(0):
+                    socket.recv()
+                    answered[sockets[socket]] += 1
+        sent = sum(len(p) for _, _, p in targets) * len(strangers) + sum(len(p) for _, _, p in targets[1:])
+        findings.unanswered += sent - sum(answered.values())
+        for peer, count in answered.items():
+            findings.problem(f"a peer without valid keys got {count} answers: {peer}")
+        findings.notes.append(
+            f"peers without keys: {sent} frames to blockd and the executors, {sum(answered.values())} answered"
+        )
+
+        def forbidden(who: str, socket: zmq.Socket, frame: bytes, executor: bool) -> None:
+            findings.attacks += 1
+            _, reply = _blockd_call(socket, frame)
+            if executor:
+                message = ep.decode_outbound(reply) if reply is not None else None
+                code = message.code if isinstance(message, ep.Rejected) and message.message else None
+            else:
+                code = _blockd_refusal(reply)
+            findings.unanswered += reply is None
+            if code == "forbidden":
+                findings.refused += 1
+                findings.battery[f"{who}: forbidden"] += 1
+            else:
+                findings.problem(f"{who}: not refused as forbidden ({code}, {reply!r})")
+
+        as_executor: list[bp.Request] = [
+            bp.Step(v=1, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=pack_tokens([1]))]),
+            bp.Register(v=1, id=2, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=5),
+            bp.Heartbeat(v=1, id=3, pool_id="executor-0", epoch=0),
+            bp.Unregister(v=1, id=4, pool_id="executor-1", epoch=0),
+            bp.ResetPrefixCache(v=1, id=5, pool_id="executor-0", epoch=0),
+        ]
+        for key in ("gateway", "operator"):
+            socket = _dealer(context, stack.blockd, stack.curve(key))
+            sockets[socket] = key
+            for request in as_executor:
+                if key == "operator" and isinstance(request, bp.ResetPrefixCache):
+                    continue  # an operator may reset a pool's prefix cache (blockd-cli); the epoch still fences it
+                forbidden(f"{key} key {type(request).__name__} at blockd", socket, bp.encode(request), False)
+        for i, endpoint in enumerate(stack.executors):
+            socket = _dealer(context, endpoint, stack.curve("operator"))
+            sockets[socket] = "operator"
+            submit = ep.Submit(request_id=f"operator-{i}", prompt=pack_tokens(range(10)), params=SamplingParams())
+            forbidden(f"operator key submit at executor-{i}", socket, ep.encode(submit), True)
+    finally:
+        for socket in sockets:
+            socket.close()
+        context.term()
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    for who, headers in (("no API key", {}), ("a wrong API key", {"Authorization": "Bearer not-the-key"})):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            findings.attacks += 1
+            try:
+                response = httpx.request(
+                    method, f"{stack.url}{path}", json=body if method == "POST" else None, headers=headers, timeout=30
+                )
+            except httpx.HTTPError as exc:
+                findings.problem(f"HTTP with {who}: no answer ({exc!r})")
+                continue
+            if _refusal(response) == "refused:401":
+                findings.refused += 1
+                findings.battery[f"HTTP {who} -> 401"] += 1
+            else:
+                findings.problem(f"HTTP {method} {path} with {who}: {response.status_code} {response.text[:200]!r}")
+
+    after = _blockd_snapshot(stack)
+    if after != before:
+        findings.problem(f"blockd changed under peers without keys: {before} -> {after}")
+    if not str(after[-1]).startswith("absent"):
+        findings.problem(f"the sequence a peer without keys tried to plant exists: {after[-1]}")
 
 
 def _bad_blockd_frame(rng: random.Random, i: int) -> bytes:
@@ -442,16 +666,20 @@ def _bad_blockd_frame(rng: random.Random, i: int) -> bytes:
 def _malformed_blockd(stack: Stack, findings: Findings, count: int) -> None:
     rng = random.Random(11)
     context = zmq.Context()
-    socket = _dealer(context, stack.blockd)
+    curve = stack.curve(INTRUDER)  # a key that passes the handshake, so every frame reaches the decoder
+    socket = _dealer(context, stack.blockd, curve)
     try:
         for i in range(count):
             elapsed, reply = _blockd_call(socket, _bad_blockd_frame(rng, i), timeout_s=3)
             findings.blockd_frames += 1
+            findings.attacks += 1
+            findings.refused += _blockd_refusal(reply) is not None
             findings.slowest_blockd_reply_s = max(findings.slowest_blockd_reply_s, elapsed)
             if reply is None:
                 findings.blockd_unanswered += 1
+                findings.unanswered += 1
                 socket.close()
-                socket = _dealer(context, stack.blockd)  # a frame over the limit cuts the connection
+                socket = _dealer(context, stack.blockd, curve)  # a frame over the limit cuts the connection
     finally:
         socket.close()
         context.term()
@@ -481,13 +709,20 @@ def _malformed_executors(stack: Stack, findings: Findings, count: int) -> None:
     context = zmq.Context()
     try:
         for endpoint in stack.executors:
-            socket = _dealer(context, endpoint)
+            socket = _dealer(context, endpoint, stack.curve("gateway"))  # the key that may submit
+
+            def drain(socket: zmq.Socket, wait_ms: int) -> None:
+                while socket.poll(wait_ms):
+                    if isinstance(ep.decode_outbound(socket.recv()), ep.Rejected):
+                        findings.refused += 1
+
             for i in range(count):
                 socket.send(_bad_executor_frame(rng, i))
                 findings.executor_frames += 1
+                findings.attacks += 1
                 if i % 200 == 199:  # read what came back, so neither side's queue fills
-                    while socket.poll(50):
-                        socket.recv()
+                    drain(socket, 50)
+            drain(socket, 200)
             socket.close()
     finally:
         context.term()
@@ -495,16 +730,21 @@ def _malformed_executors(stack: Stack, findings: Findings, count: int) -> None:
 
 def _gateway_battery(stack: Stack, findings: Findings, prompts: int, disconnects: int) -> None:
     url = stack.url
+    auth = stack.auth_headers
 
     def check(name: str, response: httpx.Response, expected: set[int]) -> None:
         outcome = _refusal(response)
         findings.battery[f"{name} -> {response.status_code}"] += 1
+        findings.attacks += 1
         if response.status_code not in expected or outcome == "unclear":
             findings.battery_unclear += 1
             findings.problem(f"gateway battery {name}: {response.status_code} {response.text[:200]!r}")
+        else:
+            findings.refused += 1
 
     def post(path: str, content: bytes, content_type: str = "application/json") -> httpx.Response:
-        return httpx.post(f"{url}{path}", content=content, headers={"Content-Type": content_type}, timeout=120)
+        headers = {"Content-Type": content_type, **auth}
+        return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=120)
 
     try:
         check("10 MB body", post("/v1/completions", b'{"prompt": "' + b"a" * 10_000_000 + b'"}'), {413})
@@ -512,9 +752,9 @@ def _gateway_battery(stack: Stack, findings: Findings, prompts: int, disconnects
         check("text/plain", post("/v1/completions", b'{"prompt": "hi"}', "text/plain"), {415})
         for wrong in ({"prompt": 5}, {"prompt": "x", "max_tokens": "many"}, {"messages": "hi"}, {"prompt": [[-1]]}):
             path = "/v1/chat/completions" if "messages" in wrong else "/v1/completions"
-            check("wrong types", httpx.post(f"{url}{path}", json=wrong, timeout=30), {400})
+            check("wrong types", httpx.post(f"{url}{path}", json=wrong, headers=auth, timeout=30), {400})
         started = time.monotonic()
-        many = httpx.post(f"{url}/v1/completions", json={"prompt": ["hi"] * prompts}, timeout=120)
+        many = httpx.post(f"{url}/v1/completions", json={"prompt": ["hi"] * prompts}, headers=auth, timeout=120)
         check(f"{prompts} prompts", many, {400, 429})
         findings.notes.append(f"{prompts} prompts answered {many.status_code} in {time.monotonic() - started:.2f} s")
     except httpx.HTTPError as exc:
@@ -523,7 +763,7 @@ def _gateway_battery(stack: Stack, findings: Findings, prompts: int, disconnects
     def disconnecting(i: int) -> None:
         body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 64, "stream": True, "temperature": 0}
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=60) as response:
                 for _ in response.iter_lines():
                     break  # gone after the first chunk
         except httpx.HTTPError:
@@ -536,35 +776,36 @@ def _gateway_battery(stack: Stack, findings: Findings, prompts: int, disconnects
         for thread in threads[batch : batch + 50]:
             thread.join(timeout=120)
     findings.battery[f"clients gone mid-stream x{disconnects}"] += 1
+    findings.attacks += disconnects
 
 
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def _references(url: str, max_tokens: int) -> dict[str, str]:
+def _references(url: str, max_tokens: int, headers: dict[str, str]) -> dict[str, str]:
     references = {}
     for prompt in PROMPTS:
-        outcome, text = _ask(url, prompt, max_tokens, stream=False)
+        outcome, text = _ask(url, prompt, max_tokens, False, headers)
         if outcome != "ok":
             raise click.ClickException(f"the clean stack did not answer {prompt!r}: {outcome}")
-        again = _ask(url, prompt, max_tokens, stream=True)
+        again = _ask(url, prompt, max_tokens, True, headers)
         if again != ("ok", text):
             raise click.ClickException(f"the clean stack answered {prompt!r} twice differently: {again}")
         references[prompt] = text
     return references
 
 
-def _blockd_state(endpoint: str) -> tuple[int, list[str]]:
-    with BlockdClient(endpoint, timeout_s=5) as client:
+def _blockd_state(endpoint: str, curve: ClientCurve) -> tuple[int, list[str]]:
+    with BlockdClient(endpoint, timeout_s=5, curve=curve) as client:
         held = sum(p.blocks_in_use for p in client.stats().pools)
         return held, client.check()
 
 
-def _drained(endpoint: str, timeout_s: float) -> tuple[int, list[str]]:
+def _drained(endpoint: str, curve: ClientCurve, timeout_s: float) -> tuple[int, list[str]]:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            held, problems = _blockd_state(endpoint)
+            held, problems = _blockd_state(endpoint, curve)
         except BlockdUnavailable:
             held, problems = -1, ["blockd did not answer"]
         if held == 0 or time.monotonic() > deadline:
@@ -582,6 +823,7 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
     scenarios += [
         ("duplicated pool id", lambda: _duplicate_pool(stack, findings)),
         ("cross-pool step", lambda: _cross_pool(stack, findings)),
+        ("peer without keys", lambda: _keyless_peers(stack, findings, 200 if quick else 2_000, 2.0 if quick else 5.0)),
         (f"{frames} malformed frames to blockd", lambda: _malformed_blockd(stack, findings, frames)),
         (f"{frames} malformed frames to each executor", lambda: _malformed_executors(stack, findings, frames)),
         (
@@ -603,16 +845,17 @@ def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict
     _log(f"chaos: starting redis, blockd, 2 executors and a gateway; logs in {root}")
     try:
         stack.start(timeout_s=300)
-        references = _references(stack.url, max_tokens)
+        references = _references(stack.url, max_tokens, stack.auth_headers)
         time.sleep(1.0)
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
-        load = Load(stack.url, references, max_tokens, clients)
+        load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
         load.start()
         time.sleep(2.0)
         for name, action in _scenarios(stack, findings, quick):
             before, failed_before = load.tally.requests, load.tally.failed
+            attacks, refused, unanswered = findings.attacks, findings.refused, findings.unanswered
             t0 = time.monotonic()
             _log(f"chaos: {name}")
             try:
@@ -632,10 +875,13 @@ def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict
                     f"{recovered:.1f}",
                     str(load.tally.requests - before),
                     str(load.tally.failed - failed_before),
+                    str(findings.attacks - attacks),
+                    str(findings.refused - refused),
+                    str(findings.unanswered - unanswered),
                 ]
             )
         load.stop()
-        leaked, check = _drained(stack.blockd, timeout_s=60)
+        leaked, check = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
         for service in stack.services.values():
             service.peak_rss = max(service.peak_rss, service.rss())
         restarts = {name: s.restarts for name, s in stack.services.items()}
@@ -664,6 +910,9 @@ def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict
         "blockd_frames": findings.blockd_frames,
         "blockd_unanswered": findings.blockd_unanswered,
         "executor_frames": findings.executor_frames,
+        "attacks": findings.attacks,
+        "attacks_refused": findings.refused,
+        "attacks_unanswered": findings.unanswered,
         "rss": rss,
         "over_2x_idle_rss": over_rss,
         "restarts": restarts,
@@ -678,7 +927,8 @@ def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict
 
 def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]]) -> None:
     click.echo("")
-    for line in table_lines(["scenario", "seconds", "recovered in s", "requests", "failed"], scenario_rows):
+    columns = ["scenario", "seconds", "recovered in s", "requests", "failed", "attacks", "refused", "no answer"]
+    for line in table_lines(columns, scenario_rows):
         click.echo(line)
     click.echo("")
     rows = [

@@ -64,3 +64,24 @@ def test_bad_options_are_usage_errors(tiny_models: dict[str, Path], args: list[s
     result = _invoke("--quick", "--model", str(tiny_models["llama"]), "--device", "cpu", *args)
     assert result.exit_code == 2, result.output
     assert needle in result.output
+
+
+def test_inprocess_blockd_runs_the_same_work(tiny_models: dict[str, Path]) -> None:
+    result = _invoke("--quick", "--model", str(tiny_models["llama"]), "--device", "cpu", "--blockd", "inprocess")
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["blockd"] == "inprocess"
+    assert figures["pagedkv_output_tokens"] == figures["hf_output_tokens"] == sum(_output_lens(figures))
+    assert figures["first_request_match"] is True
+
+
+def test_compare_blockd_gives_the_split_as_a_ratio(tiny_models: dict[str, Path]) -> None:
+    result = _invoke(
+        "--quick", "--model", str(tiny_models["llama"]), "--device", "cpu", "--blockd", "compare", "--repeat", "2"
+    )
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(figures["ratios"]) == 2 and figures["ratio"] > 0
+    assert figures["daemon_tok_s"] > 0 and figures["inprocess_tok_s"] > 0
+    assert figures["output_tokens"] == sum(_output_lens(figures))
+    assert figures["first_request_match"] is True  # the same greedy tokens whichever blockd

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import BlockdProcess, RedisProcess
+from tests.support.processes import TEST_BLOCK_SIZES, BlockdProcess, RedisProcess
 
 
 @pytest.fixture
@@ -17,11 +17,6 @@ def redis_process(tmp_path: Path) -> Iterator[RedisProcess]:
     server.start()
     yield server
     server.server.stop()
-
-
-#: The blockd tests use tiny blocks (4 tokens) so that short prompts span several; blockd itself allows only the
-#: kernels' block sizes unless told otherwise.
-TEST_BLOCK_SIZES = "1,2,4,8,16,32,64"
 
 
 @pytest.fixture

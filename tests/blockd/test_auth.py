@@ -18,8 +18,7 @@ from blockd.errors import BlockdError, ErrorCode
 from common.auth import KeySet, generate, is_loopback, unkeyed_refusal
 from common.net import free_port
 from common.tokens import pack_tokens
-from tests.blockd.conftest import TEST_BLOCK_SIZES
-from tests.support.processes import BlockdProcess
+from tests.support.processes import TEST_BLOCK_SIZES, BlockdProcess
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 4

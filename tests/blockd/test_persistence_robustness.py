@@ -65,8 +65,14 @@ def test_corrupt_records_are_skipped_counted_and_replaced(redis_process, start_b
         assert stats.persistence.skipped_records == 4 and stats.persistence.state == "ok"
         assert sorted(stats.dormant_pools) == ["ex0", "zz"]
     assert daemon.log().count("bad records in redis skipped") == 1  # one line per load, not one per record
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "blockd_persistence_skipped_records 4.0" in metrics
+    # The gauges are refreshed once a second, between requests: the count may reach them after stats did.
+    wait_for(
+        lambda: (
+            "blockd_persistence_skipped_records 4.0"
+            in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        ),
+        what="the skipped-records metric",
+    )
 
     # What was readable is served: the executor re-syncs and finds its prefix.
     ex.heartbeat()

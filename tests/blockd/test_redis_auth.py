@@ -18,8 +18,7 @@ from blockd.embedded_redis import find_redis_server
 from blockd.hashing import chain_hashes, extra_key, root_hash, secret_key
 from blockd.persistence import redact
 from common.net import free_port
-from tests.blockd.conftest import TEST_BLOCK_SIZES
-from tests.support.processes import BlockdProcess
+from tests.support.processes import TEST_BLOCK_SIZES, BlockdProcess
 from tests.support.waiting import wait_for
 
 PASSWORD = "pw-Zq81-not-in-logs"
@@ -145,6 +144,25 @@ def test_password_and_acl_user_in_the_url(start_redis, tmp_path: Path) -> None:
             persistence = operator.stats().persistence
         assert persistence.state == "degraded" and persistence.last_error
         secret_free(daemon, PASSWORD)
+    finally:
+        daemon.kill9()
+
+
+def test_password_from_a_file(start_redis, tmp_path: Path) -> None:
+    """--redis-password-file (a compose or Kubernetes secret): the URL names no password, the file gives it."""
+    port = free_port()
+    start_redis("--port", str(port), "--requirepass", PASSWORD)
+    wait_for(lambda: _pings(f"redis://:{PASSWORD}@127.0.0.1:{port}/0"), what="redis with a password")
+    password_file = tmp_path / "redis-password"
+    password_file.write_text(PASSWORD + "\n")
+    daemon = run_blockd(tmp_path, f"redis://127.0.0.1:{port}/0", "--redis-password-file", str(password_file))
+    try:
+        commit_a_prefix(daemon, list(range(9)))
+        client = redis.Redis.from_url(f"redis://:{PASSWORD}@127.0.0.1:{port}/0")
+        wait_for(lambda: index_records(client) >= 1, what="the index in redis")
+        assert secret_free(daemon, PASSWORD) == f"redis://127.0.0.1:{port}/0"
+        with daemon.client() as operator:
+            assert operator.stats().persistence.state == "ok"
     finally:
         daemon.kill9()
 

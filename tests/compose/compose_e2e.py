@@ -2,11 +2,13 @@
 
     python -m tests.compose.compose_e2e [--keep-image]
 
-Builds the CPU image (compose/docker-compose.yml + compose/docker-compose.cpu.yml), brings the stack up with a
-generated model and waits for every healthcheck; sends completions through the published port with the
-`openai` client; SIGKILLs blockd's process and shows that `restart: unless-stopped` brings it back and that the
-same requests give the same greedy outputs; starts a third executor with one command and sees the gateway take
-it into rotation; then `down -v`, whatever happened.
+Makes the stack's secrets (compose/make-secrets.sh: CURVE keys, an API key, the deployment secret, Redis'
+password), builds the CPU image (compose/docker-compose.yml + compose/docker-compose.cpu.yml), brings the stack up
+with a generated model and waits for every healthcheck; sends completions through the published port with the
+`openai` client and the API key, and shows that a request without it, or with a wrong one, gets 401, that
+blockd-cli without keys is never answered and that Redis wants its password; SIGKILLs blockd's process and shows
+that `restart: unless-stopped` brings it back and that the same requests give the same greedy outputs; starts a
+third executor with one command and sees the gateway take it into rotation; then `down -v`, whatever happened.
 
 Not part of `make test`: it needs a Docker engine with Compose >= 2.24 and builds an image (minutes). Where the
 Docker Hub or the default package index cannot be reached, the variables set by ../shared/tools/docker-here
@@ -55,6 +57,7 @@ SET_HERE = (
     "TORCH",
     "ROUTING",
     "LOG_LEVEL",
+    "SECRETS_DIR",
 )
 
 _started = time.monotonic()
@@ -78,10 +81,7 @@ class Compose:
         self.env = env
 
     def run(self, *args: str, profile: str | None = None, capture: bool = False, timeout: float = 900) -> str:
-        command = ["docker", "compose", "-p", PROJECT, *FILES]
-        if profile:
-            command += ["--profile", profile]
-        command += list(args)
+        command = self.command(*args, profile=profile)
         say("$ " + " ".join(["docker", "compose", *(["--profile", profile] if profile else []), *args]))
         result = subprocess.run(
             command, env=self.env, text=True, timeout=timeout, capture_output=capture, check=False, cwd=ROOT
@@ -92,6 +92,9 @@ class Compose:
                 + (f"\n{result.stdout}\n{result.stderr}" if capture else "")
             )
         return result.stdout if capture else ""
+
+    def command(self, *args: str, profile: str | None = None) -> list[str]:
+        return ["docker", "compose", "-p", PROJECT, *FILES, *(["--profile", profile] if profile else []), *args]
 
     def container(self, service: str) -> str:
         ids = self.run("ps", "-q", service, capture=True).split()
@@ -150,6 +153,24 @@ def generated_model() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def generated_secrets() -> Iterator[Path]:
+    """compose/make-secrets.sh into a temporary directory, with this environment's `pagedkv`."""
+    root = Path(tempfile.mkdtemp(prefix="pagedkv-compose-secrets-"))
+    pagedkv = shutil.which("pagedkv") or str(Path(sys.executable).parent / "pagedkv")
+    try:
+        subprocess.run(
+            ["sh", str(ROOT / "compose" / "make-secrets.sh"), str(root / "secrets")],
+            env={**os.environ, "PAGEDKV": pagedkv},
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        yield root / "secrets"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def health(base: str) -> dict[str, Any]:
     response = httpx.get(f"{base}/health", timeout=5)
     return response.json()
@@ -200,11 +221,16 @@ def main() -> int:
     compose = Compose(env)
     base = f"http://127.0.0.1:{port}"
 
-    with generated_model() as model:
+    with generated_model() as model, generated_secrets() as secrets:
         env["MODEL_DIR"] = str(model)
+        env["SECRETS_DIR"] = str(secrets)
+        api_key = (secrets / "api-keys").read_text().split()[0]
         say(f"model {model}; gateway on {base}; base image {env.get('BASE_IMAGE', 'the default')}")
+        made = ", ".join(sorted(p.name for p in secrets.iterdir()))
+        say(f"secrets made by compose/make-secrets.sh in {secrets}: {made}")
         try:
-            run_steps(compose, base, OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60), args)
+            client = OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=60)
+            run_steps(compose, base, client, args)
         except Failed as exc:
             say(f"FAILED: {exc}")
             with contextlib.suppress(Failed, subprocess.TimeoutExpired):
@@ -242,7 +268,42 @@ def run_steps(compose: Compose, base: str, client: Any, args: argparse.Namespace
     pools = wait_for("both executors in the gateway's rotation", lambda: len(healthy_executors(base)) == 2, 120)
     check(pools, "executors not in rotation")
 
-    # 2. Completions through the published port with the OpenAI client, twice: greedy outputs repeat.
+    # 2. Nothing answers without its key: the API (401 in OpenAI's shape; /health stays open), blockd (a client
+    # without CURVE keys never completes the handshake), Redis (NOAUTH).
+    refused = httpx.post(
+        f"{base}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}, timeout=10
+    )
+    say(f"  POST /v1/completions without an API key -> {refused.status_code} {refused.json()}")
+    check(refused.status_code == 401, f"no API key: {refused.status_code}")
+    check(refused.json()["error"]["code"] == "invalid_api_key", f"no API key: {refused.text}")
+    import openai
+
+    wrong = client.with_options(api_key="sk-wrong")
+    try:
+        wrong.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    except openai.AuthenticationError as exc:
+        say(f"  the openai client with a wrong API key -> {exc.status_code} ({type(exc).__name__})")
+    else:
+        raise Failed("a wrong API key was accepted")
+    check(httpx.get(f"{base}/health", timeout=5).status_code == 200, "/health is not open")
+    say("  GET /health without an API key -> 200 (open by default)")
+    unkeyed = subprocess.run(
+        [*compose.command("exec", "-T", "-e", "PAGEDKV_KEYS=", "blockd"), "blockd-cli", "--timeout", "3", "stats"],
+        env=compose.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+    )
+    say(f"  blockd-cli without keys -> exit {unkeyed.returncode}: {(unkeyed.stderr or unkeyed.stdout).strip()[-120:]}")
+    check(unkeyed.returncode != 0, "blockd answered a client without keys")
+    noauth = compose.run("exec", "-T", "redis", "redis-cli", "ping", capture=True)
+    say(f"  redis-cli ping without the password -> {noauth.strip()}")
+    check("NOAUTH" in noauth, f"redis answered without its password: {noauth!r}")
+
+    # 3. Completions through the published port with the OpenAI client and the API key, twice: greedy outputs
+    # repeat.
     models = [m.id for m in client.models.list().data]
     check(MODEL_NAME in models, f"/v1/models lists {models}")
     first = completions(client)
@@ -257,9 +318,9 @@ def run_steps(compose: Compose, base: str, client: Any, args: argparse.Namespace
     stats_before = compose.run("exec", "-T", "blockd", "blockd-cli", "stats", capture=True)
     say("  blockd-cli stats:\n" + "\n".join("    " + line for line in stats_before.strip().splitlines()))
 
-    # 3. blockd crashes: SIGKILL its process (PID 1 of the container) from the host, as the kernel's OOM killer
+    # 4. blockd crashes: SIGKILL its process (PID 1 of the container) from the host, as the kernel's OOM killer
     # or a segfault would end it. `restart: unless-stopped` restarts it. (`docker kill` is not a crash to
-    # Docker: it counts as a deliberate stop and no restart policy restarts it; step 4 shows that too.)
+    # Docker: it counts as a deliberate stop and no restart policy restarts it; step 5 shows that too.)
     blockd = compose.container("blockd")
     pid, restarts = int(inspect(blockd, "{{.State.Pid}}")), int(inspect(blockd, "{{.RestartCount}}"))
     say(f"SIGKILL blockd's process (host pid {pid}); restarts so far: {restarts}")
@@ -281,7 +342,7 @@ def run_steps(compose: Compose, base: str, client: Any, args: argparse.Namespace
     check(after == first, f"greedy outputs differ after blockd's restart: {first} != {after}")
     say("  the same greedy outputs after blockd's restart")
 
-    # 4. `docker kill` (SIGKILL through the engine): the container stays down, as Docker documents for a manual
+    # 5. `docker kill` (SIGKILL through the engine): the container stays down, as Docker documents for a manual
     # stop (restart policies skip it); `up -d` brings it back. (While blockd is down, requests wait for it: it is
     # the only allocator of KV blocks.)
     say(f"docker kill {blockd[:12]} (blockd)")
@@ -297,7 +358,7 @@ def run_steps(compose: Compose, base: str, client: Any, args: argparse.Namespace
     check(completions(client) == first, "greedy outputs differ after blockd came back")
     say("  blockd back after `up -d`; the same greedy outputs")
 
-    # 5. A third executor with one command: the gateway already lists executor-2 and takes it into rotation.
+    # 6. A third executor with one command: the gateway already lists executor-2 and takes it into rotation.
     compose.run("up", "-d", "--wait", "executor-2", profile="executor-2")
     wait_for("three executors in the gateway's rotation", lambda: len(healthy_executors(base)) == 3, 120)
     say(f"  gateway rotation: {sorted(healthy_executors(base))}")

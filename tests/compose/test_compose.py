@@ -18,7 +18,10 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -228,10 +231,40 @@ def _remaining_args(ctx: click.Context) -> list[str]:
     return [*(ctx.protected_args if protected is None else protected), *ctx.args]
 
 
+SECRETS_MOUNT = "/run/secrets/"
+MAKE_SECRETS = COMPOSE_DIR / "make-secrets.sh"
+
+
+@functools.cache
+def secrets_standin() -> Path:
+    """compose/make-secrets.sh run into a temporary directory (with this environment's `pagedkv`): what the
+    containers find under /run/secrets, so options that want an existing file see one. Its `keys` (the whole key
+    set) stands in for each service's own key directory."""
+    directory = Path(tempfile.mkdtemp(prefix="pagedkv-compose-test-")) / "secrets"
+    pagedkv = shutil.which("pagedkv") or str(Path(sys.executable).parent / "pagedkv")
+    subprocess.run(
+        ["sh", str(MAKE_SECRETS), str(directory)],
+        env={**os.environ, "PAGEDKV": pagedkv},
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return directory
+
+
+def _on_host(value: str) -> str:
+    """A /run/secrets/ path as the stand-in directory holds it; anything else unchanged."""
+    if value.startswith(SECRETS_MOUNT):
+        return str(secrets_standin() / value.removeprefix(SECRETS_MOUNT))
+    return value
+
+
 def parse_argv(argv: list[str], env: Mapping[str, str]) -> list[click.Context]:
     """Parse `argv` (console script first) with the real click command under exactly `env`, as the process in
-    the container would; returns the command's context, then each subcommand's. Raises click's own errors."""
-    script, args = argv[0], list(argv[1:])
+    the container would; returns the command's context, then each subcommand's. Raises click's own errors.
+    Paths under /run/secrets/ are read from secrets_standin()."""
+    script, args = argv[0], [_on_host(a) for a in argv[1:]]
+    env = {k: _on_host(v) for k, v in env.items()}
     if script not in console_scripts():
         raise CheckError(
             f"{script!r} is not a console script in pyproject.toml [project.scripts] "
@@ -355,6 +388,73 @@ def _only(services: Mapping[str, Any], what: str) -> str:
 def _published(service: Mapping[str, Any]) -> list[tuple[str, int]]:
     """(published host port, container port) of each `ports` entry, as compose config writes them."""
     return [(str(entry.get("published")), int(entry["target"])) for entry in service.get("ports") or []]
+
+
+def _secret_target(entry: Mapping[str, Any]) -> str:
+    """Where a service's secret is mounted, relative to /run/secrets/ (compose config writes the short syntax's
+    target as an absolute path, the long syntax's as given)."""
+    return str(entry.get("target") or entry["source"]).removeprefix(SECRETS_MOUNT)
+
+
+def check_secrets(compose: Compose) -> list[str]:
+    """Keys everywhere, nothing --insecure: each pagedkv service reads PAGEDKV_KEYS from its own key directory
+    secret; every /run/secrets/ path a service names is a secret it mounts; every secret is a file that
+    make-secrets.sh writes under ${SECRETS_DIR}; the gateway wants API keys and blockd its deployment secret and
+    Redis' password from them; Redis reads its password from its config file, never from a command line."""
+    problems: list[str] = []
+    defined = compose.get("secrets") or {}
+    made = {p.name for p in secrets_standin().iterdir()}
+    for name, secret in defined.items():
+        file = Path(secret.get("file") or "")
+        if file.parent != COMPOSE_DIR / "secrets" or file.name not in made:
+            problems.append(f"secret {name}: {file} is not a file make-secrets.sh writes into ${{SECRETS_DIR}}")
+    for name, service in compose["services"].items():
+        mounted = {}
+        for entry in service.get("secrets") or []:
+            if entry["source"] not in defined:
+                problems.append(f"{name}: mounts secret {entry['source']!r}, which is not defined")
+            mounted[_secret_target(entry)] = entry["source"]
+        command = service.get("command") or []
+        probe = (service.get("healthcheck") or {}).get("test") or []
+        named = {
+            m.split("/")[0]
+            for text in [*command, *environment(service).values(), *probe]
+            for m in re.findall(r"/run/secrets/([\w./-]+)", str(text))
+        }
+        for target in sorted(named - set(mounted)):
+            problems.append(f"{name}: names /run/secrets/{target} but mounts no secret there")
+        if "--insecure" in command or environment(service).get("PAGEDKV_INSECURE"):
+            problems.append(f"{name}: runs --insecure")
+    for name, service in pagedkv_services(compose).items():
+        mounted = {_secret_target(e): e["source"] for e in service.get("secrets") or []}
+        source = mounted.get("keys", "")
+        if source != f"keys-{name}":
+            problems.append(f"{name}: mounts {source!r} at /run/secrets/keys, not its own keys-{name}")
+        try:
+            params = parse_service(name, service)[0].params
+        except (click.ClickException, CheckError) as exc:
+            problems.append(f"{name}: {_refusal(exc)}")
+            continue
+        if params.get("keys_dir") != secrets_standin() / "keys":
+            problems.append(f"{name}: --keys / PAGEDKV_KEYS is {params.get('keys_dir')}, not /run/secrets/keys")
+    gateway = services_running(compose, "pagedkv-gateway")
+    for name, service in gateway.items():
+        if parse_service(name, service)[0].params["api_key_files"] != (secrets_standin() / "api-keys",):
+            problems.append(f"{name}: no --api-key-file /run/secrets/api-keys")
+    for name, service in services_running(compose, "blockd").items():
+        params = parse_service(name, service)[0].params
+        for option, file in (
+            ("deployment_secret_file", "deployment-secret"),
+            ("redis_password_file", "redis-password"),
+        ):
+            if params[option] != secrets_standin() / file:
+                problems.append(f"{name}: --{option.replace('_', '-')} is not /run/secrets/{file}")
+    redis = compose["services"].get("redis") or {}
+    if (redis.get("command") or [None, None])[1] != "/run/secrets/redis.conf" or any(
+        "requirepass" in str(a) for a in redis.get("command") or []
+    ):
+        problems.append("redis: must read its password from /run/secrets/redis.conf (requirepass), not argv")
+    return problems
 
 
 def check_endpoints(compose: Compose) -> list[str]:
@@ -575,6 +675,36 @@ def test_commands_and_environments_are_accepted_by_the_real_clis(compose: Compos
     assert check_commands(cpu_compose) == [], _report(check_commands(cpu_compose))
 
 
+def test_every_service_runs_with_keys_from_secrets(compose: Compose, cpu_compose: Compose) -> None:
+    assert check_secrets(compose) == [], _report(check_secrets(compose))
+    assert check_secrets(cpu_compose) == [], _report(check_secrets(cpu_compose))
+    assert set(cpu_compose["secrets"]) >= {"keys-blockd", "keys-gateway", "api-keys", "redis-password"}
+
+
+def test_secrets_check_catches_insecure_and_unmounted_secrets(compose: Compose) -> None:
+    broken = copy.deepcopy(compose)
+    broken["services"]["executor-0"]["command"].append("--insecure")
+    broken["services"]["gateway"]["secrets"] = []
+    broken["services"]["blockd"]["environment"].pop("PAGEDKV_KEYS")
+    problems = _report(check_secrets(broken))
+    assert "executor-0: runs --insecure" in problems
+    assert "gateway: names /run/secrets/api-keys but mounts no secret there" in problems
+    assert "blockd: --keys / PAGEDKV_KEYS is None" in problems
+
+
+def test_make_secrets_writes_each_service_only_its_own_secret_keys() -> None:
+    standin = secrets_standin()
+    secret_keys = {d.name: sorted(p.name for p in d.glob("*.key_secret")) for d in standin.glob("keys-*")}
+    assert secret_keys == {
+        "keys-blockd": ["operator.key_secret", "server.key_secret"],
+        "keys-gateway": ["gateway.key_secret"],
+        **{f"keys-executor-{n}": [f"pool-executor-{n}.key_secret", "server.key_secret"] for n in range(3)},
+    }
+    password = (standin / "redis-password").read_text().strip()
+    assert (standin / "redis.conf").read_text() == f"requirepass {password}\n"
+    assert (standin / "api-keys").read_text().startswith("sk-")
+
+
 def test_endpoints_agree(compose: Compose, cpu_compose: Compose) -> None:
     assert check_endpoints(compose) == [], _report(check_endpoints(compose))
     assert check_endpoints(cpu_compose) == [], _report(check_endpoints(cpu_compose))
@@ -627,7 +757,10 @@ def test_redis_persists_to_a_named_volume(compose: Compose) -> None:
     (volume,) = redis["volumes"]
     assert volume["type"] == "volume" and volume["target"] == "/data", "redis' /data must be a named volume"
     assert volume["source"] in (compose.get("volumes") or {})
-    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # The healthcheck authenticates (REDISCLI_AUTH, not -a on a command line) and wants PONG, not an error.
+    probe = redis["healthcheck"]["test"]
+    assert probe[0] == "CMD-SHELL" and "REDISCLI_AUTH" in probe[1] and "/run/secrets/redis-password" in probe[1]
+    assert "grep -q PONG" in probe[1]
     blockd = parse_service("blockd", compose["services"]["blockd"])[0].params
     assert urlsplit(blockd["redis_url"]).hostname == "redis"
 

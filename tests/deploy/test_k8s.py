@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -34,6 +35,7 @@ import yaml
 import zmq
 from click.core import ParameterSource
 
+from common.auth import KeySet, Role, ServerAuth, generate
 from executor import protocol as ep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,9 +276,34 @@ def resolve_env(container: Obj, pod_name: str) -> dict[str, str]:
     return env
 
 
+SECRETS_MOUNT = "/etc/pagedkv/"
+
+
+@functools.cache
+def secrets_standin() -> Path:
+    """What the Secret volumes hold under /etc/pagedkv, made the way the README says (`pagedkv keys generate`),
+    so options that want an existing file see one while parsing."""
+    root = Path(tempfile.mkdtemp(prefix="pagedkv-k8s-test-"))
+    generate(root / "keys")
+    for path, text in (("api-keys/api-keys", "sk-test\n"), ("redis/password", "pw\n")):
+        (root / path).parent.mkdir(parents=True)
+        (root / path).write_text(text)
+    (root / "deployment-secret").mkdir()
+    (root / "deployment-secret" / "deployment-secret").write_text("secret\n")
+    return root
+
+
+def _on_host(value: str) -> str:
+    if value.startswith(SECRETS_MOUNT):
+        return str(secrets_standin() / value.removeprefix(SECRETS_MOUNT))
+    return value
+
+
 def parse(args: list[str], env: Mapping[str, str]) -> list[click.Context]:
-    """Parse `args` (console script first) with the real click command under exactly `env`."""
-    script, rest = args[0], list(args[1:])
+    """Parse `args` (console script first) with the real click command under exactly `env`; paths under
+    /etc/pagedkv/ (the Secret volumes) are read from secrets_standin()."""
+    script, rest = args[0], [_on_host(a) for a in args[1:]]
+    env = {k: _on_host(v) for k, v in env.items()}
     if script not in console_scripts():
         raise click.UsageError(f"{script!r} is not a console script of pyproject.toml")
     command = load_script(script)
@@ -410,9 +437,12 @@ def test_endpoints_ports_and_names_agree(objs: list[Obj]) -> None:
     metrics_port = int(_flag(argv(blockd_c), "--metrics-port"))
     assert metrics_port == _container_port(blockd_c, "metrics") == _service_port(objs, "blockd", "metrics")
     assert _flag(argv(blockd_c), "--metrics-host") == "0.0.0.0"
-    # blockd's Redis is the redis Service, with the password from the Secret.
+    # blockd's Redis is the redis Service, with the password from the Secret redis reads too (as a file).
     redis_url = blockd_env["REDIS_URL"]
-    assert redis_url == f"redis://:{SECRET_PLACEHOLDER}@redis:{_service_port(objs, 'redis', 'redis')}/0"
+    assert redis_url == f"redis://redis:{_service_port(objs, 'redis', 'redis')}/0"
+    [redis_password] = [v for v in pod_spec(blockd)["volumes"] if v["name"] == "redis-password"]
+    assert redis_password["secret"]["secretName"] == "pagedkv-redis"
+    assert redis_password["secret"]["items"] == [{"key": "password", "path": "password"}]
     assert blockd["spec"]["replicas"] == 1 and blockd["spec"]["strategy"] == {"type": "Recreate"}
 
     # Executors: pool id = pod name (downward API), one DNS name each through the headless Service.
@@ -599,6 +629,45 @@ def test_every_secret_is_documented_with_how_to_make_it(objs: list[Obj]) -> None
         assert path in readme
 
 
+def _mounts(obj: Obj, container: Obj) -> dict[str, tuple[str, bool]]:
+    """mount path -> (Secret name, optional) of the container's Secret volumes."""
+    volumes = {v["name"]: v["secret"] for v in pod_spec(obj).get("volumes", []) if "secret" in v}
+    return {
+        m["mountPath"]: (volumes[m["name"]]["secretName"], bool(volumes[m["name"]].get("optional")))
+        for m in container.get("volumeMounts", [])
+        if m["name"] in volumes
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_runs_with_keys_from_secrets(overlay: str) -> None:
+    """CURVE keys in every pagedkv container (PAGEDKV_KEYS at its non-optional Secret), API keys at the gateway,
+    blockd's deployment secret and Redis password from files, nothing --insecure."""
+    objs = rendered(overlay)
+    expected = {"blockd": "pagedkv-blockd-keys", "executor": "pagedkv-executor-keys", "gateway": "pagedkv-gateway-keys"}
+    params = {}
+    for component, secret in expected.items():
+        obj, container = container_of(objs, component)
+        mounts = _mounts(obj, container)
+        assert mounts["/etc/pagedkv/keys"] == (secret, False), component
+        env = resolve_env(container, f"{component}-0")
+        assert env["PAGEDKV_KEYS"] == "/etc/pagedkv/keys", component
+        assert "--insecure" not in argv(container) and "PAGEDKV_INSECURE" not in env, component
+        params[component] = parse(argv(container), env)[0].params
+        assert params[component]["keys_dir"] == secrets_standin() / "keys", component
+        for _, probe in _probes(container):
+            assert "PAGEDKV_KEYS" in probe[-1] or "/etc/pagedkv/keys" in probe, f"{component}: {probe} has no keys"
+    gateway, gateway_c = container_of(objs, "gateway")
+    assert _mounts(gateway, gateway_c)["/etc/pagedkv/api-keys"] == ("pagedkv-gateway-api-keys", False)
+    assert params["gateway"]["api_key_files"] == (secrets_standin() / "api-keys" / "api-keys",)
+    blockd, blockd_c = container_of(objs, "blockd")
+    mounts = _mounts(blockd, blockd_c)
+    assert mounts["/etc/pagedkv/redis"] == ("pagedkv-redis", False)
+    assert mounts["/etc/pagedkv/deployment-secret"] == ("pagedkv-deployment-secret", False)
+    assert params["blockd"]["redis_password_file"] == secrets_standin() / "redis" / "password"
+    assert params["blockd"]["deployment_secret_file"] == secrets_standin() / "deployment-secret" / "deployment-secret"
+
+
 def _fake_executor() -> tuple[zmq.Socket, int]:
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -630,3 +699,44 @@ def test_the_executor_readiness_probe_asks_the_executor_its_load(tmp_path: Path)
         socket.close()
     silent = textwrap.dedent(code).replace("timeout_s=5", "timeout_s=0.5")
     assert subprocess.run([sys.executable, "-c", silent], cwd=ROOT, capture_output=True, timeout=60).returncode != 0
+
+
+def test_the_executor_readiness_probe_uses_the_operator_key(tmp_path: Path) -> None:
+    """With PAGEDKV_KEYS (as the executor pods have it) the probe connects with the operator key and gets its load
+    report from a CURVE-only socket that admits gateway and operator keys, as the executor's does; without keys
+    it never completes the handshake and fails."""
+    _, executor_c = container_of(rendered("gpu"), "executor")
+    code = executor_c["readinessProbe"]["exec"]["command"][2]
+    keys = tmp_path / "keys"
+    generate(keys)
+    context = zmq.Context()
+    auth = ServerAuth(context, KeySet(keys), (Role.GATEWAY, Role.OPERATOR))
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    auth.secure(socket)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    code = code.replace(":5560'", f":{port}'")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PAGEDKV_KEYS", None)
+    try:
+        probe = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**env, "PAGEDKV_KEYS": str(keys)})
+        assert socket.poll(30_000), "the probe sent nothing"
+        identity, frame = socket.recv_multipart(copy=False)
+        assert auth.principal(frame) is not None and auth.principal(frame).role is Role.OPERATOR
+        assert isinstance(ep.decode_inbound(frame.bytes), ep.GetLoad)
+        load = ep.LoadReport(
+            pool_id="executor-0", running=0, waiting=0, free_blocks=8, num_blocks=8, kv_utilization=0.0,
+            preemptions=0, steps=0,
+        )  # fmt: skip
+        socket.send_multipart([identity.bytes, ep.encode(load)])
+        assert probe.wait(timeout=30) == 0
+        unkeyed = subprocess.run(
+            [sys.executable, "-c", code.replace("timeout_s=5", "timeout_s=0.5")],
+            cwd=ROOT, env=env, capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert unkeyed.returncode != 0
+        assert not socket.poll(100), "a client without keys got a request through"
+    finally:
+        socket.close()
+        auth.stop()
+        context.term()

@@ -58,6 +58,7 @@ class Choice:
     finish_reason: str | None = None
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[ep.TokenLogprob] | None = None
 
 
 Arrival = tuple[str, list[int], SamplingParams]
@@ -100,6 +101,9 @@ def drive(
             choice.finish_reason = delta.finish_reason
             choice.cached_tokens = delta.cached_tokens
             choice.completion_tokens = delta.completion_tokens
+            if delta.prompt_logprobs is not None:
+                assert choice.prompt_logprobs is None, "prompt logprobs are sent once"
+                choice.prompt_logprobs = delta.prompt_logprobs
         check_sequence_invariants(engine)
         if on_step is not None:
             on_step(step, engine)

@@ -173,7 +173,7 @@ def test_invalid_requests_are_rejected_and_change_nothing(tiny_models, blockd):
         "temperature": ([1], SamplingParams(temperature=-1.0), "invalid_request"),
         "top_p": ([1], SamplingParams(top_p=0.0), "invalid_request"),
         "n": ([1], SamplingParams(n=0), "invalid_request"),
-        "max_tokens": ([1], SamplingParams(max_tokens=0), "invalid_request"),
+        "max_tokens": ([1], SamplingParams(max_tokens=-1), "invalid_request"),  # 0: the prompt only (echo)
         "logprobs": ([1], SamplingParams(logprobs=99), "invalid_request"),
         "stop_ids": ([1], SamplingParams(stop_token_ids=(9999,)), "invalid_request"),
         "good": (good, GREEDY, "duplicate_request"),

@@ -85,7 +85,8 @@ def test_temperature_out_of_range(temperature: float) -> None:
         ("n", 0),
         ("n", 65),
         ("top_k", -1),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("prompt_logprobs", MAX_LOGPROBS + 1),
         ("seed", 2**63),
         ("logprobs", MAX_LOGPROBS + 1),
     ],
@@ -172,8 +173,20 @@ def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "not supported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "not supported"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "needs tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "g"}}},
+            "not among the tools: 'g'",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined with response_format",
+        ),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
         ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream"),
@@ -183,6 +196,40 @@ def test_vllm_extensions_are_accepted_on_both_endpoints() -> None:
 def test_unsupported_chat_settings_are_refused(fields: dict[str, Any], words: str) -> None:
     message, _ = refusal(ChatCompletionRequest, chat(**fields))
     assert words in message, message
+
+
+def test_forced_tool_choice_is_a_json_schema_constraint_as_vllm_builds_it() -> None:
+    import jsonschema
+
+    defs = {"Unit": {"enum": ["C", "F"]}}
+    weather = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "$defs": defs}
+    tools = [
+        {"type": "function", "function": {"name": "weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "now"}},
+    ]
+    named = ChatCompletionRequest.model_validate(chat(tools=tools, tool_choice={"function": {"name": "now"}}))
+    spec = named.sampling(16, None).structured
+    assert spec is not None and spec.kind == "json" and spec.param == "tool_choice"
+    assert json.loads(spec.source) == {"type": "object", "properties": {}}  # the function's parameters
+    for parallel in (True, False):
+        body = ChatCompletionRequest.model_validate(
+            chat(tools=tools, tool_choice="required", parallel_tool_calls=parallel)
+        )
+        spec = body.sampling(16, None).structured
+        assert spec is not None
+        schema = json.loads(spec.source)
+        assert schema["$defs"] == defs and '"$defs":' not in json.dumps(schema["items"])  # gathered at the top
+        one = [{"name": "weather", "parameters": {"unit": "C"}}]
+        two = [*one, {"name": "now", "parameters": {}}]
+        jsonschema.validate(one, schema)
+        for wrong in ([], [{"name": "later", "parameters": {}}], [{"name": "weather", "parameters": {"unit": "K"}}]):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(wrong, schema)
+        if parallel:
+            jsonschema.validate(two, schema)
+        else:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(two, schema)
 
 
 def test_neutral_values_of_unsupported_settings_are_accepted() -> None:
@@ -203,7 +250,8 @@ def test_unsupported_completion_settings_are_refused(fields: dict[str, Any], wor
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"echo": True, "logprobs": 1}, "logprobs", "prompt's logprobs"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo", "not available when stream is true"),
+        ({"echo": True, "logprobs": 1, "max_tokens": 0, "best_of": 2}, "n", "needs n = 1"),
         ({"max_tokens": 0}, "max_tokens", "only allowed with echo"),
         ({"n": 3, "best_of": 2}, "best_of", "at least n"),
         ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
@@ -223,6 +271,26 @@ def test_echo_best_of_and_truncation_accepted() -> None:
     everything = CompletionRequest.model_validate(completion(truncate_prompt_tokens=-1))
     assert everything.truncate([1, 2, 3, 4], 3) == [2, 3, 4]
     assert everything.add_special_tokens and not ChatCompletionRequest.model_validate(chat()).add_special_tokens
+
+
+def test_max_tokens_0_only_with_echo_and_prompt_logprobs_not_streamed() -> None:
+    body = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, logprobs=2, prompt_logprobs=1))
+    assert body.sampling(0, 2).prompt_logprobs == 2  # echo's logprobs score the prompt too
+    assert CompletionRequest.model_validate(completion(prompt_logprobs=3)).sampling(5, None).prompt_logprobs == 3
+    assert CompletionRequest.model_validate(completion(echo=True)).sampling(5, None).prompt_logprobs is None
+    for fields, param in (
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "logprobs": 0, "n": 2}, "n"),  # scored by the executor: n = 1
+        ({"max_tokens": 0, "echo": True, "prompt_logprobs": 0, "n": 2}, "n"),
+        ({"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"stream": True, "echo": True, "logprobs": 0}, "echo"),
+    ):
+        assert refusal(CompletionRequest, completion(**fields))[1] == param, fields
+    echo_only = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, n=2))  # the gateway answers
+    assert echo_only.gateway_only and echo_only.sampling(0, None).prompt_logprobs is None
+    scored = CompletionRequest.model_validate(completion(max_tokens=0, echo=True, logprobs=0))
+    assert not scored.gateway_only and scored.sampling(0, 0).prompt_logprobs == 0
+    assert refusal(ChatCompletionRequest, chat(stream=True, prompt_logprobs=0))[1] == "prompt_logprobs"
 
 
 def test_stream_options_with_stream() -> None:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gateway.tool_calls import HermesParser, Llama3JsonParser, ToolParser, detect_parser, make_parser
+from tests.support.tools import HISTORY, TOOLS, hf_messages
 
 
 def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
@@ -121,42 +122,6 @@ def test_detect_parser_by_template() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- rendering
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    },
-    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
-]
-ARGUMENTS = {"city": "Zürich"}
-HISTORY = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Weather in Zürich?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": json.dumps(ARGUMENTS, ensure_ascii=False)},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-]
-
-
-def hf_messages() -> list[dict]:
-    """HISTORY as transformers' templates take it (and vLLM hands it to them): the call's arguments parsed."""
-    messages = json.loads(json.dumps(HISTORY))
-    messages[2]["tool_calls"][0]["function"]["arguments"] = ARGUMENTS
-    return messages
 
 
 def test_tools_and_tool_history_render_as_the_templates_own_rendering(tmp_path) -> None:

@@ -290,9 +290,15 @@ def test_echo_puts_the_prompt_first(client, stack, model_dir, tokenizer) -> None
             assert only.usage.completion_tokens == 0
             assert only.usage.prompt_tokens == len(tokenizer.encode(PROMPT)) + len(tokenizer.encode("hello"))
 
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1)
-    assert "prompt's logprobs" in refused.value.message
+    # echo with logprobs: the prompt is scored by the executor (its first token null), then the completion's
+    scored = client.completions.create(
+        model=stack.model_name, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1, **GREEDY
+    )
+    lp = scored.choices[0].logprobs
+    prompt_len = len(tokenizer.encode(PROMPT))
+    assert scored.choices[0].text.startswith(PROMPT) and len(lp.tokens) == prompt_len + 2
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert lp.text_offset[prompt_len] == len(PROMPT)
 
 
 def test_best_of_returns_the_choices_of_highest_cumulative_logprob(client, stack) -> None:
@@ -372,7 +378,7 @@ def test_vllm_metrics_after_requests(client, stack, tokenizer) -> None:
 def test_tools_and_tool_history_are_rendered_by_the_template(client, stack, model_dir, tokenizer) -> None:
     from transformers import AutoTokenizer
 
-    from tests.gateway.test_tool_calls import HISTORY, TOOLS, hf_messages
+    from tests.support.tools import HISTORY, TOOLS, hf_messages
 
     hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     rendered = hf.apply_chat_template(hf_messages(), tools=TOOLS, add_generation_prompt=True, tokenize=False)
@@ -402,27 +408,143 @@ def test_tools_and_tool_history_are_rendered_by_the_template(client, stack, mode
     assert tokenized["tokens"] == expected
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_choice_is_refused_until_structured_output(client, stack, tool_choice) -> None:
-    from tests.gateway.test_tool_calls import TOOLS
+# Tools whose arguments the random model can only finish: bounded strings and numbers, no other properties.
+BOUNDED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in BOUNDED_TOOLS}
+FORCED = {"temperature": 0, "max_tokens": 300}
 
+
+def checked_calls(calls) -> list[tuple[str, dict]]:
+    """(name, arguments) of each call, its arguments valid against its function's parameters."""
+    import jsonschema
+
+    found = []
+    for call in calls:
+        assert call.type == "function" and call.id
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        found.append((call.function.name, arguments))
+    return found
+
+
+def streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
+    """The calls a stream's tool_calls deltas add up to (name, parsed arguments), and its finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        assert not choice.delta.content
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+            if delta.function.name:
+                assert call["name"] is None and delta.id, "a call's id and name come once, first"
+                call["name"] = delta.function.name
+            call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("name", ["get_weather", "add"])
+def test_named_tool_choice_is_one_call_of_that_function(client, stack, name) -> None:
+    body = {
+        "model": stack.model_name,
+        "messages": [{"role": "user", "content": "Weather in Zürich?"}],
+        "tools": BOUNDED_TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": name}},
+        **FORCED,
+    }
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "stop"  # vLLM's, for a named choice
+    assert not choice.message.content
+    calls = checked_calls(choice.message.tool_calls)
+    assert [n for n, _ in calls] == [name]
+    assert streamed_calls(client.chat.completions.create(**body, stream=True)) == (calls, "stop")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_is_at_least_one_call_of_the_tools(client, stack, tokenizer, parallel) -> None:
+    (close,) = tokenizer.encode("]", add_special_tokens=False)
+    body = {
+        "model": stack.model_name,
+        "messages": [{"role": "user", "content": "Weather in Zürich?"}],
+        "tools": BOUNDED_TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": parallel,
+        # the random model would add calls to the array until max_tokens: "]" favoured wherever it is allowed
+        "logit_bias": {str(close): 50},
+        **FORCED,
+    }
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    calls = checked_calls(choice.message.tool_calls)
+    assert len(calls) >= 1 and all(n in SCHEMAS for n, _ in calls)
+    if not parallel:
+        assert len(calls) == 1
+    assert streamed_calls(client.chat.completions.create(**body, stream=True)) == (calls, "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"response_format": {"type": "json_object"}}, "cannot be combined with response_format"),
+        ({"extra_body": {"structured_outputs": {"regex": "a+"}}}, "cannot be combined with structured_outputs"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "cannot be combined with guided_json"),
+    ],
+)
+def test_forced_tool_choice_with_another_constraint_is_a_400(client, stack, extra, words) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model=stack.model_name,
             messages=[{"role": "user", "content": "hi"}],
-            tools=TOOLS,
-            tool_choice=tool_choice,
+            tools=BOUNDED_TOOLS,
+            tool_choice="required",
             max_tokens=2,
+            **extra,
         )
-    assert "structured output" in refused.value.message and refused.value.param == "tool_choice"
+    assert words in refused.value.message and refused.value.param == "tool_choice"
 
 
 def test_tool_call_parser_flag(stack, model_dir, tmp_path) -> None:
     """--tool-call-parser none: 'auto' has nothing to parse with, and says so; 'none' still renders the tools."""
-    from tests.gateway.test_tool_calls import TOOLS
+    from tests.support.tools import TOOLS
 
     gateway = GatewayProcess(
-        model_dir, stack.executor_endpoints, stack.blockd_endpoint, tmp_path / "gw.log", "--tool-call-parser", "none"
+        model_dir,
+        stack.executor_endpoints,
+        stack.blockd_endpoint,
+        tmp_path / "gw.log",
+        "--tool-call-parser",
+        "none",
+        keys_dir=stack.keys_dir,  # the stack's executors take only its key set's clients
     )
     try:
         gateway.wait_listening()

@@ -82,3 +82,23 @@ def test_many_decode_rows_are_split_into_length_groups_and_stay_exact(monkeypatc
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_many_decode_rows_of_random_lengths(block_size):
+    """Fresh random inputs every run: dozens of decode rows (some shorter than a block) and a prefill chunk."""
+    gen = torch.Generator()
+    seed = int(gen.seed()) % 2**31
+    lengths = torch.randint(1, 600, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+    batch = make_batch(
+        [(1, n) for n in lengths] + [(9, 50)],
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=seed,
+    )
+    got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
+    assert not got.isnan().any(), f"seed {seed}"
+    torch.testing.assert_close(got.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5, msg=f"seed {seed}")

@@ -162,3 +162,8 @@ class ExecutorProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+#: The blockd tests use tiny blocks (4 tokens) so that short prompts span several; blockd itself allows only the
+#: kernels' block sizes unless told otherwise.
+TEST_BLOCK_SIZES = "1,2,4,8,16,32,64"
