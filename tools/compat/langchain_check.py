@@ -42,7 +42,7 @@ def show(name: str, fn) -> bool:
     print(f"=== {name}")
     try:
         result = fn()
-    except Exception as exc:  # noqa: BLE001 - report what the user would see
+    except Exception as exc:
         status = getattr(exc, "status_code", None)
         body = getattr(exc, "body", None)
         print(f"EXCEPTION {type(exc).__module__}.{type(exc).__name__} status={status}")
@@ -68,18 +68,19 @@ def show(name: str, fn) -> bool:
 
 results = {
     "bind_tools.invoke": show(
-        "bind_tools([get_weather]).invoke", lambda: llm().bind_tools([get_weather]).invoke("What is the weather in Paris?")
+        "bind_tools([get_weather]).invoke",
+        lambda: llm().bind_tools([get_weather]).invoke("What is the weather in Paris?"),
     ),
     "bind_tools(tool_choice='any').invoke": show(
         "bind_tools([get_weather], tool_choice='any').invoke",
         lambda: llm().bind_tools([get_weather], tool_choice="any").invoke("What is the weather in Paris?"),
     ),
 }
+PROMPT = "Extract the person as JSON with keys name and age: Alice is 30 years old."
 for method in ("json_schema", "json_mode", "function_calling"):
-    prompt = "Extract the person as JSON with keys name and age: Alice is 30 years old."
     results[f"with_structured_output({method})"] = show(
         f"with_structured_output(Person, method={method!r}, include_raw=True).invoke",
-        lambda method=method: llm().with_structured_output(Person, method=method, include_raw=True).invoke(prompt),
+        lambda method=method: llm().with_structured_output(Person, method=method, include_raw=True).invoke(PROMPT),
     )
 print("=== summary")
 for name, ok in results.items():
