@@ -51,3 +51,8 @@ def main() -> None:
 )
 def bench() -> None:
     """Benchmarks. Each prints progress and tables, and as its last line one JSON object of its figures."""
+
+
+# `python -m pagedkv.cli serve ...` (a checkout without the console script) runs the CLI instead of exiting 0
+if __name__ == "__main__":
+    main()

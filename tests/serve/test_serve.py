@@ -25,7 +25,7 @@ from pagedkv.tools.model_gen import write_model
 from tests.support.models import TINY
 from tests.support.waiting import wait_for
 
-SERVE = [sys.executable, "-m", "pagedkv.serve"]  # pagedkv/cli.py has no __main__ guard; serve.py has one
+SERVE = [sys.executable, "-m", "pagedkv.serve"]  # serve.py has its own __main__ guard (so has cli.py)
 
 
 @pytest.fixture(scope="module")
