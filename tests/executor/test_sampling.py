@@ -85,7 +85,7 @@ def test_logprobs_are_the_model_distribution_with_top_alternatives():
 @pytest.mark.parametrize(
     "params, fragment",
     [
-        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(max_tokens=-1), "max_tokens"),
         (SamplingParams(temperature=float("nan")), "temperature"),
         (SamplingParams(temperature=-0.1), "temperature"),
         (SamplingParams(top_p=1.5), "top_p"),
