@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "default-llama"
+# Bumped whenever the generator writes a different default model (its chat template now renders tools): a model
+# cached by an older pagedkv is left where it is and a new one is generated beside it, not served stale.
+DEFAULT_MODEL_GENERATION = 2
 _REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -21,9 +24,10 @@ class DefaultModelUnavailable(RuntimeError):
 
 
 def default_model_dir() -> Path:
-    """Where the default model lives: $PAGEDKV_HOME/models/default-llama (~/.cache/pagedkv by default)."""
+    """Where the default model lives: $PAGEDKV_HOME/models/v<generation>/default-llama (~/.cache/pagedkv by
+    default)."""
     home = os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv"
-    return Path(home).expanduser() / "models" / DEFAULT_MODEL_NAME
+    return Path(home).expanduser() / "models" / f"v{DEFAULT_MODEL_GENERATION}" / DEFAULT_MODEL_NAME
 
 
 def is_complete_model(path: Path) -> bool:

@@ -332,7 +332,7 @@ def test_cli_refuses_a_non_empty_dir_and_bad_values(tiny_models: dict[str, Path]
 def test_default_model_is_generated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path))
     path = ensure_default_model()
-    assert path == tmp_path / "models" / "default-llama"
+    assert path == tmp_path / "models" / "v2" / "default-llama"
     config = load_config(path)
     assert (config.architecture, config.hidden_size, config.num_layers, config.vocab_size) == ("llama", 256, 4, 4096)
     stamp = (path / "model.safetensors").stat().st_mtime_ns

@@ -6,13 +6,13 @@
 # Each tool lives in its own venv under $VENVS (never a dependency of pagedkv); torch is pinned to 2.13.0 in every
 # venv that pulls it, so pip takes the local CPU wheel. Environment:
 #   BASE   the server's root URL       (default http://127.0.0.1:8011)
-#   MODEL  the served model's directory, used as the tokenizer (default ~/.cache/pagedkv/models/default-llama)
+#   MODEL  the served model's directory, used as the tokenizer (default ~/.cache/pagedkv/models/v2/default-llama)
 #   VENVS  where the venvs go          (default /work/compat-venvs)
 #   OUT    where each tool's output goes (default /tmp/pagedkv-compat)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BASE="${BASE:-http://127.0.0.1:8011}"
-MODEL="${MODEL:-$HOME/.cache/pagedkv/models/default-llama}"
+MODEL="${MODEL:-$HOME/.cache/pagedkv/models/v2/default-llama}"
 VENVS="${VENVS:-/work/compat-venvs}"
 OUT="${OUT:-/tmp/pagedkv-compat}"
 PY="${PYTHON:-python3.11}"
