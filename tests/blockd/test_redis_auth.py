@@ -184,7 +184,7 @@ def test_redact_removes_every_credential() -> None:
 def test_tls_with_rediss_and_a_deployment_secret(start_redis, tmp_path: Path) -> None:
     binary = find_redis_server()
     if not _supports_tls(binary):
-        pytest.skip(f"{binary} is built without TLS")
+        pytest.skip(f"{binary} is built without TLS: install Debian's redis-server (.ci/run does)")
     certs = tmp_path / "certs"
     certs.mkdir()
 

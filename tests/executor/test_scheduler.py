@@ -11,50 +11,15 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-import msgspec
-
-from blockd import protocol as p
 from blockd.client import MirroredSequence, PoolClient
-from blockd.manager import BlockManager
+from blockd.inprocess import InProcessBlockd
 from blockd.pool import BlockPool
 from executor.params import SamplingParams
 from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan
 from executor.sequence import Request, Sequence, Status
 
 POOL = "pool"
-
-
-class InProcessBlockd:
-    """The part of BlockdClient a PoolClient uses, answered by a BlockManager in this process.
-
-    Results go through msgpack as on the wire, so the client never shares an object with the pool.
-    """
-
-    def __init__(self) -> None:
-        self.manager = BlockManager()
-        self._reply: bytes | None = None
-
-    def send(self, request_type: type[p.Request], **fields: Any) -> int:
-        request = request_type(v=p.PROTOCOL_VERSION, id=0, **fields)
-        if isinstance(request, p.Register):
-            result: msgspec.Struct = self.manager.register(request)
-        elif isinstance(request, p.Step):
-            result = self.manager.step(request.pool_id, request.epoch, request.ops)
-        else:
-            raise NotImplementedError(request_type)
-        self._reply = msgspec.msgpack.encode(result)
-        return 0
-
-    def receive(self, result_type: type, timeout_s: float | None = None) -> Any:
-        assert self._reply is not None
-        reply, self._reply = self._reply, None
-        return msgspec.msgpack.decode(reply, type=result_type)
-
-    def call(self, request_type: type[p.Request], **fields: Any) -> Any:
-        self.send(request_type, **fields)
-        return self.receive(p.RESULT_TYPES[request_type])
 
 
 @dataclass
@@ -83,7 +48,7 @@ class Harness:
     ) -> None:
         self.blockd = InProcessBlockd()
         self.pool = PoolClient(
-            self.blockd,  # type: ignore[arg-type]
+            self.blockd,
             pool_id=POOL,
             num_blocks=num_blocks,
             block_size=block_size,

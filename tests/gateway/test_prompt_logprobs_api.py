@@ -14,10 +14,8 @@ import torch
 
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
-from pagedkv.tools.model_gen import write_model
 from tests.executor.harness import hf_model
-from tests.support.gateway import wait_until_no_live_blocks
-from tests.support.models import TINY
+from tests.support.gateway import local_stack, tiny_model, wait_until_no_live_blocks
 
 TOL = 2e-3
 PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog sleeps in the warm afternoon sun"
@@ -25,20 +23,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog sleeps i
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("plp-model") / "tiny-chat", arch="llama", quiet=True, **TINY)
+    return tiny_model(tmp_path_factory.mktemp("plp-model"), "tiny-chat")
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    with LocalStack(
-        model_dir=model_dir,
-        executors=1,
-        port=0,
-        kv_cache_memory="8MiB",
-        persistence=False,
-        log_dir=tmp_path_factory.mktemp("plp-logs"),
-        progress=None,
-    ) as running:
+    with local_stack(model_dir, tmp_path_factory.mktemp("plp-logs"), executors=1) as running:
         yield running
 
 

@@ -14,9 +14,7 @@ import openai
 import pytest
 
 from pagedkv.serve import LocalStack
-from pagedkv.tools.model_gen import write_model
-from tests.support.gateway import wait_until_no_live_blocks
-from tests.support.models import TINY
+from tests.support.gateway import local_stack, tiny_model, wait_until_no_live_blocks
 
 MAX_TOKENS = 400
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -40,16 +38,8 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    model_dir = write_model(tmp_path_factory.mktemp("structured-model") / "tiny", arch="llama", quiet=True, **TINY)
-    with LocalStack(
-        model_dir=model_dir,
-        executors=1,
-        port=0,
-        kv_cache_memory="8MiB",
-        persistence=False,
-        log_dir=tmp_path_factory.mktemp("structured-logs"),
-        progress=None,
-    ) as running:
+    model_dir = tiny_model(tmp_path_factory.mktemp("structured-model"), "tiny")
+    with local_stack(model_dir, tmp_path_factory.mktemp("structured-logs"), executors=1) as running:
         yield running
 
 
