@@ -7,10 +7,11 @@ no service imports the generator, transformers' model classes or the tokenizer t
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from common.home import pagedkv_home
 
 DEFAULT_MODEL_NAME = "default-llama"
 # Bumped whenever the generator writes a different default model (its chat template now renders tools): a model
@@ -26,8 +27,7 @@ class DefaultModelUnavailable(RuntimeError):
 def default_model_dir() -> Path:
     """Where the default model lives: $PAGEDKV_HOME/models/v<generation>/default-llama (~/.cache/pagedkv by
     default)."""
-    home = os.environ.get("PAGEDKV_HOME") or Path.home() / ".cache" / "pagedkv"
-    return Path(home).expanduser() / "models" / f"v{DEFAULT_MODEL_GENERATION}" / DEFAULT_MODEL_NAME
+    return pagedkv_home() / "models" / f"v{DEFAULT_MODEL_GENERATION}" / DEFAULT_MODEL_NAME
 
 
 def is_complete_model(path: Path) -> bool:

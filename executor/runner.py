@@ -105,23 +105,26 @@ class ModelRunner:
         rows: list[list[int]] = []
         for chunk in chunks:
             table = tables[chunk.seq.seq_id].blocks
-            n = len(chunk.token_ids)
+            start, n = chunk.start, len(chunk.token_ids)
+            end = start + n
             input_ids.extend(chunk.token_ids)
-            span = range(chunk.start, chunk.start + n)
-            positions.extend(span)
-            slots.extend(table[pos // bs] * bs + pos % bs for pos in span)
+            if n == 1:  # a decode: most chunks of a busy step
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions.extend(range(start, end))
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
             starts.append(starts[-1] + n)
-            seq_lens.append(chunk.start + n)
+            seq_lens.append(end)
             if chunk.samples:
                 logits_indices.append(starts[-1] - 1)
-            rows.append(table[: -(-(chunk.start + n) // bs)])
+            rows.append(table[: -(-end // bs)])
         for chunk, start in zip(chunks, starts, strict=False):  # then the rows prompt logprobs score, in order
             scored = chunk.scored_positions
-            logits_indices.extend(range(start + scored.start - chunk.start, start + scored.stop - chunk.start))
+            if scored:
+                logits_indices.extend(range(start + scored.start - chunk.start, start + scored.stop - chunk.start))
         width = max(len(r) for r in rows)
-        table_tensor = torch.zeros((len(rows), width), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table_tensor[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        table_tensor = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
         device = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

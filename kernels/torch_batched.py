@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import cpu_native, reference
 
 
 def write_kv(
@@ -47,8 +47,12 @@ def paged_attention(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    for rows in _length_groups(decode, lens):
-        _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out)
+    lib = cpu_native.library() if decode and cpu_native.supports(key_cache, q.shape[1]) else None
+    if lib is not None:
+        _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, decode, scale, out)
+    else:
+        for rows in _length_groups(decode, lens):
+            _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out)
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
         if q_len > 1:
@@ -73,6 +77,29 @@ def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, rows, scale, out) -> None:
+    """The decode rows by the native kernel, which reads blocks in place (`kernels.cpu_native`)."""
+    tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+    seqs = torch.tensor(rows, dtype=torch.int64)
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    q32 = q.to(torch.float32).contiguous()
+    target = out if direct else torch.empty_like(q32)
+    cpu_native.decode_attention(
+        lib,
+        q32,
+        key_cache,
+        value_cache,
+        block_tables.to(torch.int32),
+        seq_lens.to(torch.int32),
+        tokens,
+        seqs,
+        scale,
+        target,
+    )
+    if not direct:
+        out[tokens] = target[tokens].to(out.dtype)
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -112,12 +139,16 @@ def _gather_blocks(
 
 def _prefill_chunk(q, key_cache, value_cache, table, begin, q_len, kv_len, scale, out) -> None:
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    device, dtype = q.device, torch.promote_types(q.dtype, torch.float32)
-    slots = _slots(table, torch.arange(kv_len, device=device), block_size)
-    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(dtype)  # [hkv, kv, d]
-    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(dtype)
-    qs = q[begin : begin + q_len].to(dtype).transpose(0, 1)  # [h, q, d]
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-    visible = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]  # [q, kv]
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    out[begin : begin + q_len] = o.transpose(0, 1).to(out.dtype)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    blocks = table[: -(-kv_len // block_size)].to(torch.int64)  # whole blocks: one contiguous copy each
+    k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1).to(dtype)
+    v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1).to(dtype)
+    # With a batch dim of 1 ([1, h, q, d]): the 3-d form takes a slower SDPA path on the CPU (2x here)
+    qs, k, v = q[begin : begin + q_len].to(dtype).transpose(0, 1)[None], k[None], v[None]
+    if q_len == kv_len:  # no cached prefix: plain causal, SDPA's own mask (and its flash kernel)
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # the causal mask offset by the cached prefix
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # [q, kv]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    out[begin : begin + q_len] = o[0].transpose(0, 1).to(out.dtype)

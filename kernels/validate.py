@@ -205,16 +205,26 @@ def check_paged_attention(
 def _check_attention_values(
     g: AttentionGeometry, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
 ) -> None:
-    """Host-side checks of the metadata values (CPU tensors only)."""
-    starts = query_start_loc.tolist()
-    if starts[0] != 0 or starts[-1] != g.num_tokens:
-        raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens={g.num_tokens}; got {starts[0]}..{starts[-1]}"
-        )
-    kv_lens = seq_lens.tolist()
+    """Host-side checks of the metadata values (CPU tensors only): whole-tensor tests, so a step of hundreds of
+    sequences costs a few tensor ops; the per-sequence loop runs only to name the first bad one."""
+    starts = query_start_loc.to(torch.int64)
+    first, last = int(starts[0]), int(starts[-1])
+    if first != 0 or last != g.num_tokens:
+        raise ValueError(f"query_start_loc must start at 0 and end at num_tokens={g.num_tokens}; got {first}..{last}")
+    q_lens, kv_lens = starts[1:] - starts[:-1], seq_lens.to(torch.int64)
     capacity = g.max_blocks_per_seq * g.cache.block_size
-    for i, kv_len in enumerate(kv_lens):
-        q_len = starts[i + 1] - starts[i]
+    used_blocks = (kv_lens + g.cache.block_size - 1) // g.cache.block_size
+    in_use = torch.arange(g.max_blocks_per_seq)[None, :] < used_blocks[:, None]
+    used = block_tables[in_use]
+    bad_block = bool(used.numel()) and (int(used.min()) < 0 or int(used.max()) >= g.cache.num_blocks)
+    if bad_block or bool((q_lens < 1).any()) or bool((kv_lens < q_lens).any()) or bool((kv_lens > capacity).any()):
+        _name_bad_sequence(g, block_tables, q_lens.tolist(), kv_lens.tolist(), capacity)
+
+
+def _name_bad_sequence(
+    g: AttentionGeometry, block_tables: torch.Tensor, q_lens: list[int], kv_lens: list[int], capacity: int
+) -> None:
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
         if q_len < 1:
             raise ValueError(f"sequence {i} has {q_len} query tokens; every sequence needs at least one")
         if kv_len < q_len:

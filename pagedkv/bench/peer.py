@@ -199,6 +199,13 @@ def run_rounds(
         started = time.perf_counter()
         result = by_name[name].run(requests, f"{workload}-run{round_}")
         wall = time.perf_counter() - started
+        short = [r for r in requests if len(result.outputs.get(r.request_id, ())) != r.output_len]
+        if short:  # the runs must do the same work, or tok/s compares nothing
+            r = short[0]
+            raise click.ClickException(
+                f"{name} generated {len(result.outputs.get(r.request_id, ()))} tokens for {r.request_id} of "
+                f"{workload}, not its {r.output_len} ({len(short)} requests off)"
+            )
         busy_after = machine_busy_s()
         others = None
         if busy is not None and busy_after is not None and wall > 0:
@@ -876,14 +883,29 @@ def _equality(
         for c in checks:
             if not c.near_tie:
                 d = c.divergence
+                agrees = {d.ours: "pagedkv", d.theirs: labels[system]}.get(c.top[0], "neither")
                 lines.append(
                     f"  NOT a near tie: request {d.request_id} at output token {d.position}: pagedkv {d.ours}, "
-                    f"{labels[system]} {d.theirs}; transformers' top two {c.top} {c.gap:.3g} apart"
+                    f"{labels[system]} {d.theirs}; transformers' top two {c.top} {c.gap:.3g} apart "
+                    f"(transformers picks {c.top[0]}: {agrees})"
                 )
         result["against"][system] = {
             "equal_requests": len(requests) - len(found),
             "divergences": [
-                {**asdict(c.divergence), "top_two": list(c.top), "gap": c.gap, "near_tie": c.near_tie} for c in checks
+                {
+                    **asdict(c.divergence),
+                    "top_two": list(c.top),
+                    "gap": c.gap,
+                    "near_tie": c.near_tie,
+                    "transformers_agrees_with": (
+                        "pagedkv"
+                        if c.top[0] == c.divergence.ours
+                        else system
+                        if c.top[0] == c.divergence.theirs
+                        else None
+                    ),
+                }
+                for c in checks
             ],
             "unchecked": max(0, len(found) - len(checks)),
             "near_ties": ties,

@@ -128,7 +128,8 @@ class Driver:
             SamplingParams(
                 temperature=0.0,
                 max_tokens=r["output_len"],
-                min_tokens=r["output_len"],
+                # ignore_eos alone runs to max_tokens, as pagedkv does. min_tokens would also ban every stop and
+                # EOS id (the generation config's too) from the logits: another distribution than pagedkv's.
                 ignore_eos=True,
                 detokenize=False,
             )

@@ -1,0 +1,208 @@
+// Paged decode attention on the CPU, reading K/V blocks where they lie (no gather copy).
+//
+// One query token per row: out[token] = softmax(q . K^T * scale) V over the row's first `len` cached positions,
+// whose blocks the row's block table names. Work items are (row, KV head) pairs, run in parallel by OpenMP
+// (linked against the libgomp torch has loaded, so both share one thread pool). Each item walks its blocks once
+// with an online softmax: per block, the scores of all its slots, one rescale of the running sum, then the
+// weighted V rows. Slots past `len` are never read, so stale or NaN values in unwritten slots cannot matter.
+// Accumulation is float32 whatever the cache dtype. Every index is checked before use: a bad table or length
+// makes the call return an error code, never read outside the cache.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxHeads = 64;   // query heads one work item may take whole
+constexpr int kMaxBlock = 256;  // tokens per block
+
+enum Status : int { kOk = 0, kBadShape = 1, kBadBlock = 2, kBadLength = 3, kBadToken = 4 };
+
+// e^x for x <= 0 (a score minus its running maximum), branch-free so loops over it vectorize: x = n ln2 + r with
+// |r| <= ln2/2, e^r by a degree-6 polynomial (relative error < 2e-7), 2^n put into the exponent bits; x below -87
+// gives 0 (e^-87 is below float's normal range, and a weight that small cannot move a sum of weights >= 1).
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float n = __builtin_rintf(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const float scale = __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+template <typename T> inline float load(const T* p, int i);
+template <> inline float load<float>(const float* p, int i) { return p[i]; }
+struct bf16 { uint16_t bits; };
+template <> inline float load<bf16>(const bf16* p, int i) {
+  const uint32_t u = uint32_t(p[i].bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <> inline float load<_Float16>(const _Float16* p, int i) { return float(p[i]); }
+
+struct Problem {
+  const float* q;          // [tokens, heads, D]
+  const void* key_cache;   // [blocks, block_size, kv_heads, D]
+  const void* value_cache;
+  const int32_t* tables;   // [seqs, width]
+  const int32_t* lens;     // [seqs]
+  const int64_t* tokens;   // [rows]: the query token of each decode row
+  const int64_t* seqs;     // [rows]: its sequence (table row, length)
+  float* out;              // [tokens, heads, D]
+  int64_t rows, num_tokens, num_seqs, width, num_blocks;
+  int block_size, heads, kv_heads;
+  float scale;
+  int threads;
+};
+
+// One decode row over KV heads [kv_first, kv_last): walks the row's blocks once, reading each block's slots for
+// those heads in memory order (a whole block is one contiguous run when all heads are taken), with the next
+// block prefetched while this one is computed: the blocks lie anywhere, so the hardware cannot guess them.
+template <typename T, int D>
+int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last) {
+  const int64_t token = p.tokens[row], seq = p.seqs[row];
+  if (token < 0 || token >= p.num_tokens || seq < 0 || seq >= p.num_seqs) return kBadToken;
+  const int len = p.lens[seq];
+  const int bs = p.block_size, group = p.heads / p.kv_heads;
+  if (len < 1 || len > p.width * bs) return kBadLength;
+  const int32_t* table = p.tables + seq * p.width;
+  const int nblocks = (len + bs - 1) / bs;
+  for (int b = 0; b < nblocks; ++b)
+    if (table[b] < 0 || table[b] >= p.num_blocks) return kBadBlock;
+  const T* kc = static_cast<const T*>(p.key_cache);
+  const T* vc = static_cast<const T*>(p.value_cache);
+  const int heads = (kv_last - kv_first) * group;  // query heads of this item, in order
+  const float* q = p.q + (token * p.heads + int64_t(kv_first) * group) * D;
+
+  float qs[kMaxHeads][D], acc[kMaxHeads][D], running_max[kMaxHeads], running_sum[kMaxHeads];
+  float s[kMaxHeads][kMaxBlock];
+  for (int h = 0; h < heads; ++h) {
+    for (int d = 0; d < D; ++d) {
+      qs[h][d] = q[h * D + d] * p.scale;
+      acc[h][d] = 0.f;
+    }
+    running_max[h] = -std::numeric_limits<float>::infinity();
+    running_sum[h] = 0.f;
+  }
+  const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
+  const int span = (kv_last - kv_first) * D;  // elements of one slot this item reads
+  for (int b = 0; b < nblocks; ++b) {
+    const int n = std::min(bs, len - b * bs);
+    const int64_t base = table[b] * block_stride + int64_t(kv_first) * D;
+    if (b + 1 < nblocks) {
+      const int64_t next = table[b + 1] * block_stride + int64_t(kv_first) * D;
+      for (int t = 0; t < bs; ++t)
+        for (int e = 0; e < span; e += 64 / int(sizeof(T))) {
+          __builtin_prefetch(kc + next + t * slot_stride + e);
+          __builtin_prefetch(vc + next + t * slot_stride + e);
+        }
+    }
+    for (int t = 0; t < n; ++t) {
+      const T* k = kc + base + t * slot_stride;
+      for (int h = 0; h < heads; ++h) {
+        const T* kh = k + (h / group) * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qs[h][d] * load(kh, d);
+        s[h][t] = dot;
+      }
+    }
+    for (int h = 0; h < heads; ++h) {
+      float block_max = running_max[h];
+      for (int t = 0; t < n; ++t) block_max = std::max(block_max, s[h][t]);
+      const float rescale = exp_nonpositive(running_max[h] - block_max);
+      running_max[h] = block_max;
+      running_sum[h] *= rescale;
+      for (int d = 0; d < D; ++d) acc[h][d] *= rescale;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < n; ++t) {
+        s[h][t] = exp_nonpositive(s[h][t] - block_max);
+        sum += s[h][t];
+      }
+      running_sum[h] += sum;
+    }
+    for (int t = 0; t < n; ++t) {
+      const T* v = vc + base + t * slot_stride;
+      for (int h = 0; h < heads; ++h) {
+        const T* vh = v + (h / group) * D;
+        const float w = s[h][t];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[h][d] += w * load(vh, d);
+      }
+    }
+  }
+  float* out = p.out + (token * p.heads + int64_t(kv_first) * group) * D;
+  for (int h = 0; h < heads; ++h) {
+    const float inv = 1.f / running_sum[h];
+    for (int d = 0; d < D; ++d) out[h * D + d] = acc[h][d] * inv;
+  }
+  return kOk;
+}
+
+// Work items are whole rows when there are enough of them to keep every thread busy, else (row, KV head) pairs.
+template <typename T, int D>
+int attend_all(const Problem& p) {
+  std::atomic<int> status{kOk};
+  const int per_item = (p.rows >= 4 * p.threads && p.heads <= kMaxHeads) ? p.kv_heads : 1;
+  const int64_t splits = p.kv_heads / per_item, items = p.rows * splits;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t item = 0; item < items; ++item) {
+    if (status.load(std::memory_order_relaxed) != kOk) continue;
+    const int first = int(item % splits) * per_item;
+    const int rc = attend_row<T, D>(p, item / splits, first, first + per_item);
+    if (rc != kOk) status.store(rc, std::memory_order_relaxed);
+  }
+  return status.load();
+}
+
+template <typename T>
+int by_head_dim(const Problem& p, int head_dim) {
+  switch (head_dim) {
+    case 32: return attend_all<T, 32>(p);
+    case 64: return attend_all<T, 64>(p);
+    case 80: return attend_all<T, 80>(p);
+    case 96: return attend_all<T, 96>(p);
+    case 128: return attend_all<T, 128>(p);
+    case 256: return attend_all<T, 256>(p);
+    default: return kBadShape;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches; q and out are float32).
+int pagedkv_decode_attention(const float* q, const void* key_cache, const void* value_cache, int dtype,
+                             const int32_t* tables, const int32_t* lens, const int64_t* tokens, const int64_t* seqs,
+                             float* out, int64_t rows, int64_t num_tokens, int64_t num_seqs, int64_t width,
+                             int64_t num_blocks, int block_size, int heads, int kv_heads, int head_dim, float scale,
+                             int threads) {
+  if (block_size < 1 || block_size > kMaxBlock || kv_heads < 1 || heads % kv_heads != 0 ||
+      heads / kv_heads > kMaxGroup || width < 1 || rows < 0 || threads < 1)
+    return kBadShape;
+  const Problem p{q,        key_cache, value_cache, tables,     lens,       tokens, seqs,     out,   rows,
+                  num_tokens, num_seqs, width,       num_blocks, block_size, heads,  kv_heads, scale, threads};
+  switch (dtype) {
+    case 0: return by_head_dim<float>(p, head_dim);
+    case 1: return by_head_dim<bf16>(p, head_dim);
+    case 2: return by_head_dim<_Float16>(p, head_dim);
+    default: return kBadShape;
+  }
+}
+
+// The ABI version this source implements; the loader refuses a library that answers another.
+int pagedkv_native_abi() { return 1; }
+}

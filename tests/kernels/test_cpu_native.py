@@ -1,0 +1,186 @@
+"""The native CPU decode-attention kernel (`kernels.cpu_native`): against the float64 reference on fresh random
+paged batches, its refusals of bad metadata, and how it is built, cached and chosen."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu_native, dispatch
+from tests.kernels.paged_case import float64_oracle, make_batch
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.setenv(cpu_native.CHOICE_ENV, "native")
+    lib = cpu_native.library()
+    assert lib is not None
+    return lib
+
+
+def decode_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = batch.query_start_loc.tolist()
+    rows = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
+    return torch.tensor([starts[i] for i in rows], dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1)])
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_matches_the_float64_reference(native, head_dim, heads, kv_heads, block_size, dtype):
+    lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 300]
+    gen = torch.Generator().manual_seed(hash((head_dim, heads, block_size, str(dtype))) % 10_000)
+    lengths += torch.randint(1, 400, (3,), generator=gen).tolist()
+    batch = make_batch(
+        [(1, n) for n in lengths],  # NaN-poisoned caches: a slot read past a row's length shows as NaN
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=int(gen.initial_seed()),
+    )
+    tokens, seqs = decode_rows(batch)
+    out = torch.full(batch.q.shape, float("nan"))
+    cpu_native.decode_attention(
+        native,
+        batch.q.float(),
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        tokens,
+        seqs,
+        batch.scale,
+        out,
+    )
+    assert not out.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), float64_oracle(batch), atol=tol, rtol=tol)
+
+
+def test_few_rows_split_by_kv_head_and_many_rows_whole_agree(native):
+    """Below 4 rows a thread, work items are (row, KV head) pairs; above, whole rows: both exact."""
+    for rows in (2, 64):
+        batch = make_batch(
+            [(1, 17 + 29 * i) for i in range(rows)],
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=32,
+            block_size=16,
+            dtype=torch.float32,
+            seed=rows,
+        )
+        got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
+        torch.testing.assert_close(got.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def _one_row(length: int = 40):
+    return make_batch([(1, length)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda b: b.block_tables.__setitem__((0, 1), b.key_cache.shape[0]), "outside the cache"),
+        (lambda b: b.block_tables.__setitem__((0, 0), -1), "outside the cache"),
+        (lambda b: b.seq_lens.__setitem__(0, b.block_tables.shape[1] * 16 + 1), "beyond its block table"),
+        (lambda b: b.seq_lens.__setitem__(0, 0), "below 1"),
+    ],
+)
+def test_bad_metadata_is_refused_and_nothing_is_written(native, spoil, message):
+    batch = _one_row()
+    spoil(batch)
+    tokens, seqs = decode_rows(batch)
+    out = torch.zeros(batch.q.shape)
+    with pytest.raises(cpu_native.NativeKernelError, match=message):
+        cpu_native.decode_attention(
+            native,
+            batch.q,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            tokens,
+            seqs,
+            batch.scale,
+            out,
+        )
+    assert not out.any()  # every row is checked before its first write
+
+
+def test_rows_naming_a_token_or_sequence_out_of_range_are_refused(native):
+    batch = _one_row()
+    out = torch.zeros(batch.q.shape)
+    for tokens, seqs in (([1], [0]), ([0], [1]), ([-1], [0])):
+        with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+            cpu_native.decode_attention(
+                native,
+                batch.q,
+                batch.key_cache,
+                batch.value_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                torch.tensor(tokens),
+                torch.tensor(seqs),
+                batch.scale,
+                out,
+            )
+
+
+def test_wrong_dtypes_and_shapes_are_refused_before_the_call(native):
+    batch = _one_row()
+    tokens, seqs = decode_rows(batch)
+    args = [batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, tokens, seqs, batch.scale]
+    with pytest.raises(cpu_native.NativeKernelError, match="q, out"):
+        cpu_native.decode_attention(native, batch.q.double(), *args, torch.zeros(batch.q.shape, dtype=torch.float64))
+    with pytest.raises(cpu_native.NativeKernelError, match="tables"):
+        bad = [*args]
+        bad[2] = batch.block_tables.long()
+        cpu_native.decode_attention(native, batch.q, *bad, torch.zeros(batch.q.shape))
+    with pytest.raises(cpu_native.NativeKernelError, match="caches differ"):
+        bad = [*args]
+        bad[1] = batch.value_cache.half()
+        cpu_native.decode_attention(native, batch.q, *bad, torch.zeros(batch.q.shape))
+
+
+def test_the_library_is_built_once_and_reused(native, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path))
+    first = cpu_native._build()
+    built = first.stat().st_mtime_ns
+    assert cpu_native._build() == first and first.stat().st_mtime_ns == built
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [first.name]  # no temporary file left behind
+
+
+def test_choice_env(monkeypatch):
+    monkeypatch.setenv(cpu_native.CHOICE_ENV, "gather")
+    assert cpu_native.library() is None
+    monkeypatch.setenv(cpu_native.CHOICE_ENV, "fast")
+    with pytest.raises(ValueError, match="PAGEDKV_CPU_ATTENTION='fast'"):
+        cpu_native.choice()
+
+
+def test_without_a_compiler_auto_falls_back_with_a_warning_and_native_fails(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_native._load.cache_clear()
+    cpu_native._warn_once.cache_clear()
+    try:
+        monkeypatch.setenv(cpu_native.CHOICE_ENV, "auto")
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+            assert cpu_native.library() is None
+        assert "falls back to the gather path" in caplog.text and "no-such-compiler" in caplog.text
+        batch = _one_row()  # and the torch backend still answers, by gathering
+        got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
+        torch.testing.assert_close(got.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)
+        monkeypatch.setenv(cpu_native.CHOICE_ENV, "native")
+        with pytest.raises(cpu_native.NativeKernelError, match="no-such-compiler"):
+            cpu_native.library()
+    finally:
+        cpu_native._load.cache_clear()
+        cpu_native._warn_once.cache_clear()
