@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from executor.checkpoint import ModelConfig
-from kernels import dispatch
+from kernels import dispatch, pointwise
 
 #: Checkpoint projection name -> (fused parameter, index of its slice).
 _FUSED = {
@@ -66,11 +65,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, **factory))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual add fused with the norm that follows it (in place on CPU)."""
+        return pointwise.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -93,7 +90,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to the model's length, looked up per token."""
+    """cos/sin tables for every position up to the model's length; each layer looks its tokens up."""
 
     def __init__(self, config: ModelConfig, device: torch.device | None = None) -> None:
         super().__init__()
@@ -103,17 +100,6 @@ class Rotary(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every token of a step, `[T, 1, head_dim]`: looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -132,20 +118,27 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: dispatch.Backend,
         check: bool,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = Rotary.apply(q.view(tokens, self.num_heads, self.head_dim), *rope)
-        k = Rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        dispatch.write_kv(k, v, key_cache, value_cache, batch.slot_mapping, backend=backend, check=check)
+        q = pointwise.rope_write_kv(
+            self.qkv_proj(x),
+            batch.positions,
+            rotary.cos,
+            rotary.sin,
+            batch.slot_mapping,
+            key_cache,
+            value_cache,
+            self.num_heads,
+            backend=backend,
+            check=check,
+        )
         out = dispatch.paged_attention(
-            q.contiguous(),
+            q,
             key_cache,
             value_cache,
             batch.block_tables,
@@ -166,8 +159,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(pointwise.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -178,9 +170,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = MLP(config, **factory)
 
-    def forward(self, h, batch, rope, kv_cache, backend, check) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, rope, kv_cache, backend, check)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, delta, batch, rotary, kv_cache, backend, check) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h and the last sublayer's output not yet added to it (None before the first
+        layer), so each add is fused with the norm after it; returns them for the next layer."""
+        h, x = self.input_layernorm(h, delta)
+        h, x = self.post_attention_layernorm(h, self.self_attn(x, batch, rotary, kv_cache, backend, check))
+        return h, self.mlp(x)
 
 
 class DecoderStack(nn.Module):
@@ -216,11 +211,11 @@ class PagedCausalLM(nn.Module):
         backend: dispatch.Backend = "auto",
     ) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_indices), vocab]`; writes this step's K/V into `kv_caches`."""
-        h = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary.tables(batch.positions, h.dtype)
+        h, delta = self.model.embed_tokens(batch.input_ids), None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            h = layer(h, batch, rope, kv_cache, backend, check=i == 0)  # one step's metadata: check it once
-        h = self.model.norm(h[batch.logits_indices])  # only the rows that sample: the norm is per row
+            h, delta = layer(h, delta, batch, self.rotary, kv_cache, backend, check=i == 0)  # check metadata once
+        rows = batch.logits_indices  # only the rows that sample: the norm is per row
+        _, h = self.model.norm(h[rows], None if delta is None else delta[rows])
         return self.lm_head(h).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,8 +1,10 @@
-"""The CPU decode-attention kernel (`csrc/paged_decode_cpu.cpp`): built on first use, loaded with ctypes.
+"""The CPU kernels (`csrc/cpu_kernels.cpp`): built on first use, loaded with ctypes.
 
 Why native: on the CPU, batched torch has to gather every decode row's blocks into a contiguous copy before SDPA
 can read them, so each step moves the whole KV cache three times (read, write, read again); this kernel reads each
-block once, where it lies. On a 2-core VM with 256 rows of 16-512 tokens it took 5.8 ms a layer against 14 ms.
+block once, where it lies. On a 2-core VM with 256 rows of 16-512 tokens it took 4.1 ms a layer against 14 ms.
+The fused per-token steps (`kernels.pointwise`) replace a dozen small torch ops a layer, each a pass over memory
+and a dispatch, with one pass.
 
 The source is compiled by the system C++ compiler ($CXX, else c++) with `-O3 -march=native -fopenmp` into
 $PAGEDKV_HOME/native/ (~/.cache/pagedkv), named by a hash of the source, the flags, the compiler's version and
@@ -10,8 +12,8 @@ this CPU's feature flags, so a changed source or another machine builds afresh a
 harmlessly (each writes its own temporary file and renames it into place). A build takes about 2 s. The library
 needs `libgomp.so.1`: torch has already loaded its own by that name, so the kernel's threads are torch's.
 
-PAGEDKV_CPU_ATTENTION chooses: `auto` (default: native when it builds, else the gather path, with one warning
-saying why), `native` (a build failure is an error), `gather` (never build).
+PAGEDKV_CPU_KERNELS chooses: `auto` (default: native when it builds, else torch: the gather path for attention,
+eager ops for the rest, with one warning saying why), `native` (a build failure is an error), `torch` (never build).
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from common.home import pagedkv_home
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-ABI = 1
-CHOICE_ENV = "PAGEDKV_CPU_ATTENTION"
-CHOICES = ("auto", "native", "gather")
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+ABI = 2
+CHOICE_ENV = "PAGEDKV_CPU_KERNELS"
+CHOICES = ("auto", "native", "torch")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 MAX_GROUP = 16
@@ -44,9 +46,9 @@ MAX_BLOCK_SIZE = 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {
     1: "unsupported shape",
-    2: "a block table names a block outside the cache",
+    2: "a block table or slot mapping names a block or slot outside the cache",
     3: "a sequence length is below 1 or beyond its block table",
-    4: "a decode row names a token or sequence out of range",
+    4: "a decode row names a token or sequence out of range, or a position is beyond the rotary table",
 }
 
 
@@ -77,7 +79,7 @@ def supports(key_cache: torch.Tensor, num_heads: int) -> bool:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None where the gather path is to be used (by choice or build failure)."""
     mode = choice()
-    if mode == "gather":
+    if mode == "torch":
         return None
     try:
         return _load()
@@ -90,7 +92,7 @@ def library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _warn_once(reason: str) -> None:
-    log.warning("CPU decode attention falls back to the gather path (slower): %s", reason)
+    log.warning("CPU kernels fall back to torch (slower: gathered attention, eager per-token ops): %s", reason)
 
 
 @functools.cache
@@ -103,7 +105,11 @@ def _load() -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32, i32, i32]
     fn.argtypes += [ctypes.c_float, i32]
-    fn.restype = i32
+    lib.pagedkv_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
+    lib.pagedkv_silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
+    lib.pagedkv_rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
+    for name in ("pagedkv_decode_attention", "pagedkv_add_rms_norm", "pagedkv_silu_mul", "pagedkv_rope_write_kv"):
+        getattr(lib, name).restype = i32
     return lib
 
 
@@ -131,7 +137,7 @@ def _build() -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
     out_dir = pagedkv_home() / "native"
-    target = out_dir / f"paged_decode_cpu-{key.hexdigest()[:20]}.so"
+    target = out_dir / f"cpu_kernels-{key.hexdigest()[:20]}.so"
     if target.is_file():
         return target
     try:
@@ -205,8 +211,94 @@ def decode_attention(
         scale,
         torch.get_num_threads(),
     )
+    _raise_on(status, "decode attention")
+
+
+def add_rms_norm(
+    lib: ctypes.CDLL, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += delta (in place, when given); returns RMSNorm(residual) * weight. float32, contiguous [T, H]."""
+    rows, hidden = residual.shape
+    _require(residual.dtype == weight.dtype == torch.float32 and residual.is_contiguous(), "residual")
+    _require(weight.shape == (hidden,) and weight.is_contiguous(), "weight")
+    if delta is not None:
+        _require(delta.shape == residual.shape and delta.dtype == torch.float32 and delta.is_contiguous(), "delta")
+    out = torch.empty_like(residual)
+    status = lib.pagedkv_add_rms_norm(
+        residual.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    _raise_on(status, "add_rms_norm")
+    return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a float32 contiguous [T, 2I] whose halves are gate and up."""
+    rows, width = gate_up.shape
+    _require(gate_up.dtype == torch.float32 and gate_up.is_contiguous() and width % 2 == 0, "gate_up")
+    out = gate_up.new_empty(rows, width // 2)
+    _raise_on(
+        lib.pagedkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()), "silu_mul"
+    )
+    return out
+
+
+def rope_write_kv(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """The rotary embedding of q and k, k and v written into the caches at `slot_mapping` (-1: skipped); returns the
+    rotated q [T, heads, d]. qkv float32 contiguous [T, (heads + 2 kv_heads) d]; cos, sin [positions, d]."""
+    _, _, kv_heads, head_dim = key_cache.shape
+    tokens = qkv.shape[0]
+    _require(qkv.dtype == torch.float32 and qkv.is_contiguous(), "qkv")
+    _require(qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * kv_heads) * head_dim, "qkv shape")
+    _require(key_cache.dtype == value_cache.dtype == torch.float32, "caches not float32")
+    _require(key_cache.is_contiguous() and value_cache.is_contiguous(), "caches not contiguous")
+    _require(value_cache.shape == key_cache.shape, "caches differ")
+    _require(cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous(), "rotary tables")
+    _require(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == head_dim, "rotary table shape")
+    _require(positions.dtype == slot_mapping.dtype == torch.int64, "positions, slot_mapping")
+    _require(positions.shape == slot_mapping.shape == (tokens,), "positions, slot_mapping shape")
+    _require(positions.is_contiguous() and slot_mapping.is_contiguous(), "positions, slot_mapping")
+    q = qkv.new_empty(tokens, num_heads, head_dim)
+    status = lib.pagedkv_rope_write_kv(
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slot_mapping.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        q.data_ptr(),
+        tokens,
+        num_heads,
+        kv_heads,
+        head_dim,
+        cos.shape[0],
+        key_cache.shape[0] * key_cache.shape[1],
+        torch.get_num_threads(),
+    )
+    _raise_on(status, "rope_write_kv")
+    return q
+
+
+def _raise_on(status: int, what: str) -> None:
     if status:
-        raise NativeKernelError(f"decode attention refused its input: {_ERRORS.get(status, f'status {status}')}")
+        raise NativeKernelError(f"{what} refused its input: {_ERRORS.get(status, f'status {status}')}")
 
 
 def _require(ok: bool, what: str) -> None:

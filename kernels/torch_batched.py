@@ -102,10 +102,6 @@ def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_len
         out[tokens] = target[tokens].to(out.dtype)
 
 
-def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return table.to(torch.int64).gather(-1, positions // block_size) * block_size + positions % block_size
-
-
 def _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out) -> None:
     block_size = key_cache.shape[1]
     device, dtype = q.device, torch.promote_types(q.dtype, torch.float32)

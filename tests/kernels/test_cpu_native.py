@@ -158,10 +158,10 @@ def test_the_library_is_built_once_and_reused(native, tmp_path, monkeypatch):
 
 
 def test_choice_env(monkeypatch):
-    monkeypatch.setenv(cpu_native.CHOICE_ENV, "gather")
+    monkeypatch.setenv(cpu_native.CHOICE_ENV, "torch")
     assert cpu_native.library() is None
     monkeypatch.setenv(cpu_native.CHOICE_ENV, "fast")
-    with pytest.raises(ValueError, match="PAGEDKV_CPU_ATTENTION='fast'"):
+    with pytest.raises(ValueError, match="PAGEDKV_CPU_KERNELS='fast'"):
         cpu_native.choice()
 
 
@@ -174,7 +174,7 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_native_fails(tmp_
         monkeypatch.setenv(cpu_native.CHOICE_ENV, "auto")
         with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
             assert cpu_native.library() is None
-        assert "falls back to the gather path" in caplog.text and "no-such-compiler" in caplog.text
+        assert "fall back to torch" in caplog.text and "no-such-compiler" in caplog.text
         batch = _one_row()  # and the torch backend still answers, by gathering
         got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
         torch.testing.assert_close(got.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)

@@ -21,11 +21,11 @@ CASES = [
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("decode_path", ["native", "gather"])
+@pytest.mark.parametrize("decode_path", ["native", "torch"])
 def test_batched_torch_matches_the_float64_reference(
     seqs, heads, kv_heads, dtype, block_size, decode_path, monkeypatch
 ):
-    monkeypatch.setenv("PAGEDKV_CPU_ATTENTION", decode_path)  # decode rows: the native kernel, or gather + SDPA
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", decode_path)  # decode rows: the native kernel, or gather + SDPA
     batch = make_batch(
         seqs,
         num_heads=heads,

@@ -1,5 +1,8 @@
-// Paged decode attention on the CPU, reading K/V blocks where they lie (no gather copy).
+// pagedkv's CPU kernels: paged decode attention reading K/V blocks where they lie (no gather copy), and the
+// fused per-token steps around it (residual add + RMSNorm, rotary embedding + KV-cache write, SiLU x up), each one
+// pass over its rows where eager torch makes several. float32 activations; OpenMP over rows.
 //
+// Decode attention:
 // One query token per row: out[token] = softmax(q . K^T * scale) V over the row's first `len` cached positions,
 // whose blocks the row's block table names. Work items are (row, KV head) pairs, run in parallel by OpenMP
 // (linked against the libgomp torch has loaded, so both share one thread pool). Each item walks its blocks once
@@ -38,6 +41,21 @@ inline float exp_nonpositive(float x) {
   p = p * r * r + r + 1.f;
   const float scale = __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
   return x < -87.f ? 0.f : p * scale;
+}
+
+// e^x for any x, vectorizable (the same polynomial; the input clamped to [-87, 88], where float is normal).
+inline float exp_any(float x) {
+  const float clamped = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = __builtin_rintf(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
 }
 
 template <typename T> inline float load(const T* p, int i);
@@ -203,6 +221,79 @@ int pagedkv_decode_attention(const float* q, const void* key_cache, const void* 
   }
 }
 
+// residual += delta (when delta is given), then out = residual * rsqrt(mean(residual^2) + eps) * weight, per row.
+int pagedkv_add_rms_norm(float* residual, const float* delta, const float* weight, float* out, int64_t rows,
+                         int64_t hidden, float eps, int threads) {
+  if (rows < 0 || hidden < 1 || threads < 1) return kBadShape;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * hidden > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = residual + r * hidden;
+    if (delta != nullptr) {
+      const float* dx = delta + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) x[i] += dx[i];
+    }
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; ++i) squares += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(squares / float(hidden) + eps);
+    float* y = out + r * hidden;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) y[i] = weight[i] * (x[i] * inv);
+  }
+  return kOk;
+}
+
+// out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gated MLP's activation, gate and up fused.
+int pagedkv_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, int threads) {
+  if (rows < 0 || inter < 1 || threads < 1) return kBadShape;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    const float* u = g + inter;
+    float* y = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) y[i] = g[i] / (1.f + exp_any(-g[i])) * u[i];
+  }
+  return kOk;
+}
+
+// The rotary embedding (rotate-half form) of each token's q and k heads, then k and v into the paged cache at the
+// token's slot (-1: a padding token, not written) and the rotated q into q_out [tokens, heads, D].
+// qkv [tokens, (heads + 2 kv_heads) D]; cos, sin [max_position, D]; caches float32 [slots, kv_heads, D].
+int pagedkv_rope_write_kv(const float* qkv, const int64_t* positions, const float* cos, const float* sin,
+                          const int64_t* slots, float* key_cache, float* value_cache, float* q_out, int64_t tokens,
+                          int heads, int kv_heads, int head_dim, int64_t max_position, int64_t num_slots,
+                          int threads) {
+  if (tokens < 0 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || threads < 1) return kBadShape;
+  for (int64_t t = 0; t < tokens; ++t) {  // all checked before anything is written
+    if (positions[t] < 0 || positions[t] >= max_position) return kBadToken;
+    if (slots[t] < -1 || slots[t] >= num_slots) return kBadBlock;
+  }
+  const int half = head_dim / 2;
+  const int64_t width = int64_t(heads + 2 * kv_heads) * head_dim, kv_width = int64_t(kv_heads) * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * width > 16384)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = qkv + t * width;
+    const float* c = cos + positions[t] * head_dim;
+    const float* s = sin + positions[t] * head_dim;
+    auto rotate = [&](const float* x, float* y) {
+#pragma omp simd
+      for (int i = 0; i < half; ++i) {
+        y[i] = x[i] * c[i] - x[i + half] * s[i];
+        y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+      }
+    };
+    for (int h = 0; h < heads; ++h) rotate(row + h * head_dim, q_out + (t * heads + h) * head_dim);
+    if (slots[t] < 0) continue;
+    float* k_out = key_cache + slots[t] * kv_width;
+    for (int h = 0; h < kv_heads; ++h) rotate(row + int64_t(heads + h) * head_dim, k_out + h * head_dim);
+    std::memcpy(value_cache + slots[t] * kv_width, row + int64_t(heads + kv_heads) * head_dim,
+                sizeof(float) * kv_width);
+  }
+  return kOk;
+}
+
 // The ABI version this source implements; the loader refuses a library that answers another.
-int pagedkv_native_abi() { return 1; }
+int pagedkv_native_abi() { return 2; }
 }
