@@ -229,6 +229,7 @@ class Scheduler:
         for seq in self.running:
             budget -= min(len(seq.tokens) - seq.num_computed, budget)
         free_slots = self.max_num_seqs - len(self.running)
+        pending = self._uncommitted_prefixes() if self.waiting else {}
         for seq in self.waiting:
             if free_slots <= 0 or budget <= 0:
                 break
@@ -238,11 +239,45 @@ class Scheduler:
             request = seq.request
             # A prompt still to be scored for prompt logprobs is computed whole: a cached prefix has no logits.
             reuse = not request.prompt_logprobs_pending
+            key = self._prefix_key(seq)
+            if reuse and key is not None:
+                owner = pending.get(key)
+                if owner is not None and self._shared_tokens(seq, owner) > owner.committed_tokens:
+                    continue  # its prefix is being computed for another: admitted once that is committed, a hit
+                pending.setdefault(key, seq)
             plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), request.cache_salt, reuse))
             free -= worst
             free_slots -= 1
             budget -= 1
         return plan
+
+    # Requests that share a prefix often arrive together (one system prompt, n-shot examples), but blockd indexes
+    # a block only once it is computed and committed. Admitted in the same step, each would compute (and hold)
+    # its own copy of the prefix; so a waiting request whose first full block is in a prompt admitted but not yet
+    # committed waits for that commit (a step or two) and is then admitted with the prefix as a cache hit.
+
+    def _prefix_key(self, seq: Sequence) -> tuple[str | None, tuple[int, ...]] | None:
+        if len(seq.tokens) <= self.block_size:
+            return None  # no full block before the token that is always computed
+        return seq.request.cache_salt, tuple(seq.tokens[: self.block_size])
+
+    def _uncommitted_prefixes(self) -> dict[tuple[str | None, tuple[int, ...]], Sequence]:
+        """First-block key -> a running sequence whose prompt is not yet all committed to the prefix index."""
+        pending: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
+        for seq in self.running:
+            if seq.committed_tokens < seq.prompt_len - seq.prompt_len % self.block_size and seq.fork_parent is None:
+                key = self._prefix_key(seq)
+                if key is not None:
+                    pending.setdefault(key, seq)
+        return pending
+
+    def _shared_tokens(self, seq: Sequence, owner: Sequence) -> int:
+        """Tokens in the full blocks `seq` shares with `owner`'s prompt (at most `seq`'s prompt, less one token)."""
+        bs, limit = self.block_size, min(len(seq.tokens) - 1, owner.prompt_len)
+        shared = 0
+        while shared + bs <= limit and seq.tokens[shared : shared + bs] == owner.tokens[shared : shared + bs]:
+            shared += bs
+        return shared
 
     def _releases(self, seq: Sequence) -> int:
         """Blocks that freeing `seq` would return to the pool."""

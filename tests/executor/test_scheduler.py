@@ -75,10 +75,23 @@ class Harness:
     def in_blockd(self, seq: Sequence) -> bool:
         return seq.seq_id in self.blockd_pool.seqs
 
-    def submit(self, name: str, prompt_len: int, *, max_tokens: int = 4, n: int = 1) -> Sequence:
+    def submit(
+        self,
+        name: str,
+        prompt_len: int,
+        *,
+        max_tokens: int = 4,
+        n: int = 1,
+        prompt: list[int] | None = None,
+        cache_salt: str | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> Sequence:
         salt = len(self.requests)  # distinct prompts: no prefix hits unless a test wants them
-        prompt = [(7 * i + salt) % 50 + 1 for i in range(prompt_len)]
-        request = Request(name, SamplingParams(max_tokens=max_tokens, n=n), prompt, None, 0.0)
+        prompt = prompt if prompt is not None else [(7 * i + salt) % 50 + 1 for i in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs)
+        request = Request(name, params, prompt, cache_salt, 0.0)
+        if prompt_logprobs is not None:
+            request.prompt_logprobs = []  # as the engine starts it: scored during the prefill
         seq = Sequence(f"{name}#0", request, 0, list(prompt), None)
         request.sequences.append(seq)
         self.requests.append(request)
@@ -365,6 +378,44 @@ def test_a_choice_aborted_before_its_fork_never_reaches_blockd() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- mixed
+
+
+def test_requests_sharing_a_prefix_wait_for_its_first_computation_then_hit_the_cache() -> None:
+    harness = Harness(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    shared = [5, 9, 2, 7, 1, 1, 3, 8, 6, 4, 2, 9]  # three full blocks
+    first = harness.submit("first", 0, prompt=[*shared, 11, 12])
+    second = harness.submit("second", 0, prompt=[*shared, 21])
+    other_salt = harness.submit("salted", 0, prompt=[*shared, 31], cache_salt="tenant-b")
+    scored = harness.submit("scored", 0, prompt=[*shared, 41], prompt_logprobs=1)
+    unrelated = harness.submit("unrelated", 6)
+    step1 = harness.step()
+    # The second waits for the prefix the first computes; another salt cannot share it, a prompt scored for
+    # logprobs computes its prompt whole anyway, and an unrelated prompt is not held back.
+    assert step1.admitted() == ["first#0", "salted#0", "scored#0", "unrelated#0"]
+    assert second.status is Status.WAITING
+    step2 = harness.step()  # the first's prompt is committed in this step's round trip, before the admit
+    assert step2.admitted() == ["second#0"]
+    assert second.request.num_cached_tokens == 12
+    assert harness.pool.seqs["second#0"].blocks[:3] == harness.pool.seqs["first#0"].blocks[:3]
+    assert first.request.num_cached_tokens == 0 and other_salt.request.num_cached_tokens == 0
+    harness.run()
+
+
+def test_a_sharer_is_not_held_once_the_prefix_is_committed_or_its_owner_is_gone() -> None:
+    harness = Harness(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    shared = [5, 9, 2, 7, 1, 1, 3, 8]
+    owner = harness.submit("owner", 0, prompt=[*shared, 1], max_tokens=8)
+    harness.step()
+    harness.step()  # computed and committed: a later request with the prefix is admitted at once, a hit
+    late = harness.submit("late", 0, prompt=[*shared, 2])
+    assert harness.step().admitted() == ["late#0"] and late.request.num_cached_tokens == 8
+    first = harness.submit("first", 0, prompt=[3, 3, 3, 3, 4, 4, 4, 4, 5])
+    sharer = harness.submit("sharer", 0, prompt=[3, 3, 3, 3, 4, 4, 4, 4, 6])
+    assert harness.step().admitted() == ["first#0"]
+    harness.abort(first.request)  # gone before its prefix was committed: the sharer is not held for it
+    assert "sharer#0" in harness.step().admitted() and sharer.status is Status.RUNNING
+    assert owner.status is not Status.WAITING
+    harness.run()
 
 
 def test_random_workloads_finish_with_every_block_back() -> None:
