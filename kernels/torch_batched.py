@@ -81,8 +81,11 @@ def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
 
 def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, rows, scale, out) -> None:
     """The decode rows by the native kernel, which reads blocks in place (`kernels.cpu_native`)."""
-    tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
     seqs = torch.tensor(rows, dtype=torch.int64)
+    # Rows in order of their first block: rows sharing a cached prefix run back to back (work items are taken in
+    # order), so its blocks are read from memory once and from cache by the rest.
+    seqs = seqs[torch.argsort(block_tables[seqs, 0], stable=True)]
+    tokens = torch.tensor(starts, dtype=torch.int64)[seqs]
     direct = out.dtype == torch.float32 and out.is_contiguous()
     q32 = q.to(torch.float32).contiguous()
     target = out if direct else torch.empty_like(q32)
