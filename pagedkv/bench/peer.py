@@ -27,9 +27,10 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -140,6 +141,7 @@ class RunRecord:
     cpu_s: float
     load_before: list[float]  # /proc/loadavg's 1, 5 and 15 minute figures just before the run
     others_cpu_share: float | None  # of the machine's CPU, what other processes used during the run
+    neighbour: bool = False  # run with the bench's busy-loop neighbour (--noisy-neighbour)
 
     @property
     def tok_s(self) -> float:
@@ -178,27 +180,56 @@ def schedule(systems: Sequence[str], runs: int) -> list[tuple[int, str]]:
     return [(round_, name) for round_ in range(1, runs + 1) for name in systems]
 
 
+BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+#: The neighbour's own bound: it stops by itself even if the bench is killed without cleaning up.
+NEIGHBOUR_LIMIT_S = 1800.0
+
+
+@contextlib.contextmanager
+def busy_neighbour(limit_s: float = NEIGHBOUR_LIMIT_S) -> Iterator[subprocess.Popen[bytes]]:
+    """Another process saturating one core (a bounded busy loop) for the duration of the block."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_LOOP, str(limit_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def run_rounds(
     workload: str,
     requests: Sequence[BenchRequest],
     systems: Sequence[System],
     runs: int,
     report: Callable[[RunRecord], None] = lambda record: None,
+    *,
+    warm_up: bool = True,
+    neighbour: bool = False,
 ) -> tuple[list[RunRecord], dict[str, list[dict[str, list[int]]]]]:
-    """Every system's warm-up, then the alternated timed runs; the records and each system's outputs per run."""
+    """Every system's warm-up, then the alternated timed runs; the records and each system's outputs per run.
+    With `neighbour`, each timed run has a busy-loop process beside it (started just before, stopped after)."""
     by_name = {s.name: s for s in systems}
-    warm = warmup_requests(requests)
-    for system in systems:
-        system.run(warm, f"{workload}-warmup")
+    if warm_up:
+        warm = warmup_requests(requests)
+        for system in systems:
+            system.run(warm, f"{workload}-warmup")
     records: list[RunRecord] = []
     outputs: dict[str, list[dict[str, list[int]]]] = {s.name: [] for s in systems}
     cpus = os.cpu_count() or 1
+    tag = "-noisy" if neighbour else ""
     for round_, name in schedule([s.name for s in systems], runs):
         load = read_loadavg()
-        busy = machine_busy_s()
-        started = time.perf_counter()
-        result = by_name[name].run(requests, f"{workload}-run{round_}")
-        wall = time.perf_counter() - started
+        with busy_neighbour() if neighbour else contextlib.nullcontext():
+            busy = machine_busy_s()
+            started = time.perf_counter()
+            result = by_name[name].run(requests, f"{workload}{tag}-run{round_}")
+            wall = time.perf_counter() - started
+            busy_after = machine_busy_s()
         short = [r for r in requests if len(result.outputs.get(r.request_id, ())) != r.output_len]
         if short:  # the runs must do the same work, or tok/s compares nothing
             r = short[0]
@@ -206,11 +237,12 @@ def run_rounds(
                 f"{name} generated {len(result.outputs.get(r.request_id, ()))} tokens for {r.request_id} of "
                 f"{workload}, not its {r.output_len} ({len(short)} requests off)"
             )
-        busy_after = machine_busy_s()
         others = None
         if busy is not None and busy_after is not None and wall > 0:
             others = max(0.0, (busy_after - busy) - result.cpu_s) / (wall * cpus)
-        record = RunRecord(workload, round_, name, result.seconds, result.output_tokens, result.cpu_s, load, others)
+        record = RunRecord(
+            workload, round_, name, result.seconds, result.output_tokens, result.cpu_s, load, others, neighbour
+        )
         records.append(record)
         outputs[name].append(result.outputs)
         report(record)
@@ -483,9 +515,10 @@ def plot_runs(path: Path, records: Sequence[RunRecord], labels: dict[str, str]) 
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.6), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
         mine = [r for r in records if r.workload == workload]
-        for system in dict.fromkeys(r.system for r in mine):
-            points = [(r.round, r.tok_s) for r in mine if r.system == system]
-            ax.plot(*zip(*points), marker="o", label=labels.get(system, system))
+        for system, neighbour in dict.fromkeys((r.system, r.neighbour) for r in mine):
+            points = [(r.round, r.tok_s) for r in mine if r.system == system and r.neighbour == neighbour]
+            label = labels.get(system, system) + (", busy neighbour" if neighbour else "")
+            ax.plot(*zip(*points), marker="o", linestyle="--" if neighbour else "-", label=label)
         ax.set_title(f"workload: {workload}")
         ax.set_xlabel("run")
         ax.set_ylabel("output tok/s")
@@ -512,6 +545,19 @@ class WorkloadReport:
     ratio: float | None = None
     best_vllm: str | None = None
     equality: dict[str, Any] = field(default_factory=dict)
+    noisy_records: list[RunRecord] = field(default_factory=list)
+    noisy_medians: dict[str, float] = field(default_factory=dict)
+
+    def falls(self) -> dict[str, float]:
+        """Each system's fall in median tok/s with the busy neighbour: 1 - noisy / quiet."""
+        return {k: 1 - self.noisy_medians[k] / v for k, v in self.medians.items() if v and k in self.noisy_medians}
+
+    def noisy_ok(self) -> bool | None:
+        """pagedkv falls by no more than the vLLM setting the ratio is taken against (None: not measured)."""
+        falls = self.falls()
+        if "pagedkv" not in falls or self.best_vllm not in falls:
+            return None
+        return falls["pagedkv"] <= falls[self.best_vllm]
 
 
 def _special_ids(model_dir: Path, config: Any) -> set[int]:
@@ -539,6 +585,11 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     divergence checked for a near tie against transformers' logits. Progress on stderr; the last line of stdout
     is one JSON object (ratio_default, ratio_long, ratio_prefix: null where not run).
 
+    --noisy-neighbour: after each workload's rounds, the same rounds again with another process saturating a
+    core beside each run (a bounded busy loop the bench starts just before and stops after it); reported: each
+    system's median with the neighbour and its fall from the quiet median, and whether pagedkv falls by no more
+    than the vLLM setting the ratio is taken against (JSON: noisy_ok_default, ...).
+
     --quick: tiny workloads and one round, for tests; the figures mean nothing.""",
 )
 @click.option(
@@ -552,6 +603,11 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
 )
 @click.option("--runs", type=click.IntRange(min=1), default=DEFAULT_RUNS, show_default=True, help="Rounds.")
 @click.option("--quick", is_flag=True, help="Tiny workloads and one round, for tests.")
+@click.option(
+    "--noisy-neighbour",
+    is_flag=True,
+    help="Also run every round with a core-saturating busy loop beside it, and report each system's fall.",
+)
 @click.option(
     "--plot",
     "plot_path",
@@ -612,6 +668,7 @@ def bench_peer(
     workloads: tuple[str, ...],
     runs: int,
     quick: bool,
+    noisy_neighbour: bool,
     plot_path: Path | None,
     vllm_python: Path | None,
     vllm_driver: Path,
@@ -743,8 +800,9 @@ def bench_peer(
             click.echo(f"[{name}] {spec.describe()}; {total:,} output tokens; warm-up, then {runs} rounds", err=True)
 
             def progress(record: RunRecord, name: str = name) -> None:
+                where = f"{name}, busy neighbour" if record.neighbour else name
                 click.echo(
-                    f"  [{name}] run {record.round} {labels[record.system]:>22}: {record.output_tokens:,} tokens in "
+                    f"  [{where}] run {record.round} {labels[record.system]:>22}: {record.output_tokens:,} tokens in "
                     f"{record.seconds:.2f} s = {record.tok_s:,.1f} tok/s (load before "
                     f"{' '.join(f'{x:.2f}' for x in record.load_before)})",
                     err=True,
@@ -754,11 +812,19 @@ def bench_peer(
             report = WorkloadReport(spec, records, medians(records))
             report.ratio, report.best_vllm = ratio_against_best(report.medians)
             report.equality = _equality(requests, outputs, model_dir, tie_tolerance, labels)
+            if noisy_neighbour:
+                click.echo(f"[{name}] again, each run with a busy-loop neighbour on one core", err=True)
+                report.noisy_records, _ = run_rounds(
+                    name, requests, systems, runs, progress, warm_up=False, neighbour=True
+                )
+                report.noisy_medians = medians(report.noisy_records)
             reports[name] = report
 
     plot_note = None
     if plot_path is not None:
-        plot_note = plot_runs(plot_path, [r for rep in reports.values() for r in rep.records], labels)
+        plot_note = plot_runs(
+            plot_path, [r for rep in reports.values() for r in (*rep.records, *rep.noisy_records)], labels
+        )
         click.echo(f"plot: {plot_path}" if plot_note is None else f"no plot: {plot_note}", err=True)
 
     for name, report in reports.items():
@@ -790,6 +856,21 @@ def bench_peer(
         f"medians of {runs} run(s) each, alternated; {os.cpu_count()} cores"
         + (" [--quick: figures mean nothing]" if quick else "")
     )
+    if noisy_neighbour:
+        echo("")
+        echo("with a busy-loop neighbour on one core (median tok/s, and the fall from the quiet median):")
+        columns = ["workload", *(labels[n] for n in ("pagedkv", *(n for n, _ in settings))), "pagedkv falls least"]
+        rows = []
+        for name, rep in reports.items():
+            falls = rep.falls()
+            cells = [
+                f"{rep.noisy_medians.get(n, 0):,.1f} ({-100 * falls.get(n, 0):+.0f} %)"
+                for n in ("pagedkv", *(n for n, _ in settings))
+            ]
+            ok = rep.noisy_ok()
+            rows.append([name, *cells, "-" if ok is None else "yes" if ok else "no"])
+        for line in _summary_table(columns, rows):
+            echo(line)
 
     def ratio_of(name: str) -> float | None:
         rep = reports.get(name)
@@ -801,6 +882,7 @@ def bench_peer(
                 "ratio_default": ratio_of("default"),
                 "ratio_long": ratio_of("long"),
                 "ratio_prefix": ratio_of("prefix"),
+                **({f"noisy_ok_{name}": rep.noisy_ok() for name, rep in reports.items()} if noisy_neighbour else {}),
                 "workloads": {
                     name: {
                         "spec": asdict(rep.spec),
@@ -808,6 +890,15 @@ def bench_peer(
                         "best_vllm": rep.best_vllm,
                         "runs": [r.as_json() for r in rep.records],
                         "equality": {k: v for k, v in rep.equality.items() if k != "lines"},
+                        **(
+                            {
+                                "noisy_medians_tok_s": {k: round(v, 2) for k, v in rep.noisy_medians.items()},
+                                "noisy_falls": {k: round(v, 4) for k, v in rep.falls().items()},
+                                "noisy_runs": [r.as_json() for r in rep.noisy_records],
+                            }
+                            if noisy_neighbour
+                            else {}
+                        ),
                     }
                     for name, rep in reports.items()
                 },

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,49 @@ def test_quick_run_against_a_fake_peer(tiny_models: dict[str, Path], tmp_path: P
         assert figures["plot"] is None and "no plot: matplotlib is not installed" in result.stderr
     else:
         assert figures["plot"] == str(plot) and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_noisy_neighbour_rounds_report_each_systems_fall(tiny_models: dict[str, Path]) -> None:
+    result = _invoke(
+        "--quick",
+        "--workload",
+        "default",
+        "--noisy-neighbour",
+        "--vllm-threads",
+        "bind",
+        "--model",
+        str(tiny_models["llama"]),
+        "--kv-cache-memory",
+        "4MiB",
+        "--vllm-python",
+        sys.executable,
+        "--vllm-driver",
+        str(FAKE_DRIVER),
+    )
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    work = figures["workloads"]["default"]
+    assert [(r["system"], r["neighbour"]) for r in work["noisy_runs"]] == [("pagedkv", True), ("vllm-bind", True)]
+    assert [r["neighbour"] for r in work["runs"]] == [False, False]
+    for system, fall in work["noisy_falls"].items():
+        quiet, noisy = work["medians_tok_s"][system], work["noisy_medians_tok_s"][system]
+        assert fall == pytest.approx(1 - noisy / quiet, abs=1e-3)
+    assert figures["noisy_ok_default"] == (work["noisy_falls"]["pagedkv"] <= work["noisy_falls"]["vllm-bind"])
+    # The neighbour really ran: during the noisy runs other processes took a share of the machine.
+    assert all(r["others_cpu_share"] is not None for r in work["noisy_runs"])
+    assert "busy-loop neighbour" in result.stdout and "[default, busy neighbour] run 1" in result.stderr
+
+
+def test_the_busy_neighbour_burns_a_core_and_is_gone_after() -> None:
+    from pagedkv.bench.peer import busy_neighbour
+    from pagedkv.bench.peer_driver import process_cpu_seconds
+
+    with busy_neighbour(limit_s=30) as proc:
+        deadline = time.monotonic() + 10
+        while process_cpu_seconds(proc.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_cpu_seconds(proc.pid) >= 0.3
+    assert proc.poll() is not None
 
 
 def test_a_near_tie_within_the_tolerance(tiny_models: dict[str, Path]) -> None:
