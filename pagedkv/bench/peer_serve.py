@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -605,6 +606,19 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _work_dir(progress: Callable[[str], None]) -> Iterator[Path]:
+    """A temporary folder for the servers' and the client's logs and results: removed after a run that succeeded,
+    kept (and named) after one that did not."""
+    path = Path(tempfile.mkdtemp(prefix="pagedkv-bench-peer-serve-"))
+    try:
+        yield path
+    except BaseException:
+        progress(f"the logs are kept in {path}")
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def run_serve_bench(
     *,
     loads: Sequence[str],
@@ -693,7 +707,7 @@ def run_serve_bench(
     startup_s: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedkv-bench-peer-serve-")))
+        tmp = stack.enter_context(_work_dir(progress))
         client_env = driver_env(None)
         for system in SYSTEMS:
             port = free_port()

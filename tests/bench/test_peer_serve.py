@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -365,6 +366,9 @@ def test_a_failing_vllm_server_is_reported_with_its_log(tiny_models: dict[str, P
     assert "vLLM exited with code 3" in result.output
     assert "RuntimeError: fake vLLM asked to fail in serve" in result.output  # the log's tail
     assert "starting pagedkv" not in result.stderr  # nothing after vLLM's failure
+    kept = Path(result.stderr.split("the logs are kept in ", 1)[1].split()[0])
+    assert "asked to fail" in (kept / "vllm-serve.log").read_text()  # kept after a failure
+    shutil.rmtree(kept)
 
 
 def test_a_failing_client_stops_the_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -379,6 +383,7 @@ def test_a_failing_client_stops_the_server(tiny_models: dict[str, Path], tmp_pat
     [serve] = [c for c in _records(record) if c["argv"][0] == "serve"]
     assert "--enforce-eager" in serve["argv"]
     assert not _alive(serve["child"])
+    shutil.rmtree(serve["cwd"])  # the kept logs
 
 
 @pytest.mark.skipif(
