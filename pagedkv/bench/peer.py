@@ -590,7 +590,15 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     system's median with the neighbour and its fall from the quiet median, and whether pagedkv falls by no more
     than the vLLM setting the ratio is taken against (JSON: noisy_ok_default, ...).
 
-    --quick: tiny workloads and one round, for tests; the figures mean nothing.""",
+    --quick: tiny workloads and one round, for tests; the figures mean nothing.
+
+    --serve: serving instead, side by side: `vllm serve` and `pagedkv serve` (one executor) in turn, never both at
+    once, with the same model, KV memory, max_num_seqs and max_num_batched_tokens (vLLM bound to --bind-cpus
+    unless --vllm-threads default), each driven by vLLM's own client, `vllm bench serve --backend openai-chat`:
+    random prompts of 256 tokens, 64 output tokens (ignore_eos), --serve-prompts per load, seeded; loads
+    concurrent16 (16 in flight) and rate4 (Poisson, 4 req/s). Reported per load: both systems' output tok/s,
+    TTFT and TPOT, and pagedkv ÷ vLLM of each (aim: tok/s >= 1, TTFT and TPOT p50 <= 1); the last line of stdout
+    is one JSON object (serve_ratios). With --quick: 16 prompts of 32 tokens, 8 output tokens.""",
 )
 @click.option(
     "--workload",
@@ -662,6 +670,33 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
 )
 @threads_option("pagedkv's torch intra-op threads (default: torch's own choice, one per core).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workloads.")
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Serving instead: `vllm serve` and `pagedkv serve` in turn, driven by `vllm bench serve` (see below).",
+)
+@click.option(
+    "--serve-prompts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--serve: prompts per load (default 200; --quick: 16).",
+)
+@click.option(
+    "--serve-load",
+    "serve_loads",
+    type=click.Choice(["concurrent16", "rate4", "all"]),
+    multiple=True,
+    default=("all",),
+    show_default=True,
+    help="--serve: which loads to run (repeatable).",
+)
+@click.option(
+    "--vllm-cli",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=Path(__file__).with_name("vllm_cli.py"),
+    show_default="vllm_cli.py beside this module",
+    help="--serve: the script --vllm-python runs as vLLM's command line (tests give a fake).",
+)
 @click.pass_context
 def bench_peer(
     ctx: click.Context,
@@ -683,7 +718,32 @@ def bench_peer(
     tie_tolerance: float,
     threads: int | None,
     seed: int,
+    serve: bool,
+    serve_prompts: int | None,
+    serve_loads: tuple[str, ...],
+    vllm_cli: Path,
 ) -> None:
+    if serve:
+        from pagedkv.bench.peer_serve import run_serve_bench
+
+        run_serve_bench(
+            loads=serve_loads,
+            prompts=serve_prompts,
+            quick=quick,
+            vllm_python=vllm_python,
+            vllm_cli=vllm_cli,
+            vllm_threads=str(unless_given(ctx, vllm_threads, "vllm_threads", "bind")),
+            bind_cpus=bind_cpus,
+            vllm_eager=vllm_eager,
+            model_dir=model_dir,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            threads=threads,
+            seed=seed,
+        )
+        return
     import torch
 
     from executor.runner import kv_bytes_per_block

@@ -387,7 +387,7 @@ def test_requests_sharing_a_prefix_wait_for_its_first_computation_then_hit_the_c
     second = harness.submit("second", 0, prompt=[*shared, 21])
     other_salt = harness.submit("salted", 0, prompt=[*shared, 31], cache_salt="tenant-b")
     scored = harness.submit("scored", 0, prompt=[*shared, 41], prompt_logprobs=1)
-    unrelated = harness.submit("unrelated", 6)
+    harness.submit("unrelated", 6)
     step1 = harness.step()
     # The second waits for the prefix the first computes; another salt cannot share it, a prompt scored for
     # logprobs computes its prompt whole anyway, and an unrelated prompt is not held back.
@@ -398,6 +398,7 @@ def test_requests_sharing_a_prefix_wait_for_its_first_computation_then_hit_the_c
     assert second.request.num_cached_tokens == 12
     assert harness.pool.seqs["second#0"].blocks[:3] == harness.pool.seqs["first#0"].blocks[:3]
     assert first.request.num_cached_tokens == 0 and other_salt.request.num_cached_tokens == 0
+    assert scored.request.num_cached_tokens == 0  # computed whole, for its logprobs
     harness.run()
 
 
