@@ -118,8 +118,8 @@ class Router:
         if not candidates:
             return None
         ordered = self._in_turn(candidates)
-        if self.policy == "round-robin":
-            return Route(ordered[0], 0)
+        if self.policy == "round-robin" or len(ordered) == 1:
+            return Route(ordered[0], 0)  # nothing to choose between: no blockd lookup on the request's path
         cached: dict[str, int] = {}
         if self.policy == "prefix" and self.lookup is not None:
             cached = await self.lookup.cached_tokens(prompt, cache_salt)

@@ -104,6 +104,14 @@ def test_prefix_holder_wins_within_load_slack() -> None:
     assert lookup.calls[0] == [5] * 70, "the prompt's tokens are what blockd is asked about"
 
 
+def test_a_lone_executor_is_chosen_without_asking_blockd() -> None:
+    lookup = FakeLookup({"pool-a": 64})
+    router = Router([make_link("a"), make_link("b", healthy=False)], "prefix", lookup, load_slack=SLACK)
+    route = choose(router, [5] * 70)
+    assert name_of(route) == "a" and route is not None and route.expected_cached_tokens == 0
+    assert lookup.calls == [], "one candidate: the lookup would only add a blockd round trip to the request"
+
+
 def test_prefix_holder_beyond_the_slack_loses_to_the_least_loaded() -> None:
     a, b, c = make_link("a", running=SLACK + 1), make_link("b"), make_link("c", running=2)
     router = Router([a, b, c], "prefix", FakeLookup({"pool-a": 64}), load_slack=SLACK)
