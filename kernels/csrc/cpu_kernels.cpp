@@ -224,110 +224,6 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last) {
 }
 
 // Work items are whole rows when there are enough of them to keep every thread busy, else (row, KV head) pairs.
-#if defined(__AVX512F__)
-// e^x of 16 lanes, x <= 0: exp_nonpositive's polynomial, lane by lane.
-inline __m512 exp16_nonpositive(__m512 x) {
-  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  return _mm512_maskz_mov_ps(__mmask16(~tiny), _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
-}
-
-inline __mmask16 first_lanes(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
-
-// attend_row for float caches with D a multiple of 16, in AVX-512: the same walk and the same arithmetic, with
-// the softmax of each block done 16 slots to a vector, each head's accumulator kept in registers over the block's
-// V rows, and the next block's lines prefetched a few per (slot, head) rather than all at once (a burst of
-// hundreds stalls on the line-fill buffers).
-template <int D>
-int attend_row_avx512(const Problem& p, int64_t row, int kv_first, int kv_last) {
-  constexpr int C = D / 16;
-  const int64_t token = p.tokens[row], seq = p.seqs[row];
-  if (token < 0 || token >= p.num_tokens || seq < 0 || seq >= p.num_seqs) return kBadToken;
-  const int len = p.lens[seq];
-  const int bs = p.block_size, group = p.heads / p.kv_heads;
-  if (len < 1 || len > p.width * bs) return kBadLength;
-  const int32_t* table = p.tables + seq * p.width;
-  const int nblocks = (len + bs - 1) / bs;
-  for (int b = 0; b < nblocks; ++b)
-    if (table[b] < 0 || table[b] >= p.num_blocks) return kBadBlock;
-  const float* kc = static_cast<const float*>(p.key_cache);
-  const float* vc = static_cast<const float*>(p.value_cache);
-  const int heads = (kv_last - kv_first) * group;
-  const float* q = p.q + (token * p.heads + int64_t(kv_first) * group) * D;
-
-  alignas(64) float qs[kMaxHeads][D], acc[kMaxHeads][D], running_max[kMaxHeads], running_sum[kMaxHeads];
-  alignas(64) float s[kMaxHeads][kMaxBlock + 16];
-  for (int h = 0; h < heads; ++h) {
-    for (int d = 0; d < D; ++d) {
-      qs[h][d] = q[h * D + d] * p.scale;
-      acc[h][d] = 0.f;
-    }
-    running_max[h] = -std::numeric_limits<float>::infinity();
-    running_sum[h] = 0.f;
-  }
-  const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
-  const int lines = (kv_last - kv_first) * D / 16;  // cache lines of one slot this item reads
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int b = 0; b < nblocks; ++b) {
-    const int n = std::min(bs, len - b * bs);
-    const int64_t base = table[b] * block_stride + int64_t(kv_first) * D;
-    const int64_t next = b + 1 < nblocks ? table[b + 1] * block_stride + int64_t(kv_first) * D : -1;
-    for (int h = 0; h < heads; ++h) {
-      const int kv = h / group;
-      block_scores<D>(qs[h], kc + base + kv * D, slot_stride, n, s[h]);
-      __m512 block_max = _mm512_set1_ps(running_max[h]);
-      for (int t0 = 0; t0 < n; t0 += 16)
-        block_max = _mm512_max_ps(block_max, _mm512_mask_loadu_ps(minus_inf, first_lanes(n - t0), s[h] + t0));
-      const float m = _mm512_reduce_max_ps(block_max);
-      const float rescale = exp_nonpositive(running_max[h] - m);
-      running_max[h] = m;
-      __m512 sum = _mm512_setzero_ps();
-      for (int t0 = 0; t0 < n; t0 += 16) {
-        const __m512 e = _mm512_maskz_mov_ps(first_lanes(n - t0),
-                                             exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s[h] + t0),
-                                                                             _mm512_set1_ps(m))));
-        _mm512_storeu_ps(s[h] + t0, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      running_sum[h] = running_sum[h] * rescale + _mm512_reduce_add_ps(sum);
-      __m512 a[C];
-      const __m512 r = _mm512_set1_ps(rescale);
-      for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), r);
-      const float* v = vc + base + kv * D;
-      for (int t = 0; t < n; ++t) {
-        const __m512 w = _mm512_set1_ps(s[h][t]);
-        for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + t * slot_stride + 16 * c), a[c]);
-        if (next >= 0) {  // this (slot, head)'s share of the next block's lines
-          for (int e = h * lines / heads; e < (h + 1) * lines / heads; ++e) {
-            __builtin_prefetch(kc + next + t * slot_stride + 16 * e);
-            __builtin_prefetch(vc + next + t * slot_stride + 16 * e);
-          }
-        }
-      }
-      for (int c = 0; c < C; ++c) _mm512_store_ps(acc[h] + 16 * c, a[c]);
-    }
-  }
-  float* out = p.out + (token * p.heads + int64_t(kv_first) * group) * D;
-  for (int h = 0; h < heads; ++h) {
-    const float inv = 1.f / running_sum[h];
-    for (int d = 0; d < D; ++d) out[h * D + d] = acc[h][d] * inv;
-  }
-  return kOk;
-}
-#endif
-
 template <typename T, int D>
 int attend_all(const Problem& p) {
   std::atomic<int> status{kOk};
@@ -337,15 +233,7 @@ int attend_all(const Problem& p) {
   for (int64_t item = 0; item < items; ++item) {
     if (status.load(std::memory_order_relaxed) != kOk) continue;
     const int first = int(item % splits) * per_item;
-#if defined(__AVX512F__)
-    int rc;
-    if constexpr (std::is_same_v<T, float> && D % 16 == 0)
-      rc = attend_row_avx512<D>(p, item / splits, first, first + per_item);
-    else
-      rc = attend_row<T, D>(p, item / splits, first, first + per_item);
-#else
     const int rc = attend_row<T, D>(p, item / splits, first, first + per_item);
-#endif
     if (rc != kOk) status.store(rc, std::memory_order_relaxed);
   }
   return status.load();
