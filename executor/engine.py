@@ -31,6 +31,7 @@ from executor.sampling import Sampler, SampleRow, choice_generator
 from executor.scheduler import Chunk, Scheduler, StepPlan
 from executor.sequence import Request, Sequence, Status
 from executor.structured import GrammarRejected, Grammars, new_matcher
+from executor.threads import ThreadGovernor
 from kernels.dispatch import Backend
 
 log = structlog.get_logger("executor")
@@ -51,7 +52,13 @@ class EngineLimits:
 
 class Engine:
     def __init__(
-        self, runner: ModelRunner, pool: PoolClient, limits: EngineLimits = EngineLimits(), *, seed: int | None = None
+        self,
+        runner: ModelRunner,
+        pool: PoolClient,
+        limits: EngineLimits = EngineLimits(),
+        *,
+        seed: int | None = None,
+        adapt_threads: bool = True,
     ) -> None:
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs a token)")
@@ -83,6 +90,9 @@ class Engine:
         # whose grammar is still compiling, kept out of the scheduler until it is ready.
         self.grammars: Grammars | None = None
         self._compiling: dict[str, tuple[Sequence, futures.Future]] = {}
+        # On the CPU, torch's thread team shrinks while other processes keep cores busy (executor.threads).
+        cpu = runner.device.type == "cpu"
+        self.threads = ThreadGovernor(torch.get_num_threads()) if cpu and adapt_threads else None
 
     @classmethod
     def assemble(
@@ -99,6 +109,7 @@ class Engine:
         timeout_s: float = 2.0,
         retry_for_s: float = 30.0,
         curve: ClientCurve | None = None,
+        adapt_threads: bool = True,
     ) -> Engine:
         """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
@@ -110,7 +121,7 @@ class Engine:
             model_id=loaded.config.model_id,
             retry_for_s=retry_for_s,
         )
-        return cls(runner, pool, limits, seed=seed)
+        return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads)
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -262,6 +273,8 @@ class Engine:
         self.runner.copy_blocks(outcome.copies)
         if chunks:
             self.steps += 1
+            if self.threads is not None:
+                self.threads.step()
             logits = self.runner.execute(chunks, self.pool.seqs)
             sampled = sum(1 for c in chunks if c.samples)
             if logits.shape[0] > sampled:

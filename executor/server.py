@@ -379,6 +379,13 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 )
 @click.option("--seed", type=int, default=None, help="Seed of the sampler for requests without their own.")
 @click.option(
+    "--adapt-threads/--fixed-threads",
+    default=True,
+    show_default=True,
+    help="On the CPU, shrink torch's thread team while other processes keep cores busy (an OpenMP team is as "
+    "fast as its slowest thread), and grow it back when they stop; --fixed-threads keeps torch's own count.",
+)
+@click.option(
     "--blockd-wait",
     type=click.FloatRange(min=0),
     default=60.0,
@@ -422,6 +429,7 @@ def main(
     dtype,
     kernels,
     seed,
+    adapt_threads,
     blockd_wait,
     pool_wait,
     max_message_bytes,
@@ -479,6 +487,7 @@ def main(
         seed=seed,
         retry_for_s=2.0,
         curve=curve,
+        adapt_threads=adapt_threads,
     )
     runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)

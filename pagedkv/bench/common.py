@@ -4,7 +4,6 @@ workload length options."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import time
@@ -90,17 +89,6 @@ def length_range_option(flag: str, default: tuple[int, int], help: str) -> Calla
         callback=check,
         help=help,
     )
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def requests_option(default: int, help: str) -> Callable[[F], F]:

@@ -38,8 +38,9 @@ from typing import IO, Any, Protocol
 import click
 
 from common.clicks import unless_given
+from common.cpu import machine_busy_s
 from common.units import parse_size
-from pagedkv.bench.common import machine_busy_s, threads_option
+from pagedkv.bench.common import threads_option
 from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds
 from pagedkv.bench.throughput import BenchRequest, bench_model, make_workload
 

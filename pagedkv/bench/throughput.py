@@ -45,11 +45,11 @@ from typing import Any, Self
 import click
 
 from common.clicks import unless_given
+from common.cpu import machine_busy_s
 from common.units import parse_size
 from pagedkv.bench.common import (
     blockd_daemon,
     length_range_option,
-    machine_busy_s,
     requests_option,
     table_lines,
     threads_option,

@@ -1,0 +1,72 @@
+"""How many torch threads the CPU forward pass uses, adjusted to what other processes take of the machine.
+
+An OpenMP team is as fast as its slowest thread: when another process keeps one core busy, the thread that shares
+that core gates every parallel region, and two threads on a 2-core VM ran a busy-neighbour workload at a third of
+their quiet speed where one thread kept more than half of it. So every `window` steps the governor reads how much
+CPU the rest of the machine used meanwhile (/proc/stat, less this process's own time) and sizes the team to the
+cores left: `cores - round(others)`, at least one, at most the configured count, once the others take 0.6 of a
+core or more; back to the configured count only once they fall below 0.4, so a neighbour at the edge does not
+flip the team every window. Reading two counters a window costs nothing measurable; where /proc/stat is missing
+the team keeps its configured size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from common.cpu import machine_busy_s
+
+
+def own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+class ThreadGovernor:
+    def __init__(
+        self,
+        max_threads: int,
+        *,
+        cores: int | None = None,
+        window: int = 16,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        busy: Callable[[], float | None] = machine_busy_s,
+        own: Callable[[], float] = own_cpu_s,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_threads = max(1, max_threads)
+        self.cores = cores or len(os.sched_getaffinity(0))
+        self.window = window
+        self.threads = self.max_threads
+        self._set, self._busy, self._own, self._clock = set_threads, busy, own, clock
+        self._steps = 0
+        self._mark = self._read()
+        self.others = 0.0  # cores the rest of the machine used over the last window
+
+    def _read(self) -> tuple[float | None, float, float]:
+        return self._busy(), self._own(), self._clock()
+
+    def step(self) -> int:
+        """Count one step; at each window's end, resize the team. Returns the thread count now in force."""
+        self._steps += 1
+        if self._steps % self.window:
+            return self.threads
+        mark, self._mark = self._mark, self._read()
+        (busy0, own0, t0), (busy1, own1, t1) = mark, self._mark
+        if busy0 is None or busy1 is None or t1 <= t0:
+            return self.threads
+        self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        if self.others >= 0.6:
+            wanted = max(1, min(self.max_threads, self.cores - round(self.others)))
+        elif self.others < 0.4:
+            wanted = self.max_threads
+        else:
+            wanted = self.threads
+        if wanted != self.threads:
+            self.threads = wanted
+            self._set(wanted)
+        return self.threads
