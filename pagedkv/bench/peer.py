@@ -599,7 +599,22 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     random prompts of 256 tokens, 64 output tokens (ignore_eos), --serve-prompts per load, seeded; loads
     concurrent16 (16 in flight) and rate4 (Poisson, 4 req/s). Reported per load: both systems' output tok/s,
     TTFT and TPOT, and pagedkv ÷ vLLM of each (aim: tok/s >= 1, TTFT and TPOT p50 <= 1); the last line of stdout
-    is one JSON object (serve_ratios). With --quick: 16 prompts of 32 tokens, 8 output tokens.""",
+    is one JSON object (serve_ratios). With --quick: 16 prompts of 32 tokens, 8 output tokens.
+
+    --startup measures startup instead (see pagedkv/bench/peer_startup.py): loading the default model and a ~1 GB
+    checkpoint (generated once, or --startup-model) in pagedkv against vLLM's LLM(...) construction, compiled and
+    enforce_eager, cold (fresh vLLM caches) then warm; and `pagedkv serve` against `vllm serve` until /health is
+    healthy. Each start is a new process; --runs warm rounds, medians; the last line of stdout is one JSON object
+    (ratio_default_model, ratio_1gb, ratio_serve: pagedkv seconds ÷ the faster vLLM setting's, below 1.0 is
+    faster; serve_to_healthy_s). With --quick: a tiny checkpoint instead of 1 GB.""",
+)
+@click.option("--startup", is_flag=True, help="Measure startup (load and serve-to-healthy times) instead.")
+@click.option(
+    "--startup-model",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="--startup's ~1 GB checkpoint: used if this directory holds one, generated into it otherwise "
+    "(default: under $PAGEDKV_HOME/models/bench).",
 )
 @click.option(
     "--workload",
@@ -701,6 +716,8 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
 @click.pass_context
 def bench_peer(
     ctx: click.Context,
+    startup: bool,
+    startup_model: Path | None,
     workloads: tuple[str, ...],
     runs: int,
     quick: bool,
@@ -755,6 +772,11 @@ def bench_peer(
     specs = QUICK_WORKLOADS if quick else WORKLOADS
     if quick:
         runs = unless_given(ctx, runs, "runs", 1)
+    if startup:
+        from pagedkv.bench.peer_startup import StartupConfig, run_startup
+
+        run_startup(StartupConfig.from_params({**ctx.params, "runs": runs}))
+        return
     names = list(specs) if "all" in workloads else list(dict.fromkeys(workloads))
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter(

