@@ -196,7 +196,7 @@ def run_startup_rounds(
 ) -> list[StartupRecord]:
     """Every start of the schedule, measured by `measure(case, system, round)`; a PeerFailed is recorded and its
     case and system skipped after; anything else propagates."""
-    from pagedkv.bench.common import machine_busy_s
+    from common.cpu import machine_busy_s
     from pagedkv.bench.peer import read_loadavg
 
     records: list[StartupRecord] = []
