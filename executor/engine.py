@@ -32,6 +32,7 @@ from executor.scheduler import Chunk, Scheduler, StepPlan
 from executor.sequence import Request, Sequence, Status
 from executor.structured import GrammarRejected, Grammars, new_matcher
 from executor.threads import ThreadGovernor
+from kernels import cpu_native
 from kernels.dispatch import Backend
 
 log = structlog.get_logger("executor")
@@ -59,6 +60,7 @@ class Engine:
         *,
         seed: int | None = None,
         adapt_threads: bool = True,
+        pin_threads: bool = True,
     ) -> None:
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs a token)")
@@ -93,6 +95,9 @@ class Engine:
         # On the CPU, torch's thread team shrinks while other processes keep cores busy (executor.threads).
         cpu = runner.device.type == "cpu"
         self.threads = ThreadGovernor(torch.get_num_threads()) if cpu and adapt_threads else None
+        # ... and its worker threads stay each on one core (kernels.cpu_native.pin_workers).
+        lib = cpu_native.library() if cpu and pin_threads else None
+        self.pinned_cpus = cpu_native.pin_workers(lib, torch.get_num_threads()) if lib is not None else None
 
     @classmethod
     def assemble(
@@ -110,6 +115,7 @@ class Engine:
         retry_for_s: float = 30.0,
         curve: ClientCurve | None = None,
         adapt_threads: bool = True,
+        pin_threads: bool = True,
     ) -> Engine:
         """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
@@ -121,7 +127,7 @@ class Engine:
             model_id=loaded.config.model_id,
             retry_for_s=retry_for_s,
         )
-        return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads)
+        return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads, pin_threads=pin_threads)
 
     # ------------------------------------------------------------------------------------------ requests
 

@@ -386,6 +386,12 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "fast as its slowest thread), and grow it back when they stop; --fixed-threads keeps torch's own count.",
 )
 @click.option(
+    "--pin-threads/--no-pin-threads",
+    default=True,
+    show_default=True,
+    help="On the CPU, keep each of torch's worker threads on one core (the engine's own thread stays free).",
+)
+@click.option(
     "--blockd-wait",
     type=click.FloatRange(min=0),
     default=60.0,
@@ -430,6 +436,7 @@ def main(
     kernels,
     seed,
     adapt_threads,
+    pin_threads,
     blockd_wait,
     pool_wait,
     max_message_bytes,
@@ -488,6 +495,7 @@ def main(
         retry_for_s=2.0,
         curve=curve,
         adapt_threads=adapt_threads,
+        pin_threads=pin_threads,
     )
     runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)

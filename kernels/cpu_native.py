@@ -36,7 +36,7 @@ from common.home import pagedkv_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-ABI = 2
+ABI = 3
 CHOICE_ENV = "PAGEDKV_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -108,7 +108,9 @@ def _load() -> ctypes.CDLL:
     lib.pagedkv_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
     lib.pagedkv_silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.pagedkv_rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
-    for name in ("pagedkv_decode_attention", "pagedkv_add_rms_norm", "pagedkv_silu_mul", "pagedkv_rope_write_kv"):
+    lib.pagedkv_pin_workers.argtypes = [ptr, i32]
+    names = ("pagedkv_decode_attention", "pagedkv_add_rms_norm", "pagedkv_silu_mul", "pagedkv_rope_write_kv")
+    for name in (*names, "pagedkv_pin_workers"):
         getattr(lib, name).restype = i32
     return lib
 
@@ -294,6 +296,16 @@ def rope_write_kv(
     )
     _raise_on(status, "rope_write_kv")
     return q
+
+
+def pin_workers(lib: ctypes.CDLL, threads: int) -> list[int] | None:
+    """Pin torch's OpenMP worker threads (team threads 1..threads-1) one to a CPU of this process's affinity, the
+    caller's thread left free; the CPUs used, or None when there are fewer CPUs than threads or pinning failed."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    if threads < 2 or len(cpus) < threads:
+        return None
+    array = (ctypes.c_int * len(cpus))(*cpus)
+    return cpus if lib.pagedkv_pin_workers(array, len(cpus)) == 0 else None
 
 
 def _raise_on(status: int, what: str) -> None:

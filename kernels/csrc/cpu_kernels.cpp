@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <omp.h>
+#include <sched.h>
 
 namespace {
 
@@ -348,6 +350,26 @@ int pagedkv_rope_write_kv(const float* qkv, const int64_t* positions, const floa
   return kOk;
 }
 
+// Pins the worker threads of the OpenMP team torch's parallel regions run on: team thread i (i >= 1) to cpus[i].
+// A worker the kernel may move between cores is also one it may park on a core another process is using, and
+// the whole team then waits for it. Thread 0 is the caller (the engine's Python thread) and is left free, and so
+// are threads it starts later, which would otherwise inherit its mask. Returns how many workers failed to pin.
+int pagedkv_pin_workers(const int* cpus, int count) {
+  if (count < 1) return 0;
+  int failures = 0;
+#pragma omp parallel num_threads(count) reduction(+ : failures)
+  {
+    const int i = omp_get_thread_num();
+    if (i > 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpus[i], &set);
+      if (sched_setaffinity(0, sizeof set, &set) != 0) failures += 1;
+    }
+  }
+  return failures;
+}
+
 // The ABI version this source implements; the loader refuses a library that answers another.
-int pagedkv_native_abi() { return 2; }
+int pagedkv_native_abi() { return 3; }
 }

@@ -184,3 +184,28 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_native_fails(tmp_
     finally:
         cpu_native._load.cache_clear()
         cpu_native._warn_once.cache_clear()
+
+
+def test_pinning_puts_each_worker_on_one_cpu_and_leaves_the_caller_free(native):
+    import os
+    from pathlib import Path
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        assert cpu_native.pin_workers(native, 2) is None  # nothing to spread over: left alone
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu_native.pin_workers(native, 2) == allowed[:2]
+        masks = [
+            line.split(":", 1)[1].strip()
+            for status in Path("/proc/self/task").glob("*/status")
+            for line in status.read_text().splitlines()
+            if line.startswith("Cpus_allowed_list")
+        ]
+        assert str(allowed[1]) in masks, "the team's second thread runs on the second CPU only"
+        assert sorted(os.sched_getaffinity(0)) == allowed, "the calling thread keeps every CPU"
+        assert cpu_native.pin_workers(native, 1) is None  # one thread: no worker to pin
+    finally:
+        torch.set_num_threads(before)
