@@ -60,7 +60,7 @@ class Engine:
         *,
         seed: int | None = None,
         adapt_threads: bool = True,
-        pin_threads: bool = True,
+        pin_threads: bool = False,
     ) -> None:
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs a token)")
@@ -115,7 +115,7 @@ class Engine:
         retry_for_s: float = 30.0,
         curve: ClientCurve | None = None,
         adapt_threads: bool = True,
-        pin_threads: bool = True,
+        pin_threads: bool = False,
     ) -> Engine:
         """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)

@@ -387,9 +387,11 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 )
 @click.option(
     "--pin-threads/--no-pin-threads",
-    default=True,
+    default=False,
     show_default=True,
-    help="On the CPU, keep each of torch's worker threads on one core (the engine's own thread stays free).",
+    help="On the CPU, keep each of torch's worker threads on one core (the engine's own thread stays free). Off by "
+    "default: on the 2-core VM it measured no faster alone, and a pinned worker cannot move off a core another "
+    "pinned process (a vLLM beside it) is using.",
 )
 @click.option(
     "--blockd-wait",

@@ -32,7 +32,8 @@ class ThreadGovernor:
         max_threads: int,
         *,
         cores: int | None = None,
-        window: int = 16,
+        window: float = 1.0,
+        min_steps: int = 8,
         set_threads: Callable[[int], None] = torch.set_num_threads,
         busy: Callable[[], float | None] = machine_busy_s,
         own: Callable[[], float] = own_cpu_s,
@@ -40,8 +41,9 @@ class ThreadGovernor:
     ) -> None:
         self.max_threads = max(1, max_threads)
         self.cores = cores or len(os.sched_getaffinity(0))
-        self.window = window
+        self.window, self.min_steps = window, min_steps
         self.threads = self.max_threads
+        self._contended_windows = 0
         self._set, self._busy, self._own, self._clock = set_threads, busy, own, clock
         self._steps = 0
         self._mark = self._read()
@@ -53,14 +55,16 @@ class ThreadGovernor:
     def step(self) -> int:
         """Count one step; at each window's end, resize the team. Returns the thread count now in force."""
         self._steps += 1
-        if self._steps % self.window:
+        if self._steps < self.min_steps or self._clock() - self._mark[2] < self.window:
             return self.threads
+        self._steps = 0
         mark, self._mark = self._mark, self._read()
         (busy0, own0, t0), (busy1, own1, t1) = mark, self._mark
         if busy0 is None or busy1 is None or t1 <= t0:
             return self.threads
         self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
-        if self.others >= 0.6:
+        self._contended_windows = self._contended_windows + 1 if self.others >= 0.6 else 0
+        if self._contended_windows >= 2:
             wanted = max(1, min(self.max_threads, self.cores - round(self.others)))
         elif self.others < 0.4:
             wanted = self.max_threads
