@@ -97,7 +97,8 @@ class Engine:
         self.threads = ThreadGovernor(torch.get_num_threads()) if cpu and adapt_threads else None
         # ... and its worker threads stay each on one core (kernels.cpu_native.pin_workers).
         lib = cpu_native.library() if cpu and pin_threads else None
-        self.pinned_cpus = cpu_native.pin_workers(lib, torch.get_num_threads()) if lib is not None else None
+        if lib is not None:
+            log.info("worker_threads_pinned", cpus=cpu_native.pin_workers(lib, torch.get_num_threads()))
 
     @classmethod
     def assemble(

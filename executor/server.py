@@ -375,7 +375,8 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "--kernels",
     type=click.Choice(["auto", "triton", "torch", "reference"]),
     default="auto",
-    help="Attention kernels: auto = Triton on CUDA, batched torch on CPU; reference = the tests' oracle.",
+    help="Attention kernels: auto = Triton on CUDA, the CPU backend on CPU (native C++ kernels, built on first use, "
+    "else torch; PAGEDKV_CPU_KERNELS); reference = the tests' oracle.",
 )
 @click.option("--seed", type=int, default=None, help="Seed of the sampler for requests without their own.")
 @click.option(

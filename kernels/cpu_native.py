@@ -109,9 +109,8 @@ def _load() -> ctypes.CDLL:
     lib.pagedkv_silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.pagedkv_rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
     lib.pagedkv_pin_workers.argtypes = [ptr, i32]
-    names = ("pagedkv_decode_attention", "pagedkv_add_rms_norm", "pagedkv_silu_mul", "pagedkv_rope_write_kv")
-    for name in (*names, "pagedkv_pin_workers"):
-        getattr(lib, name).restype = i32
+    for name in ("decode_attention", "add_rms_norm", "silu_mul", "rope_write_kv", "pin_workers"):
+        getattr(lib, f"pagedkv_{name}").restype = i32
     return lib
 
 

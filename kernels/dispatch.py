@@ -3,10 +3,12 @@
 Backend choice, first match wins:
 1. the call's `backend=` argument when it is not "auto";
 2. the environment variable PAGEDKV_KERNELS = triton | reference | auto;
-3. auto: Triton for CUDA tensors, batched torch (`kernels.torch_batched`) for CPU tensors.
+3. auto: Triton for CUDA tensors, the CPU backend (`kernels.torch_batched`: its decode rows by the native kernel of
+   `kernels.cpu_native`, or gathered for SDPA where it does not build) for CPU tensors.
 
-"reference" is the plain per-sequence loop the tests use as their oracle; "torch" differs from it only in
-paged attention, where decode rows are batched (KV write and block copy are the same functions).
+"reference" is the plain per-sequence loop the tests use as their oracle; "torch" differs from it in paged
+attention (decode rows batched or native) and, through `kernels.pointwise`, in a KV write fused with the rotary
+embedding for float32 CPU tensors (block copy is the same function).
 
 Forcing Triton on CPU tensors runs the kernels under the Triton interpreter. Triton decides between
 compiling and interpreting when `@triton.jit` *decorates* a function, i.e. when the kernel module is

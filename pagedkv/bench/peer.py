@@ -464,6 +464,27 @@ def driver_env(bind: str | None) -> dict[str, str]:
     return env
 
 
+def check_setup(
+    max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: str, vllm_python: Path | None
+) -> tuple[int, Path]:
+    """What every mode of the command checks before starting anything: the limits agree, the KV budget parses,
+    the vLLM environment exists. The budget in bytes and the vLLM interpreter, or a clear usage error."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise click.BadParameter(
+            f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs}", param_hint="'--max-num-batched-tokens'"
+        )
+    try:
+        budget = parse_size(kv_cache_memory)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--kv-cache-memory'") from None
+    python = resolve_vllm_python(vllm_python)
+    if not python.exists():
+        raise click.ClickException(
+            f"no vLLM environment: {python} does not exist. Build it with `make peer-env`, or give --vllm-python."
+        )
+    return budget, python
+
+
 def resolve_vllm_python(given: Path | None) -> Path:
     if given is not None:
         return given
@@ -778,19 +799,7 @@ def bench_peer(
         run_startup(StartupConfig.from_params({**ctx.params, "runs": runs}))
         return
     names = list(specs) if "all" in workloads else list(dict.fromkeys(workloads))
-    if max_num_batched_tokens < max_num_seqs:
-        raise click.BadParameter(
-            f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs}", param_hint="'--max-num-batched-tokens'"
-        )
-    try:
-        budget = parse_size(kv_cache_memory)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--kv-cache-memory'") from None
-    python = resolve_vllm_python(vllm_python)
-    if not python.exists():
-        raise click.ClickException(
-            f"no vLLM environment: {python} does not exist. Build it with `make peer-env`, or give --vllm-python."
-        )
+    budget, python = check_setup(max_num_seqs, max_num_batched_tokens, kv_cache_memory, vllm_python)
     if threads is not None:
         torch.set_num_threads(threads)
     settings: list[tuple[str, str | None]] = []

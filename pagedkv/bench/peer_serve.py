@@ -44,9 +44,8 @@ from typing import Any
 import click
 
 from common.net import free_port
-from common.units import parse_size
 from pagedkv.bench.common import table_lines
-from pagedkv.bench.peer import driver_env, read_loadavg, resolve_vllm_python
+from pagedkv.bench.peer import check_setup, driver_env, read_loadavg
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 SYSTEMS = ("vllm", "pagedkv")  # the order the servers run in: vLLM's start is the likelier failure, so first
@@ -655,19 +654,7 @@ def run_serve_bench(
         raise click.BadParameter(
             "--serve runs one vLLM setting: default or bind (the default with --serve)", param_hint="'--vllm-threads'"
         )
-    if max_num_batched_tokens < max_num_seqs:
-        raise click.BadParameter(
-            f"{max_num_batched_tokens} is below --max-num-seqs {max_num_seqs}", param_hint="'--max-num-batched-tokens'"
-        )
-    try:
-        budget = parse_size(kv_cache_memory)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--kv-cache-memory'") from None
-    python = resolve_vllm_python(vllm_python)
-    if not python.exists():
-        raise click.ClickException(
-            f"no vLLM environment: {python} does not exist. Build it with `make peer-env`, or give --vllm-python."
-        )
+    budget, python = check_setup(max_num_seqs, max_num_batched_tokens, kv_cache_memory, vllm_python)
     model_dir, config = bench_model(model_dir)
     model_dir = Path(model_dir).resolve()
     bind = bind_cpus if vllm_threads == "bind" else None

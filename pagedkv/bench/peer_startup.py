@@ -530,26 +530,12 @@ class StartupConfig:
 def run_startup(cfg: StartupConfig) -> None:
     """The whole `--startup` command: progress on stderr, tables and one last JSON line on stdout."""
     from common.net import free_port
-    from common.units import parse_size
     from pagedkv.bench.common import blockd_process
-    from pagedkv.bench.peer import driver_env, resolve_vllm_python
+    from pagedkv.bench.peer import check_setup, driver_env
     from pagedkv.bench.throughput import bench_model
 
     echo = click.echo
-    try:
-        budget = parse_size(cfg.kv_cache_memory)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--kv-cache-memory'") from None
-    if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-        raise click.BadParameter(
-            f"{cfg.max_num_batched_tokens} is below --max-num-seqs {cfg.max_num_seqs}",
-            param_hint="'--max-num-batched-tokens'",
-        )
-    python = resolve_vllm_python(cfg.vllm_python)
-    if not python.exists():
-        raise click.ClickException(
-            f"no vLLM environment: {python} does not exist. Build it with `make peer-env`, or give --vllm-python."
-        )
+    budget, python = check_setup(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_memory, cfg.vllm_python)
     big_options = QUICK_CHECKPOINT if cfg.quick else BIG_CHECKPOINT
     big_dir = ensure_checkpoint(
         (cfg.startup_model or default_checkpoint_dir(big_options)).expanduser().absolute(), big_options

@@ -186,6 +186,21 @@ def test_cpu_seconds_of_a_process_tree() -> None:
 # --------------------------------------------------------------------------------------- the whole command
 
 
+def against_fake_vllm(tiny_models: dict[str, Path]) -> list[str]:
+    """The tiny model, a small KV budget and the fake driver in place of vLLM."""
+    model = str(tiny_models["llama"])
+    return [
+        "--model",
+        model,
+        "--kv-cache-memory",
+        "4MiB",
+        "--vllm-python",
+        sys.executable,
+        "--vllm-driver",
+        str(FAKE_DRIVER),
+    ]
+
+
 def _invoke(*args: str, env: dict[str, str] | None = None):
     return CliRunner(env=env).invoke(bench_peer, list(args), catch_exceptions=False)
 
@@ -209,14 +224,7 @@ def test_quick_run_against_a_fake_peer(tiny_models: dict[str, Path], tmp_path: P
     plot = tmp_path / "peer.png"
     result = _invoke(
         "--quick",
-        "--model",
-        str(tiny_models["llama"]),
-        "--kv-cache-memory",
-        "4MiB",
-        "--vllm-python",
-        sys.executable,
-        "--vllm-driver",
-        str(FAKE_DRIVER),
+        *against_fake_vllm(tiny_models),
         "--plot",
         str(plot),
         env={"FAKE_PEER_SWAP": "r1:3"},
@@ -269,14 +277,7 @@ def test_noisy_neighbour_rounds_report_each_systems_fall(tiny_models: dict[str, 
         "--noisy-neighbour",
         "--vllm-threads",
         "bind",
-        "--model",
-        str(tiny_models["llama"]),
-        "--kv-cache-memory",
-        "4MiB",
-        "--vllm-python",
-        sys.executable,
-        "--vllm-driver",
-        str(FAKE_DRIVER),
+        *against_fake_vllm(tiny_models),
     )
     assert result.exit_code == 0, result.output
     figures = json.loads(result.stdout.strip().splitlines()[-1])
@@ -362,14 +363,7 @@ def test_a_failing_driver_is_reported(tiny_models: dict[str, Path]) -> None:
         "default",
         "--vllm-threads",
         "default",
-        "--model",
-        str(tiny_models["llama"]),
-        "--kv-cache-memory",
-        "4MiB",
-        "--vllm-python",
-        sys.executable,
-        "--vllm-driver",
-        str(FAKE_DRIVER),
+        *against_fake_vllm(tiny_models),
         env={"FAKE_PEER_FAIL": "load"},
     )
     assert result.exit_code == 1
