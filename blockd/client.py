@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from blockd import protocol as p
+from blockd.block_rule import reserved_after
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.manager import DEFAULT_MAX_LOOKUP_TOKENS
@@ -170,6 +171,7 @@ class MirroredSequence(msgspec.Struct):
     blocks: list[int]
     num_computed_tokens: int
     cache_salt: str | None = None
+    reserved: int = 0  # slots past the tokens held for a token not registered yet (blockd.block_rule)
 
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)
@@ -252,7 +254,7 @@ class PoolClient:
             model_id=self.model_id,
             epoch=self.epoch,
             sequences=[
-                p.LiveSequence(seq_id, bytes(s.tokens), s.blocks, s.num_computed_tokens, s.cache_salt)
+                p.LiveSequence(seq_id, bytes(s.tokens), s.blocks, s.num_computed_tokens, s.cache_salt, s.reserved)
                 for seq_id, s in self.seqs.items()
             ],
             generations=self.generations,
@@ -347,13 +349,19 @@ class PoolClient:
         self.submit_step(ops)
         return self.finish_step()
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A step was submitted and its results are not collected yet."""
+        return self._in_flight is not None
+
     def submit_step(self, ops: Sequence[p.StepOp]) -> None:
-        """Send a step's ops now; `finish_step` collects the results, so a caller could overlap the round trip
-        with other work (the model's forward pass). The engine does not yet: it calls `step`."""
+        """Send a step's ops now; `finish_step` collects the results, so the round trip overlaps whatever the
+        caller does meanwhile (the engine: the forward pass of the step before)."""
         if self._in_flight is not None:
             raise RuntimeError("a step is already in flight: finish_step() it first")
-        self._in_flight = list(ops)
-        self.client.send(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=self._in_flight)
+        ops = list(ops)
+        self.client.send(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=ops)
+        self._in_flight = ops  # only once sent: a send that raised leaves nothing in flight
 
     def finish_step(self) -> list[p.StepOpResult]:
         """The results of the step in flight, after a re-sync and a resend if blockd lost it."""
@@ -380,6 +388,7 @@ class PoolClient:
         if type(op) is p.Append:
             seq = self.seqs[op.seq_id]
             seq.tokens += op.tokens
+            seq.reserved = reserved_after(seq.reserved, len(op.tokens) // TOKEN_BYTES, op.reserve)
             for (src, dst), gen in zip(outcome.copies, outcome.copy_generations, strict=False):
                 seq.blocks[-1] = dst
                 gens[dst] = gen
@@ -405,7 +414,11 @@ class PoolClient:
             parent = self.seqs[op.parent_id]
             self._hold(parent.blocks)
             self.seqs[op.child_id] = MirroredSequence(
-                bytearray(parent.tokens), list(parent.blocks), parent.num_computed_tokens, parent.cache_salt
+                bytearray(parent.tokens),
+                list(parent.blocks),
+                parent.num_computed_tokens,
+                parent.cache_salt,
+                parent.reserved,
             )
 
     def _one(self, op: p.StepOp) -> Any:
@@ -417,8 +430,8 @@ class PoolClient:
     def admit(self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None) -> AdmitResult:
         return self._one(p.Admit(seq_id, bytes(as_packed(tokens)), cache_salt))
 
-    def append(self, seq_id: str, tokens: TokenIds) -> AppendResult:
-        return self._one(p.Append(seq_id, bytes(as_packed(tokens))))
+    def append(self, seq_id: str, tokens: TokenIds, reserve: int = 0) -> AppendResult:
+        return self._one(p.Append(seq_id, bytes(as_packed(tokens)), reserve))
 
     def commit(self, seq_id: str, num_computed_tokens: int) -> int:
         return self._one(p.Commit(seq_id, num_computed_tokens)).added

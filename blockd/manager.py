@@ -190,7 +190,9 @@ class BlockManager:
         if generations is not None:
             pool.adopt_generations(generations)
         for seq in req.sequences:
-            pool.restore_sequence(seq.seq_id, seq.tokens, seq.blocks, seq.num_computed_tokens, seq.cache_salt)
+            pool.restore_sequence(
+                seq.seq_id, seq.tokens, seq.blocks, seq.num_computed_tokens, seq.cache_salt, seq.reserved
+            )
         if candidates:
             pool.restore_index(candidates.items(), generations)
         restored = len(pool.index)  # backed entries kept, plus the live sequences' computed blocks
@@ -250,7 +252,7 @@ class BlockManager:
         for op in ops:
             try:
                 if type(op) is p.Append:
-                    append(pool.append(op.seq_id, op.tokens))
+                    append(pool.append(op.seq_id, op.tokens, op.reserve))
                 elif type(op) is p.Admit:
                     append(pool.admit(op.seq_id, op.tokens, op.cache_salt, reuse_prefix=op.reuse_prefix))
                 elif type(op) is p.Commit:

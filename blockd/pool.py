@@ -14,7 +14,8 @@ operation instead.
      so the sum of refcounts equals the total length of all block tables.
  I3. The prefix index and the per-block hash agree both ways: index[h] == b  <=>  block_hash[b] == h.
      A block carries a hash only while its KV holds exactly the tokens that hash names.
- I4. A live sequence of n tokens holds ceil(n / block_size) blocks, and its committed blocks are full.
+ I4. A live sequence of n tokens and r reserved slots holds ceil((n + r) / block_size) blocks, its reserved
+     slots are all in its last block (r <= block_rule.reservable), and its committed blocks are full.
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
@@ -36,7 +37,7 @@ from typing import Final, Protocol
 
 import msgspec
 
-from blockd.block_rule import growth
+from blockd.block_rule import growth, reservable, reserved_after
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
@@ -97,6 +98,7 @@ class SeqState(msgspec.Struct):
     hashes: list[bytes]  # chained hashes of its full blocks computed so far (a prefix of the full blocks)
     committed: int  # leading blocks that are in the index or were offered to it
     extra: bytes  # extra key (model identity and cache salt) of its chain
+    reserved: int = 0  # slots past its tokens held for tokens not registered yet (blockd.block_rule)
 
 
 class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
@@ -326,11 +328,14 @@ class BlockPool:
         generation = self.generation
         return AdmitResult(table, [generation[b] for b in table], cached)
 
-    def append(self, seq_id: str, tokens: TokenIds) -> AppendResult:
-        """Make room for `tokens` after the sequence's current tokens.
+    def append(self, seq_id: str, tokens: TokenIds, reserve: int = 0) -> AppendResult:
+        """Register `tokens` after the sequence's current tokens (they fill its reserved slots first), and keep
+        `reserve` slots reserved past them: room for tokens the executor computes before it registers them, up to
+        the end of the block the first of them goes into (blockd.block_rule).
 
-        New blocks are taken at block boundaries. If the tokens land in a last block that another sequence
-        shares (after a fork), that block is copied first: a fresh block plus a (src, dst) copy instruction.
+        New blocks are taken at block boundaries. If the tokens or new reserved slots land in a last block that
+        another sequence shares (after a fork), that block is copied first: a fresh block plus a (src, dst) copy
+        instruction.
         """
         seq = self.seqs.get(seq_id) or self._seq(seq_id)
         packed = tokens if type(tokens) is bytes and not len(tokens) % _TOKEN_BYTES else _packed(tokens)
@@ -339,14 +344,27 @@ class BlockPool:
         bs = self.block_size
         n_old = len(held) // _TOKEN_BYTES
         k = len(packed) // _TOKEN_BYTES
-        if k <= len(table) * bs - n_old and (k == 0 or self.refcount[table[-1]] == 1):
-            held += packed  # the common decode step, where the block rule asks for nothing: room, unshared
+        if reserve and not 0 <= reserve <= bs - (n_old + k) % bs:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"reserve {reserve} for {seq_id!r} reaches past the block its first slot is in "
+                f"(at most {reservable(bs, n_old + k)})",
+            )
+        reserved = seq.reserved
+        keep = reserved_after(reserved, k, reserve)
+        writes = k > 0 or keep > reserved
+        if n_old + k + keep <= len(table) * bs and (not writes or self.refcount[table[-1]] == 1):
+            held += packed  # the block rule asks for nothing: the room is held, in a block nobody else reads
+            seq.reserved = keep
             return _NOTHING_APPENDED
-        need = growth(bs, n_old, k, len(table), last_block_shared=self.refcount[table[-1]] > 1)
+        need = growth(
+            bs, n_old, k, len(table), last_block_shared=self.refcount[table[-1]] > 1, reserved=reserved, reserve=reserve
+        )
         new_blocks, cow, needed = need.new_blocks, need.copy_on_write, need.blocks
         if needed > len(self.free_queue):
             raise self._shortfall(needed, len(self.free_queue), f"appending {k} tokens to {seq_id!r}")
         held += packed
+        seq.reserved = keep
         self.counters.granted_blocks += needed
         generation = self.generation
         copies: tuple[tuple[int, int], ...] = ()
@@ -411,7 +429,12 @@ class BlockPool:
         for b in parent.table:
             refcount[b] += 1
         self.seqs[child_id] = SeqState(
-            bytearray(parent.tokens), list(parent.table), list(parent.hashes), parent.committed, parent.extra
+            bytearray(parent.tokens),
+            list(parent.table),
+            list(parent.hashes),
+            parent.committed,
+            parent.extra,
+            parent.reserved,
         )
         self._recently_freed.pop(child_id, None)
 
@@ -464,16 +487,23 @@ class BlockPool:
         table: Sequence[int],
         num_computed: int,
         cache_salt: str | None = None,
+        reserved: int = 0,
     ) -> None:
         """Take a live sequence from its executor (re-sync): its table is the truth; refcounts follow from it."""
         self._check_new_seq_id(seq_id)
         packed = _packed(tokens)
         n = len(packed) // _TOKEN_BYTES
-        if len(table) != _ceil_div(n, self.block_size) or not n:
+        if not 0 <= reserved <= reservable(self.block_size, n):
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
-                f"sequence {seq_id!r}: {n} tokens need {_ceil_div(n, self.block_size)} "
-                f"blocks, the table has {len(table)}",
+                f"sequence {seq_id!r}: {reserved} reserved slots reach past its last block "
+                f"(at most {reservable(self.block_size, n)})",
+            )
+        if len(table) != _ceil_div(n + reserved, self.block_size) or not n:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"sequence {seq_id!r}: {n} tokens and {reserved} reserved slots need "
+                f"{_ceil_div(n + reserved, self.block_size)} blocks, the table has {len(table)}",
             )
         for b in table:
             if not 0 <= b < self.num_blocks:
@@ -482,7 +512,7 @@ class BlockPool:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
-        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt))
+        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt), reserved)
         self.commit(seq_id, min(max(num_computed, 0), n))
 
     def restore_index(self, records: Iterable[tuple[int, BlockRecord]], generations: Sequence[int] | None) -> int:
@@ -568,10 +598,11 @@ class BlockPool:
         references = [0] * self.num_blocks
         for seq_id, seq in self.seqs.items():
             n = len(seq.tokens) // _TOKEN_BYTES
-            expected = _ceil_div(n, self.block_size)
-            if len(seq.table) != expected or not n:
+            expected = _ceil_div(n + seq.reserved, self.block_size)
+            if len(seq.table) != expected or not n or not 0 <= seq.reserved <= reservable(self.block_size, n):
                 problems.append(
-                    f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for {n} tokens (expected {expected})"
+                    f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for {n} tokens and "
+                    f"{seq.reserved} reserved slots (expected {expected})"
                 )
             if seq.committed > n // self.block_size:
                 problems.append(

@@ -23,6 +23,7 @@ import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import AdmitResult, AppendResult, PoolStats
+from common.limits import SUPPORTED_BLOCK_SIZES
 
 PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -35,6 +36,9 @@ MAX_STEP_OPS: Final = 65_536
 PackedTokens = bytes
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+#: Slots reserved past a sequence's tokens for tokens not registered yet (blockd.block_rule; the pool checks the
+#: exact bound, which depends on its block size).
+Reserved = Annotated[int, msgspec.Meta(ge=0, le=max(SUPPORTED_BLOCK_SIZES))]
 
 
 # ------------------------------------------------------------------------------------------ step ops
@@ -47,9 +51,10 @@ class Admit(msgspec.Struct, tag="admit"):
     reuse_prefix: bool = True  # False: no prefix hit, every token is computed (e.g. for prompt logprobs)
 
 
-class Append(msgspec.Struct, tag="append"):
+class Append(msgspec.Struct, tag="append", omit_defaults=True):
     seq_id: Name
     tokens: PackedTokens
+    reserve: Reserved = 0  # slots to keep reserved past the tokens: room for tokens computed before registered
 
 
 class Commit(msgspec.Struct, tag="commit"):
@@ -101,6 +106,7 @@ class LiveSequence(msgspec.Struct):
     blocks: list[Count]
     num_computed_tokens: Count
     cache_salt: str | None = None
+    reserved: Reserved = 0
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True):

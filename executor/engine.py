@@ -1,10 +1,13 @@
 """The engine: requests in, token deltas out, one scheduler step at a time.
 
-A step is: plan (scheduler) -> one blockd round trip carrying every op of the step -> copy-on-write block
-copies -> one forward pass over every scheduled chunk -> sampling -> deltas. The round trip is synchronous
-(`PoolClient.step`): the forward pass starts once blockd has answered. (`PoolClient.submit_step` /
-`finish_step` would let it overlap the forward pass; nothing uses them yet.) The engine is single-threaded and
-owns everything it touches; the server drives it and carries its deltas to gateways.
+A step is: its blockd round trip's answers -> copy-on-write block copies -> one forward pass over every scheduled
+chunk -> sampling -> deltas. The round trip is off the critical path: once a step's chunks are scheduled, the
+next step is planned (`Scheduler.plan_ahead`: a slot reserved for each token being sampled) and sent
+(`PoolClient.submit_step`) before the forward pass, and its answers are collected (`finish_step`) when the next
+step starts, so blockd works while the model does. A step with nothing sent ahead (the first, one after a
+failed round trip, one whose plan needs a preemption) is planned after sampling and sent synchronously. The
+engine is single-threaded and owns everything it touches; the server drives it and carries its deltas to
+gateways.
 
 A request with structured output (`params.structured`) has its grammar compiled off the step's thread
 (executor.structured: cached per spec); it enters the scheduler once that is done, and a spec that does not
@@ -82,9 +85,11 @@ class Engine:
         self.eos = frozenset(self.config.eos_token_ids)
         self.steps = 0
         self.generated_tokens = 0
-        # A step whose blockd call failed for good stays pending, to be sent again (after a re-sync) by the next
-        # step() call; meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
+        # The next step's plan once made: sent ahead (in flight: its answers are collected by the next step() call),
+        # or, after its blockd call failed for good, to be sent again (after a re-sync) by the next step() call;
+        # meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
         self._pending: StepPlan | None = None
+        self._in_flight = False
         self._resync_first = False
         self._deferred_aborts: list[tuple[str, int | None]] = []
         self.blockd_reachable = True
@@ -245,7 +250,7 @@ class Engine:
         return [delta]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self._compiling) or self._pending is not None
 
     def load(self) -> ep.LoadReport:
         s = self.scheduler
@@ -276,19 +281,20 @@ class Engine:
         deltas = [self._delta(seq, [], None) for seq, _ in outcome.failed]
         for seq, _ in outcome.failed:
             self._forget_if_done(seq.request)
+        for request_id, index in self._take_deferred_aborts():  # before scheduling: an aborted choice never runs
+            deltas += self.abort(request_id, index)
         chunks = scheduler.schedule(outcome)
         self.runner.copy_blocks(outcome.copies)
         if chunks:
             self.steps += 1
             if self.threads is not None:
                 self.threads.step()
+            self._send_ahead(chunks)
             logits = self.runner.execute(chunks, self.pool.seqs)
             sampled = sum(1 for c in chunks if c.samples)
             if logits.shape[0] > sampled:
                 self._score_prompts(chunks, logits[sampled:])
             deltas += self._sample(chunks, logits[:sampled])
-        for request_id, index in self._take_deferred_aborts():
-            deltas += self.abort(request_id, index)
         if self._compiling:  # admitted here, after the step's blockd call: a rejection is never lost to its failure
             if not chunks:  # nothing else to do: wait a little for a grammar rather than spin
                 futures.wait(
@@ -301,14 +307,34 @@ class Engine:
         taken, self._deferred_aborts = self._deferred_aborts, []
         return taken
 
+    def _send_ahead(self, chunks: list[Chunk]) -> None:
+        """Plan the next step while `chunks` run and send it, so that blockd answers during the forward pass."""
+        if self._resync_first:
+            return  # blockd was away: the next step re-syncs, then plans and sends as it used to
+        plan = self.scheduler.plan_ahead(chunks)
+        if plan is None:
+            return
+        self._pending = plan
+        if plan.entries:
+            try:
+                self.pool.submit_step(plan.ops)
+            except BlockdUnavailable:
+                return  # not sent: the next step sends it (pending, not in flight)
+            self._in_flight = True
+
     def _round_trip(self, ops: list) -> list:
-        """The step's one blockd call (the pool client retries for its retry window). After a call that failed
-        for good, re-sync first: that undoes whatever blockd had applied of the step before it is sent again."""
+        """The step's one blockd call, or the answers to the one sent ahead (the pool client retries for its
+        retry window). After a call that failed for good, re-sync first: that undoes whatever blockd had applied
+        of the step before it is sent again."""
         try:
-            if self._resync_first:
-                self.pool.resync()
-                self._resync_first = False
-            results = self.pool.step(ops)
+            if self._in_flight:
+                self._in_flight = False
+                results = self.pool.finish_step()
+            else:
+                if self._resync_first:
+                    self.pool.resync()
+                    self._resync_first = False
+                results = self.pool.step(ops)
         except BlockdUnavailable:
             self._resync_first = True
             if self.blockd_reachable:

@@ -2,19 +2,32 @@
 
 A step is planned in two halves around its one blockd round trip:
 
-`plan()` writes the step's `StepPlan`: one list of `PlannedOp`s, each a blockd op with the sequence it is for and
-its `Purpose`, in an order that makes every op valid when blockd reaches it: commits (computed blocks into the
-prefix index), forks (n > 1 choices), frees (finished, aborted, preempted), appends (room for each decoding
-sequence's last sampled token), admits (waiting sequences, oldest first). This executor is the pool's only user,
-so it knows exactly how many blocks are free: the pool client mirrors blockd's block tables and counts each
-block's holders (`BlockView`), and `blockd.block_rule.growth` (the rule blockd grants by) says what each op
-takes. Appends are planned to fit, preempting the most recently admitted sequences (recompute: they go back to
-the head of the queue) until they do, so an append never fails. Admits are tried only while their worst case (no
-prefix hit) fits above a small watermark; blockd answers with what was actually cached.
+`plan()` (or `plan_ahead()`, see below) writes the step's `StepPlan`: one list of `PlannedOp`s, each a blockd op
+with the sequence it is for and its `Purpose`, in an order that makes every op valid when blockd reaches it:
+forks (n > 1 choices), commits (computed blocks into the prefix index), frees (finished, aborted, preempted),
+appends (room for the decoding sequences' next tokens, where it runs out), admits (waiting sequences, oldest
+first). This executor is the pool's only user, so it knows exactly how many blocks are free: the pool client
+mirrors blockd's block tables and counts each block's holders (`BlockView`), and `blockd.block_rule.growth` (the
+rule blockd grants by) says what each op takes. Appends are planned to fit, preempting the most recently
+admitted sequences (recompute: they go back to the head of the queue) until they do, so an append never fails.
+Admits are tried only while their worst case (no prefix hit) fits above a small watermark; blockd answers with
+what was actually cached.
 
 `apply()` takes in blockd's answers entry by entry, by purpose; `schedule()` then hands out the token budget: one
 token to every decoding sequence, then prefill chunks to the others in admission order (chunked prefill), newly
 admitted ones last.
+
+Decoding sequences are registered a block at a time. An append registers every token known and reserves the
+rest of the block the next token goes into (blockd.block_rule); the tokens computed into those reserved slots are
+registered by the append made when the room runs out, so most decode steps need no blockd op at all. Commits
+index only registered tokens; a sequence whose blocks go back registers its computed full blocks first.
+
+`plan_ahead(chunks)` plans the next step while `chunks` (this step) still run, so that its round trip travels
+during this step's forward pass. The tokens this step samples are not known yet: a sampling sequence needs room
+for one more token, which the reserved slots hold. Commits cover what was computed before this step
+(committing a block before its K/V is written could hand it out as a prefix hit), finishes this step samples
+are freed a step later, and admissions count the tokens this step leaves to compute. A plan that would need a
+preemption is not made ahead (None): the engine plans that step after sampling, as `plan()`.
 """
 
 from __future__ import annotations
@@ -27,10 +40,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd import protocol as p
-from blockd.block_rule import growth
+from blockd.block_rule import growth, reservable
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
-from common.tokens import pack_tokens
+from common.tokens import TOKEN_BYTES, pack_tokens
 from executor.sequence import Sequence, Status
 
 
@@ -77,7 +90,7 @@ class Purpose(enum.Enum):
     FORK = "fork"  # a new choice starts sharing its parent's blocks
     FREE = "free"  # finished or aborted: its blocks go back
     PREEMPT = "preempt"  # its blocks go back; it is already queued again, to be recomputed
-    APPEND = "append"  # room for the tokens sampled since the last step
+    APPEND = "append"  # register tokens, and reserve room for the next ones
     ADMIT = "admit"  # a waiting sequence gets blocks for all its tokens
 
 
@@ -183,51 +196,103 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- planning
 
-    def _commit(self, plan: StepPlan, seq: Sequence) -> None:
-        if seq.num_computed // self.block_size > seq.committed_tokens // self.block_size:
-            plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, seq.num_computed))
-            seq.committed_tokens = seq.num_computed
+    def _commit(self, plan: StepPlan, seq: Sequence, registered: int | None = None) -> None:
+        # Tokens computed into reserved slots are not registered yet: blockd can hash only registered tokens.
+        done = min(seq.num_computed, seq.num_registered if registered is None else registered)
+        if done // self.block_size > seq.committed_tokens // self.block_size:
+            plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, done))
+            seq.committed_tokens = done
+
+    def _register_computed(self, plan: StepPlan, seq: Sequence) -> None:
+        """Before a sequence's blocks go back: register its computed tokens that fill a block, and commit, so
+        that its full blocks stay prefix hits. They lie in its reserved slots: no block is taken."""
+        registered = seq.num_registered
+        if seq.num_computed // self.block_size > registered // self.block_size:
+            tokens = pack_tokens(seq.tokens[registered : seq.num_computed])
+            plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens))
+            registered = seq.num_computed
+        self._commit(plan, seq, registered)
+
+    def _room(self, seq: Sequence) -> int:
+        """Token slots blockd holds for the sequence: its registered tokens and its reserved slots."""
+        return seq.num_registered + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
 
     def _append_need(self, seq: Sequence) -> int:
-        """Blocks an append of the sequence's unregistered tokens takes (new blocks, plus a copy-on-write)."""
-        table = self.blocks.seqs[seq.fork_parent or seq.seq_id].blocks
+        """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token
+        known and reserves the rest of the block the next one goes into."""
+        mirrored = self.blocks.seqs[seq.fork_parent or seq.seq_id]
+        table = mirrored.blocks
         # An unforked child's tail is shared with its parent by the time its append reaches blockd.
         shared = seq.fork_parent is not None or self.blocks.refcount[table[-1]] > 1
-        added = len(seq.tokens) - seq.num_registered
-        return growth(self.block_size, seq.num_registered, added, len(table), last_block_shared=shared).blocks
+        return growth(
+            self.block_size,
+            seq.num_registered,
+            len(seq.tokens) - seq.num_registered,
+            len(table),
+            last_block_shared=shared,
+            reserved=mirrored.reserved,
+            reserve=reservable(self.block_size, len(seq.tokens)),
+        ).blocks
 
     def plan(self) -> StepPlan:
+        """The next step's ops, with every sampled token known."""
+        plan = self._plan(None)
+        assert plan is not None
+        return plan
+
+    def plan_ahead(self, chunks: list[Chunk]) -> StepPlan | None:
+        """The next step's ops while `chunks` still run (see the module docstring); None if that plan would need
+        a preemption."""
+        if self.to_preempt:
+            return None
+        return self._plan(chunks)
+
+    def _plan(self, ahead: list[Chunk] | None) -> StepPlan | None:
         plan = StepPlan()
+        # Forks first: a new choice starts from its parent's prompt, before any op registers the parent's
+        # tokens past it.
+        for child in self.to_fork:
+            plan.add(Purpose.FORK, child, p.Fork(child.fork_parent, child.seq_id))
         while self.to_preempt:
             self._preempt(plan, self.to_preempt.pop())
         for seq in self.running:
             if seq.fork_parent is None:
                 self._commit(plan, seq)
         for seq in self.to_free:
-            self._commit(plan, seq)
-        for child in self.to_fork:
-            plan.add(Purpose.FORK, child, p.Fork(child.fork_parent, child.seq_id))
+            self._register_computed(plan, seq)
         for seq in self.to_free:
             plan.add(Purpose.FREE, seq, p.Free(seq.seq_id))
         free = self.blocks.free_blocks + sum(self._releases(s) for s in self.to_free)
 
-        # Appends must all fit: preempt the newest sequences until they do.
-        growing = [s for s in self.running if len(s.tokens) > s.num_registered]
+        # Room for every token the next step computes: a sequence sampling in the step now running (a plan made
+        # ahead) gets one more, not known yet. Most decode steps fit in the slots reserved before; where they do
+        # not, an append registers the tokens known and reserves the rest of the next token's block. A new
+        # choice always appends: its first token must not be written into the block it shares with its parent.
+        sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
+        growing = [
+            s for s in self.running if s.fork_parent is not None or self._room(s) < len(s.tokens) + (id(s) in sampling)
+        ]
         while True:
             need = sum(self._append_need(s) for s in growing)
             if need <= free or not self.running:
                 break
+            if ahead is not None:
+                return None  # preempting a sequence while it runs: left to the plan made after sampling
             victim = self._victim()
             free += self._releases(victim)
             self._preempt(plan, victim)
             growing = [s for s in growing if s is not victim]
         for seq in growing:
-            plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, pack_tokens(seq.tokens[seq.num_registered :])))
+            tokens = pack_tokens(seq.tokens[seq.num_registered :])
+            plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens, reservable(self.block_size, len(seq.tokens))))
         free -= need
 
+        # The token budget left once the running sequences have what they still need after this step.
+        computed = {} if ahead is None else {id(c.seq): c.start + len(c.token_ids) for c in ahead}
         budget = self.max_num_batched_tokens
         for seq in self.running:
-            budget -= min(len(seq.tokens) - seq.num_computed, budget)
+            left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
+            budget -= min(left, budget)
         free_slots = self.max_num_seqs - len(self.running)
         pending = self._uncommitted_prefixes() if self.waiting else {}
         for seq in self.waiting:
@@ -283,6 +348,8 @@ class Scheduler:
         """Blocks that freeing `seq` would return to the pool."""
         if seq.fork_parent is not None:
             return 0
+        if any(child.fork_parent == seq.seq_id for child in self.to_fork):
+            return 0  # a choice forked from it in the same step (forks go first) holds every block it had
         refcount = self.blocks.refcount
         return sum(1 for b in self.blocks.seqs[seq.seq_id].blocks if refcount[b] == 1)
 
@@ -298,7 +365,7 @@ class Scheduler:
             plan.drop(seq)
             seq.fork_parent = None
         else:
-            self._commit(plan, seq)
+            self._register_computed(plan, seq)
             plan.add(Purpose.PREEMPT, seq, p.Free(seq.seq_id))
         seq.status = Status.WAITING
         seq.num_computed = seq.num_registered = seq.committed_tokens = 0
@@ -322,7 +389,7 @@ class Scheduler:
                     self.waiting.remove(seq)
                     seq.status = Status.RUNNING
                     seq.admitted_order = next(self._order)
-                    seq.num_registered = len(seq.tokens)
+                    seq.num_registered = len(entry.op.tokens) // TOKEN_BYTES
                     seq.num_computed = seq.committed_tokens = result.num_cached_tokens
                     if seq.preemptions == 0 and seq.index == 0:
                         seq.request.num_cached_tokens = result.num_cached_tokens
@@ -331,7 +398,9 @@ class Scheduler:
                 case Purpose.APPEND:
                     assert type(result) is p.AppendResult
                     outcome.copies.extend(result.copies)
-                    seq.num_registered = len(seq.tokens)
+                    if seq.status is Status.RUNNING:  # (a preempted one starts again from nothing)
+                        # The tokens it carried: a plan made ahead leaves out the one sampled meanwhile.
+                        seq.num_registered += len(entry.op.tokens) // TOKEN_BYTES
                 case Purpose.FORK:
                     seq.fork_parent = None
                     self.to_fork.remove(seq)
@@ -349,6 +418,12 @@ class Scheduler:
         out_of_blocks = error.code == ErrorCode.OUT_OF_BLOCKS
         if entry.purpose is Purpose.ADMIT and out_of_blocks:
             return  # out of blocks after all (the estimate was stale): it stays at the head of the queue
+        if entry.seq.status is not Status.RUNNING and entry.purpose is not Purpose.ADMIT:
+            # Its blocks go back in this step (finished, aborted, preempted): a registration or a commit refused
+            # costs a prefix-index entry at most, and a refused free leaves nothing to free again.
+            if entry.purpose is Purpose.FREE and entry.seq in self.to_free:
+                self.to_free.remove(entry.seq)
+            return
         if entry.purpose is Purpose.APPEND and out_of_blocks:
             # The free-block estimate was wrong after all: recompute the sequence later.
             self.running.remove(entry.seq)
@@ -363,7 +438,8 @@ class Scheduler:
         newly = set(map(id, outcome.admitted))
         ordered = [s for s in self.running if id(s) not in newly and s.fork_parent is None]
         ordered.sort(key=lambda s: len(s.tokens) - s.num_computed > 1)  # decodes (one token) first, stable
-        for seq in ordered + outcome.admitted:
+        admitted = [s for s in outcome.admitted if s.status is Status.RUNNING]  # (not aborted since)
+        for seq in ordered + admitted:
             if budget <= 0:
                 break
             remaining = len(seq.tokens) - seq.num_computed

@@ -4,11 +4,13 @@ A request with n choices starts as one sequence (choice 0). When its prompt has 
 n - 1 choices are forked from it in blockd, so they share the prompt's blocks; each then samples on its own.
 
 Per sequence, three counters always satisfy
-    num_computed <= num_registered <= len(tokens)
+    num_computed <= num_registered + reserved  and  num_registered <= len(tokens)
 `num_computed` tokens have K/V in the cache, `num_registered` tokens are known to blockd (it holds blocks for
-them), and `tokens` ends with the last sampled token, whose K/V the next step computes. `tokens` only grows;
-the two counters move forward while the sequence runs, and preemption resets both (and `committed_tokens`) to 0:
-its blocks are freed and it is admitted again later, recomputing what the prefix cache no longer holds.
+them, and `reserved` slots past them: room for tokens computed before they are registered, see
+executor.scheduler), and `tokens` ends with the last sampled token, whose K/V the next step computes. `tokens`
+only grows; the two counters move forward while the sequence runs, and preemption resets both (and
+`committed_tokens`) to 0: its blocks are freed and it is admitted again later, recomputing what the prefix
+cache no longer holds.
 """
 
 from __future__ import annotations

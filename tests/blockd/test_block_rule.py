@@ -1,41 +1,58 @@
-"""The block rule against a brute-force count of token slots (block by block, no division)."""
+"""The block rule against a brute-force count of token slots (slot by slot, no division)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockd.block_rule import Growth, growth
+from blockd.block_rule import Growth, growth, reservable
 
 
-def _slots_counted(block_size: int, num_tokens: int, num_new_tokens: int, shared: bool) -> tuple[int, int]:
-    """(fresh blocks appended, blocks copied), by filling slots one token at a time."""
-    blocks, filled = 0, 0  # blocks of the table, tokens in its last block
-    for _ in range(num_tokens):
-        if blocks == 0 or filled == block_size:
-            blocks, filled = blocks + 1, 0
-        filled += 1
+def _slots_counted(
+    block_size: int, num_tokens: int, num_new_tokens: int, shared: bool, reserved: int, reserve: int
+) -> tuple[int, int]:
+    """(fresh blocks appended, blocks copied), by walking the slots a growth touches one at a time."""
+    blocks = 0
+    while blocks * block_size < num_tokens + reserved:
+        blocks += 1
     table = blocks
+    room = num_tokens + reserved  # slots the table already holds for this sequence
+    keep = max(reserve, reserved - num_new_tokens, 0)
     copied = 0
-    for _ in range(num_new_tokens):
-        if blocks == 0 or filled == block_size:
-            blocks, filled = blocks + 1, 0
-        elif shared and blocks == table and not copied:  # first write into the shared, partly filled last block
+    for slot in range(num_tokens, num_tokens + num_new_tokens + keep):
+        written = slot < num_tokens + num_new_tokens or slot >= room  # a token, or a newly reserved slot
+        if slot >= blocks * block_size:
+            blocks += 1
+        elif written and shared and slot // block_size == table - 1:  # a write into the shared last block
             copied = 1
-        filled += 1
     return blocks - table, copied
 
 
-@given(
-    block_size=st.integers(1, 8),
-    num_tokens=st.integers(0, 40),
-    num_new_tokens=st.integers(0, 40),
-    shared=st.booleans(),
-)
-def test_growth_matches_counting_slots(block_size: int, num_tokens: int, num_new_tokens: int, shared: bool) -> None:
-    table_blocks = -(-num_tokens // block_size)
-    got = growth(block_size, num_tokens, num_new_tokens, table_blocks, last_block_shared=shared)
-    new, copied = _slots_counted(block_size, num_tokens, num_new_tokens, shared)
+@st.composite
+def _growths(draw: st.DrawFn) -> tuple[int, int, int, bool, int, int]:
+    block_size = draw(st.integers(1, 8))
+    num_tokens = draw(st.integers(1, 40))
+    num_new_tokens = draw(st.integers(0, 40))
+    # Reservations end in the block their first slot is in (blockd checks the one asked for).
+    reserved = draw(st.integers(0, reservable(block_size, num_tokens)))
+    reserve = draw(st.integers(0, reservable(block_size, num_tokens + num_new_tokens)))
+    return block_size, num_tokens, num_new_tokens, draw(st.booleans()), reserved, reserve
+
+
+@given(_growths())
+def test_growth_matches_counting_slots(case: tuple[int, int, int, bool, int, int]) -> None:
+    block_size, num_tokens, num_new_tokens, shared, reserved, reserve = case
+    table_blocks = -(-(num_tokens + reserved) // block_size)
+    got = growth(
+        block_size,
+        num_tokens,
+        num_new_tokens,
+        table_blocks,
+        last_block_shared=shared,
+        reserved=reserved,
+        reserve=reserve,
+    )
+    new, copied = _slots_counted(block_size, num_tokens, num_new_tokens, shared, reserved, reserve)
     assert (got.new_blocks, int(got.copy_on_write)) == (new, copied)
     assert got.blocks == new + copied
 
@@ -47,3 +64,14 @@ def test_examples() -> None:
     assert growth(4, 8, 1, 2, last_block_shared=True) == Growth(1, False)  # a full shared block is never written
     assert growth(4, 6, 0, 2, last_block_shared=True) == Growth(0, False)  # nothing written, nothing copied
     assert growth(4, 6, 1, 3).blocks == 0  # a table longer than the tokens need takes nothing (never negative)
+
+
+def test_reservation_examples() -> None:
+    assert reservable(4, 8) == 4 and reservable(4, 9) == 3  # to the end of the next token's block
+    assert growth(4, 8, 0, 2, reserve=4) == Growth(1, False)  # room for the next block's tokens, ahead of them
+    assert growth(4, 8, 3, 3, reserved=4) == Growth(0, False)  # tokens computed into it, registered later
+    assert growth(4, 8, 4, 3, reserved=4, reserve=4) == Growth(1, False)  # it ran out: register, reserve on
+    assert growth(4, 6, 0, 2, reserved=2, reserve=1) == Growth(0, False)  # a reservation lasts until filled
+    # A fork shares the reserved slots too: the first of the two to write there copies the block.
+    assert growth(4, 6, 1, 2, last_block_shared=True, reserved=2) == Growth(0, True)
+    assert growth(4, 8, 0, 3, last_block_shared=True, reserved=4, reserve=4) == Growth(0, False)

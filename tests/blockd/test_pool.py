@@ -232,6 +232,54 @@ def test_copy_on_write_out_of_blocks_changes_nothing() -> None:
     assert pool_state(pool) == before
 
 
+def test_reserved_slots_hold_tokens_computed_before_they_are_registered() -> None:
+    pool = make_pool(8, 4)
+    pool.admit("a", [1, 2, 3, 4, 5])  # blocks 0, 1; slots 5-7 of block 1 are empty
+    assert pool.append("a", [], reserve=3) == AppendResult()  # room for 3 tokens, in the block it already holds
+    assert pool.seqs["a"].reserved == 3 and pool.check() == []
+    assert pool.append("a", [6, 7]) == AppendResult()  # computed into reserved slots, registered now
+    assert pool.seqs["a"].reserved == 1 and pool.token_ids("a") == [1, 2, 3, 4, 5, 6, 7]
+    r = pool.append("a", [8], reserve=4)  # the block is full: the next four go into a fresh one
+    assert r.blocks == (2,) and pool.seqs["a"].reserved == 4
+    assert pool.seqs["a"].table == [0, 1, 2] and pool.check() == []
+    assert pool.commit("a", 8) == 2  # registered tokens are hashed; the reserved slots are not
+    pool.free("a")
+    assert pool.check() == []
+
+
+def test_a_reservation_past_its_block_is_refused_and_changes_nothing() -> None:
+    pool = make_pool(8, 4)
+    pool.admit("a", [1, 2, 3, 4, 5])
+    before = pool_state(pool)
+    err = expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [], reserve=4)
+    assert "at most 3" in err.message
+    expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [6, 7, 8], reserve=5)  # at most 4: a fresh block
+    expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [6], reserve=-1)
+    assert pool_state(pool) == before
+
+
+def test_a_fork_shares_the_reserved_slots_and_the_first_to_write_there_copies_the_block() -> None:
+    pool = make_pool(8, 4)
+    pool.admit("a", [1, 2, 3, 4, 5])
+    pool.append("a", [], reserve=3)
+    pool.fork("a", "b")
+    assert pool.seqs["b"].reserved == 3 and pool.refcount[:2] == [2, 2]
+    r = pool.append("b", [9])  # the child's first token: not into the block its parent writes
+    assert r.copies == ((1, 2),) and pool.seqs["b"].table == [0, 2] and pool.seqs["b"].reserved == 2
+    assert pool.append("a", [6]) == AppendResult()  # the parent holds its block alone again
+    assert pool.check() == []
+
+
+def test_restore_sequence_takes_reserved_slots_within_its_last_block() -> None:
+    pool = make_pool(8, 4)
+    pool.restore_sequence("a", [1, 2, 3, 4, 5], [3, 6], 5, reserved=3)
+    assert pool.seqs["a"].reserved == 3 and pool.check() == []
+    before = pool_state(pool)
+    expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4, 5], [0, 1, 2], 5, reserved=4)
+    expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4, 5], [0, 1], 5, reserved=4)
+    assert pool_state(pool) == before
+
+
 def test_append_out_of_blocks_reports_what_is_missing_and_changes_nothing() -> None:
     pool = make_pool(3, 2)
     pool.admit("a", [1, 2, 3])  # blocks 0, 1; one free

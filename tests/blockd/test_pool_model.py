@@ -43,11 +43,14 @@ class ModelError(Exception):
 
 
 class ModelSeq:
-    def __init__(self, tokens: list[int], table: list[int], committed: int, salt: str | None) -> None:
+    def __init__(
+        self, tokens: list[int], table: list[int], committed: int, salt: str | None, reserved: int = 0
+    ) -> None:
         self.tokens = tokens
         self.table = table
         self.committed = committed
         self.salt = salt
+        self.reserved = reserved  # slots held past the tokens for a token still being sampled
 
 
 class Model:
@@ -157,20 +160,29 @@ class Model:
         c["granted_blocks"] += needed
         return table, [self.generation[b] for b in table], len(hits) * self.bs
 
-    def append(self, sid: str, tokens: list[int]) -> tuple[tuple, tuple, tuple, tuple]:
+    def append(self, sid: str, tokens: list[int], reserve: int = 0) -> tuple[tuple, tuple, tuple, tuple]:
         seq = self.seq(sid)
-        if any(not 0 <= t < 2**32 for t in tokens):
-            raise ModelError(ErrorCode.INVALID_REQUEST)
         n_old = len(seq.tokens)
-        new_blocks = -(-(n_old + len(tokens)) // self.bs) - len(seq.table)
-        cow = n_old % self.bs != 0 and self.refcount[seq.table[-1]] > 1
+        n_new = n_old + len(tokens)
+        # A reservation must end in the block its first slot is in.
+        if not 0 <= reserve <= self.bs - n_new % self.bs or any(not 0 <= t < 2**32 for t in tokens):
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        # Tokens fill the reserved slot first; a reservation not filled stays.
+        left = seq.reserved - min(seq.reserved, len(tokens))
+        keep = max(reserve, left)
+        new_blocks = -(-(n_old + len(tokens) + keep) // self.bs) - len(seq.table)
+        writes = bool(tokens) or reserve > seq.reserved
+        tail_has_room = len(seq.table) * self.bs > n_old
+        cow = writes and tail_has_room and self.refcount[seq.table[-1]] > 1
         if new_blocks <= 0 and not cow:
             seq.tokens.extend(tokens)
+            seq.reserved = keep
             return (), (), (), ()
         needed = max(new_blocks, 0) + int(cow)
         if needed > len(self.free):
             raise ModelError(ErrorCode.OUT_OF_BLOCKS, needed - len(self.free))
         seq.tokens.extend(tokens)
+        seq.reserved = keep
         self.counters["granted_blocks"] += needed
         copies: tuple = ()
         copy_gens: tuple = ()
@@ -210,7 +222,7 @@ class Model:
             raise ModelError(ErrorCode.SEQUENCE_EXISTS)
         for b in p.table:
             self.refcount[b] += 1
-        self.seqs[child] = ModelSeq(list(p.tokens), list(p.table), p.committed, p.salt)
+        self.seqs[child] = ModelSeq(list(p.tokens), list(p.table), p.committed, p.salt, p.reserved)
         self.freed.discard(child)
 
     def free_seq(self, sid: str) -> int:
@@ -390,11 +402,18 @@ class PoolMachine(RuleBasedStateMachine):
     def op_append(self, data: st.DataObject, sid: str | None = None) -> None:
         if sid is None:
             sid = data.draw(st.sampled_from(self.live()))
-        tokens = data.draw(st.lists(TOKENS, min_size=1, max_size=5))
-        if data.draw(st.integers(0, 19)) == 19:  # now and then an id out of range
+        # A reservation: room for tokens computed before they are registered (the engine's decode steps); now
+        # and then one reaching past its block.
+        tokens = data.draw(st.lists(TOKENS, min_size=0, max_size=5))
+        n_new = len(self.model.seqs[sid].tokens) + len(tokens) if sid in self.model.seqs else len(tokens)
+        most = self.model.bs - n_new % self.model.bs
+        reserve = data.draw(st.sampled_from([0, 0, 1, most, most, most + 1]))
+        if tokens and data.draw(st.integers(0, 19)) == 19:  # now and then an id out of range
             tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(st.sampled_from([-1, 2**32]))
         out = self.both(
-            f"append({sid!r}, {tokens})", lambda: self.pool.append(sid, tokens), lambda: self.model.append(sid, tokens)
+            f"append({sid!r}, {tokens}, reserve={reserve})",
+            lambda: self.pool.append(sid, tokens, reserve),
+            lambda: self.model.append(sid, tokens, reserve),
         )
         if isinstance(out, tuple):
             got, (blocks, gens, copies, copy_gens) = out
@@ -404,6 +423,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert got.copy_generations == copy_gens
             if copies:
                 event("append: copy-on-write")
+            if reserve and not tokens:
+                event("append: a reservation alone")
             self.history.append((list(self.model.seqs[sid].tokens), self.model.seqs[sid].salt))
 
     def op_commit_all_computed(self, data: st.DataObject) -> None:
@@ -506,7 +527,7 @@ class PoolMachine(RuleBasedStateMachine):
         p2.adopt_generations(executor_generations)
         for sid, seq in pool.seqs.items():
             salt = next(s for s in SALTS if pool.extra_for(s) == seq.extra)
-            p2.restore_sequence(sid, pool.token_ids(sid), seq.table, seq.committed * bs, salt)
+            p2.restore_sequence(sid, pool.token_ids(sid), seq.table, seq.committed * bs, salt, seq.reserved)
         p2.restore_index(snap.items(), executor_generations)
         assert p2.check() == []
         assert p2.refcount == pool.refcount
@@ -550,7 +571,12 @@ class PoolMachine(RuleBasedStateMachine):
         assert set(pool.seqs) == set(model.seqs)
         for sid, seq in pool.seqs.items():
             m = model.seqs[sid]
-            assert (pool.token_ids(sid), seq.table, seq.committed) == (m.tokens, m.table, m.committed), sid
+            assert (pool.token_ids(sid), seq.table, seq.committed, seq.reserved) == (
+                m.tokens,
+                m.table,
+                m.committed,
+                m.reserved,
+            ), sid
             assert seq.extra == pool.extra_for(m.salt)
         assert msgspec.structs.asdict(pool.counters) == model.counters
         if pool.counters.evictions:
@@ -573,7 +599,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert sum(x is not None for x in pool.block_hash) == len(pool.index)
         # I4: block counts and committed blocks.
         for sid, s in pool.seqs.items():
-            assert len(s.table) == -(-pool.num_tokens(sid) // pool.block_size)
+            assert 0 <= s.reserved <= pool.block_size - pool.num_tokens(sid) % pool.block_size
+            assert len(s.table) == -(-(pool.num_tokens(sid) + s.reserved) // pool.block_size)
             assert s.committed <= pool.num_tokens(sid) // pool.block_size
         # I5: uncached free blocks first, then cached ones in least-recently-freed order.
         cached = [pool.block_hash[b] is not None for b in pool.free_queue]

@@ -69,9 +69,14 @@ def check_sequence_invariants(engine: Engine) -> None:
     scheduler = engine.scheduler
     for seq in scheduler.running:
         assert seq.status is Status.RUNNING
-        assert seq.num_computed <= seq.num_registered <= len(seq.tokens), seq
+        assert seq.num_registered <= len(seq.tokens), seq
         if seq.fork_parent is None:
-            assert seq.seq_id in engine.pool.seqs
+            mirrored = engine.pool.seqs[seq.seq_id]
+            # A token computed before it is registered sits in the slot blockd reserved for it.
+            assert seq.num_computed <= seq.num_registered + mirrored.reserved, seq
+            assert len(mirrored.tokens) // 4 == seq.num_registered, seq
+            bs = engine.pool.block_size
+            assert len(mirrored.blocks) == -(-(seq.num_registered + mirrored.reserved) // bs), seq
     for seq in scheduler.waiting:
         assert seq.status is Status.WAITING and seq.seq_id not in engine.pool.seqs
     held = Counter(b for s in engine.pool.seqs.values() for b in s.blocks)

@@ -2,8 +2,10 @@
 
 `Harness.step` is the engine's step loop (plan -> one blockd step -> apply -> schedule) with a stand-in for the
 model: every scheduled chunk counts as computed, and a chunk that reaches its sequence's end samples a made-up
-token. After every step blockd's pool passes its invariant check and the pool client's mirror counts exactly
-blockd's refcounts.
+token. `pipelined=True` runs it as the engine does: the next step planned ahead and sent before the chunks are
+computed, its answers taken in by the next step. After every step blockd's pool passes its invariant check, and
+whenever a step's answers are in, the pool client's mirror counts exactly blockd's refcounts. Every slot a chunk
+writes is checked: never in a block the prefix index names, never one another live sequence reads.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import pytest
+
 from blockd.client import MirroredSequence, PoolClient
 from blockd.inprocess import InProcessBlockd
 from blockd.pool import BlockPool
 from executor.params import SamplingParams
-from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan
+from executor.scheduler import Chunk, Purpose, Scheduler, StepOutcome, StepPlan
 from executor.sequence import Request, Sequence, Status
 
 POOL = "pool"
@@ -45,7 +49,13 @@ class Harness:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 64,
         watermark_blocks: int = 0,
+        pipelined: bool = False,
+        stops: random.Random | None = None,
     ) -> None:
+        self.pipelined = pipelined
+        self.stops = stops  # when given, a sampled token now and then is a stop token
+        self.ahead: StepPlan | None = None  # the step planned and sent ahead (pipelined)
+        self.deferred_aborts: list[Request] = []
         self.blockd = InProcessBlockd()
         self.pool = PoolClient(
             self.blockd,
@@ -99,27 +109,64 @@ class Harness:
         return seq
 
     def abort(self, request: Request) -> None:
-        """What Engine.abort does to the scheduler: every choice so far ends; the rest never start."""
+        """What Engine.abort does to the scheduler: every choice so far ends; the rest never start. While a step
+        is in flight it waits for that step's answers, as the engine's does."""
         self.aborted.add(request.request_id)
+        if self.ahead is not None:
+            self.deferred_aborts.append(request)
+            return
         for seq in request.sequences:
             self.scheduler.finish(seq, "abort")
 
     def step(self) -> StepRecord:
         scheduler = self.scheduler
-        plan = scheduler.plan()
-        results = self.pool.step(plan.ops) if plan.entries else []
+        if self.ahead is None:
+            plan = scheduler.plan()
+            results = self.pool.step(plan.ops) if plan.entries else []
+        else:
+            plan, self.ahead = self.ahead, None
+            results = self.pool.finish_step() if plan.entries else []
         outcome = scheduler.apply(plan, results)
+        assert self.pool.refcount == self.blockd_pool.refcount
         assert not (self.exact and scheduler.to_preempt), "blockd refused an append the plan said would fit"
+        for request in self.deferred_aborts:
+            self.abort(request)
+        self.deferred_aborts.clear()
         chunks = scheduler.schedule(outcome)
         assert sum(len(c.token_ids) for c in chunks) <= scheduler.max_num_batched_tokens
+        if self.pipelined and chunks:
+            self.ahead = scheduler.plan_ahead(chunks)
+            if self.ahead is not None and self.ahead.entries:
+                self.pool.submit_step(self.ahead.ops)
+        self._check_writes(chunks)
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + len(chunk.token_ids)
         for chunk in chunks:
             if chunk.samples:
                 self._sample(chunk.seq)
         assert self.blockd_pool.check() == []
-        assert self.pool.refcount == self.blockd_pool.refcount
         return StepRecord(plan, outcome, chunks)
+
+    def _check_writes(self, chunks: list[Chunk]) -> None:
+        """No slot the chunks write (by the tables the forward pass uses: the mirror's) is indexed as a prefix
+        or read by another live sequence."""
+        bs = self.scheduler.block_size
+        tables = self.pool.seqs
+        read: dict[tuple[int, int], str] = {}  # (block, slot) -> a sequence whose computed tokens are there
+        for seq in self.scheduler.running:
+            if seq.fork_parent is None:
+                table = tables[seq.seq_id].blocks
+                for pos in range(seq.num_computed):
+                    read[table[pos // bs], pos % bs] = seq.seq_id
+        for chunk in chunks:
+            table = tables[chunk.seq.seq_id].blocks
+            for pos in range(chunk.start, chunk.start + len(chunk.token_ids)):
+                block = table[pos // bs]
+                assert self.blockd_pool.block_hash[block] is None, (
+                    f"{chunk.seq.seq_id} writes into block {block}, which the prefix index names"
+                )
+                reader = read.get((block, pos % bs))
+                assert reader is None, f"{chunk.seq.seq_id} writes slot {pos % bs} of block {block}, read by {reader}"
 
     def _sample(self, seq: Sequence) -> None:
         """What Engine._sample does to the scheduler's state, with made-up tokens."""
@@ -133,15 +180,22 @@ class Harness:
             child.num_computed = child.num_registered = child.committed_tokens = seq.prompt_len
             request.sequences.append(child)
             child.tokens.append(self._token(child))
-            if child.num_generated >= request.params.max_tokens:
-                child.status, child.finish_reason = Status.FINISHED, "length"
+            reason = self._finish_reason(child)
+            if reason is not None:
+                child.status, child.finish_reason = Status.FINISHED, reason
             else:
                 self.scheduler.fork(seq, child)
 
     def _grow(self, seq: Sequence) -> None:
         seq.tokens.append(self._token(seq))
-        if seq.num_generated >= seq.params.max_tokens:
-            self.scheduler.finish(seq, "length")
+        reason = self._finish_reason(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        if self.stops is not None and self.stops.random() < 0.1:
+            return "stop"
+        return "length" if seq.num_generated >= seq.params.max_tokens else None
 
     @staticmethod
     def _token(seq: Sequence) -> int:
@@ -162,7 +216,8 @@ class Harness:
                 continue
             assert request.finished, request.request_id
             for seq in request.sequences:
-                if seq.finish_reason != "abort":
+                assert seq.finish_reason in ("length", "stop", "abort"), (seq.seq_id, seq.finish_reason)  # not "error"
+                if seq.finish_reason == "length":
                     assert seq.num_generated == request.params.max_tokens, seq.seq_id
         assert not self.blockd_pool.seqs
         assert len(self.blockd_pool.free_queue) == self.blockd_pool.num_blocks
@@ -419,16 +474,30 @@ def test_a_sharer_is_not_held_once_the_prefix_is_committed_or_its_owner_is_gone(
     harness.run()
 
 
-def test_random_workloads_finish_with_every_block_back() -> None:
-    for seed in range(6):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["planned-after", "planned-ahead"])
+def test_random_workloads_finish_with_every_block_back(pipelined: bool) -> None:
+    hits = 0
+    for seed in range(int(__import__("os").environ.get("SEEDS", "12"))):
         rng = random.Random(seed)
-        h = Harness(num_blocks=rng.randint(8, 16), block_size=rng.choice([2, 4]), max_num_seqs=4)
+        h = Harness(
+            num_blocks=rng.randint(8, 16),
+            block_size=rng.choice([2, 4]),
+            max_num_seqs=4,
+            pipelined=pipelined,
+            stops=random.Random(seed) if seed % 2 else None,
+        )
         capacity = h.scheduler.num_blocks * h.scheduler.block_size
         live: list[Sequence] = []
         for step in range(300):
             if step < 40 and rng.random() < 0.3:
                 prompt_len = rng.randint(1, capacity // 3)
-                live.append(h.submit(f"r{step}", prompt_len, max_tokens=rng.randint(1, 8), n=rng.randint(1, 3)))
+                prompt = None
+                if live and rng.random() < 0.5:  # a follow-up: an earlier sequence's tokens, and more (prefix hits)
+                    earlier = rng.choice(live).tokens
+                    prompt = earlier[: rng.randint(1, len(earlier))] + [rng.randint(1, 50) for _ in range(3)]
+                    prompt = prompt[: capacity // 3]
+                n = rng.randint(1, 3)
+                live.append(h.submit(f"r{step}", prompt_len, max_tokens=rng.randint(1, 8), n=n, prompt=prompt))
             if live and rng.random() < 0.05:
                 h.abort(rng.choice(live).request)
             if step >= 40 and not h.scheduler.has_work():
@@ -436,3 +505,37 @@ def test_random_workloads_finish_with_every_block_back() -> None:
             h.step()
         h.run()
         h.assert_all_done()
+        hits += sum(r.num_cached_tokens for r in h.requests)
+    assert hits > 0
+
+
+# ------------------------------------------------------------------------------- registration, planned ahead
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["planned-after", "planned-ahead"])
+def test_a_decoding_sequence_is_registered_a_block_at_a_time_and_its_blocks_stay_hits(pipelined: bool) -> None:
+    h = Harness(num_blocks=16, block_size=4, pipelined=pipelined)
+    seq = h.submit("long", 4, max_tokens=20)
+    records = h.run()
+    appends = [e for r in records for e in r.plan.entries if e.seq is seq and e.purpose is Purpose.APPEND]
+    # 20 decode steps, one append each block (the prompt's own block is taken at admission), not one a token.
+    assert 5 <= len(appends) <= 7, len(appends)
+    assert seq.finish_reason == "length"
+    # Its computed tokens (all but the last sampled one) were registered and committed before its blocks went
+    # back: a follow-up prompt finds every full block of them cached.
+    follow = h.submit("follow", 0, prompt=[*seq.tokens, 7])
+    h.run()
+    assert follow.request.num_cached_tokens == (len(seq.tokens) - 1) // 4 * 4 == 20
+
+
+def test_a_plan_made_ahead_leaves_a_preemption_to_the_plan_made_after_sampling() -> None:
+    h = Harness(num_blocks=6, block_size=4, pipelined=True)
+    older = h.submit("older", 11, max_tokens=12)  # 3 blocks
+    newer = h.submit("newer", 11, max_tokens=12)  # 3 blocks: the pool is full once both grow past 12 tokens
+    ahead_none = 0
+    while h.scheduler.has_work():
+        h.step()
+        ahead_none += h.ahead is None and h.scheduler.has_work()
+    assert h.scheduler.num_preemptions >= 1 and ahead_none >= 1
+    assert older.preemptions == 0 and newer.preemptions >= 1
+    h.assert_all_done()
