@@ -5,7 +5,9 @@ chunk -> sampling -> deltas. The round trip is off the critical path: once a ste
 next step is planned (`Scheduler.plan_ahead`: a slot reserved for each token being sampled) and sent
 (`PoolClient.submit_step`) before the forward pass, and its answers are collected (`finish_step`) when the next
 step starts, so blockd works while the model does. A step with nothing sent ahead (the first, one after a
-failed round trip, one whose plan needs a preemption) is planned after sampling and sent synchronously. The
+failed round trip, one whose plan needs a preemption) is planned after sampling and sent synchronously; requests
+that arrived after a step was planned get one extra round trip (admits alone) before it is scheduled, so that
+they start in it rather than a step later. The
 engine is single-threaded and owns everything it touches; the server drives it and carries its deltas to
 gateways.
 
@@ -31,7 +33,7 @@ from executor import protocol as ep
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, ModelRunner
 from executor.sampling import Sampler, SampleRow, choice_generator
-from executor.scheduler import Chunk, Scheduler, StepPlan
+from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan
 from executor.sequence import Request, Sequence, Status
 from executor.structured import GrammarRejected, Grammars, new_matcher
 from executor.threads import ThreadGovernor
@@ -89,6 +91,7 @@ class Engine:
         # or, after its blockd call failed for good, to be sent again (after a re-sync) by the next step() call;
         # meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
         self._pending: StepPlan | None = None
+        self._pending_ahead = False  # it was planned while the step before ran (sent or not: it may have no ops)
         self._in_flight = False
         self._resync_first = False
         self._deferred_aborts: list[tuple[str, int | None]] = []
@@ -274,17 +277,19 @@ class Engine:
         scheduler = self.scheduler
         if self._pending is None:
             self._pending = scheduler.plan()
-        plan = self._pending
+        plan, planned_ahead = self._pending, self._pending_ahead
         results = self._round_trip(plan.ops) if plan.entries else []
-        self._pending = None
+        self._pending, self._pending_ahead = None, False
         outcome = scheduler.apply(plan, results)
-        deltas = [self._delta(seq, [], None) for seq, _ in outcome.failed]
-        for seq, _ in outcome.failed:
-            self._forget_if_done(seq.request)
+        self.runner.copy_blocks(outcome.copies)
+        deltas = self._failed(outcome)
         for request_id, index in self._take_deferred_aborts():  # before scheduling: an aborted choice never runs
             deltas += self.abort(request_id, index)
+        if planned_ahead and scheduler.arrived:
+            late = self._admit_arrivals()
+            outcome.admitted += late.admitted
+            deltas += self._failed(late)
         chunks = scheduler.schedule(outcome)
-        self.runner.copy_blocks(outcome.copies)
         if chunks:
             self.steps += 1
             if self.threads is not None:
@@ -303,6 +308,23 @@ class Engine:
             return [*deltas, *self._admit_compiled()]
         return deltas
 
+    def _admit_arrivals(self) -> StepOutcome:
+        """Requests that arrived after this step was planned (ahead) get one more round trip, admits alone, so
+        that they start in this step rather than wait a step for the next plan: a first token one step sooner."""
+        arrivals = self.scheduler.plan_arrivals()
+        if not arrivals.entries:
+            return StepOutcome()
+        self._pending = arrivals  # sent again by the next step() call if blockd is away
+        results = self._round_trip(arrivals.ops)
+        self._pending = None
+        return self.scheduler.apply(arrivals, results)
+
+    def _failed(self, outcome: StepOutcome) -> list[ep.Delta]:
+        """Deltas for the sequences whose ops blockd refused (they ended with "error")."""
+        for seq, _ in outcome.failed:
+            self._forget_if_done(seq.request)
+        return [self._delta(seq, [], None) for seq, _ in outcome.failed]
+
     def _take_deferred_aborts(self) -> list[tuple[str, int | None]]:
         taken, self._deferred_aborts = self._deferred_aborts, []
         return taken
@@ -314,7 +336,7 @@ class Engine:
         plan = self.scheduler.plan_ahead(chunks)
         if plan is None:
             return
-        self._pending = plan
+        self._pending, self._pending_ahead = plan, True
         if plan.entries:
             try:
                 self.pool.submit_step(plan.ops)

@@ -158,11 +158,13 @@ class Scheduler:
         self.to_preempt: list[Sequence] = []  # blockd refused their append after all: preempted next step
         self._order = itertools.count()
         self.num_preemptions = 0
+        self.arrived = False  # a sequence was added since admissions were last planned
 
     # ----------------------------------------------------------------------------------------- state
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.arrived = True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.to_free or self.to_fork or self.to_preempt)
@@ -293,6 +295,23 @@ class Scheduler:
         for seq in self.running:
             left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
             budget -= min(left, budget)
+        self._admit(plan, free, budget)
+        return plan
+
+    def plan_arrivals(self) -> StepPlan:
+        """Admits alone, for requests that arrived after the step now starting was planned ahead: sent before
+        it is scheduled, they join this step instead of the next. The running sequences' room is held already."""
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            budget -= min(len(seq.tokens) - seq.num_computed, budget)
+        self._admit(plan, self.blocks.free_blocks, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, free: int, budget: int) -> None:
+        """Admits for the waiting sequences, first come first served, while blocks (`free`, above the watermark),
+        sequence slots and the token budget allow."""
+        self.arrived = False
         free_slots = self.max_num_seqs - len(self.running)
         pending = self._uncommitted_prefixes() if self.waiting else {}
         for seq in self.waiting:
@@ -314,7 +333,6 @@ class Scheduler:
             free -= worst
             free_slots -= 1
             budget -= 1
-        return plan
 
     # Requests that share a prefix often arrive together (one system prompt, n-shot examples), but blockd indexes
     # a block only once it is computed and committed. Admitted in the same step, each would compute (and hold)
