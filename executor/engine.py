@@ -314,9 +314,12 @@ class Engine:
         arrivals = self.scheduler.plan_arrivals()
         if not arrivals.entries:
             return StepOutcome()
-        self._pending = arrivals  # sent again by the next step() call if blockd is away
-        results = self._round_trip(arrivals.ops)
-        self._pending = None
+        try:
+            results = self._round_trip(arrivals.ops)
+        except BlockdUnavailable:
+            # They wait for the next plan, which re-syncs first (undoing what blockd may have applied of these
+            # admits); this step goes on with what it has.
+            return StepOutcome()
         return self.scheduler.apply(arrivals, results)
 
     def _failed(self, outcome: StepOutcome) -> list[ep.Delta]:
