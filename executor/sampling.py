@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from executor.params import SamplingParams
+from kernels.pointwise import argmax_rows
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n choices apart
 
@@ -89,7 +90,7 @@ class Sampler:
             self._constrain(processed, rows, constrained)
         if any(row.params.processes_logits for row in rows):
             processed = process_logits(processed if constrained else logits.clone(), rows, self.eos_token_ids)
-        tokens = torch.argmax(processed, dim=-1)
+        tokens = argmax_rows(processed)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random and any(rows[i].params.min_p != 0.0 for i in random):
             scaled = _scale_with_min_p(processed, [rows[i].params for i in random], random)

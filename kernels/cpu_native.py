@@ -36,7 +36,7 @@ from common.home import pagedkv_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-ABI = 3
+ABI = 4
 CHOICE_ENV = "PAGEDKV_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -109,7 +109,8 @@ def _load() -> ctypes.CDLL:
     lib.pagedkv_silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.pagedkv_rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
     lib.pagedkv_pin_workers.argtypes = [ptr, i32]
-    for name in ("decode_attention", "add_rms_norm", "silu_mul", "rope_write_kv", "pin_workers"):
+    lib.pagedkv_argmax.argtypes = [ptr, i64, i64, ptr, i32]
+    for name in ("decode_attention", "add_rms_norm", "silu_mul", "rope_write_kv", "pin_workers", "argmax"):
         getattr(lib, f"pagedkv_{name}").restype = i32
     return lib
 
@@ -247,6 +248,17 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     _raise_on(
         lib.pagedkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()), "silu_mul"
     )
+    return out
+
+
+def argmax(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value (a NaN counting as largest, as torch.argmax), of a float32
+    contiguous [rows, cols] with cols >= 1."""
+    _require(logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2, "logits")
+    rows, cols = logits.shape
+    _require(cols >= 1, "logits")
+    out = torch.empty(rows, dtype=torch.int64)
+    _raise_on(lib.pagedkv_argmax(logits.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()), "argmax")
     return out
 
 

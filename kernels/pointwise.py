@@ -1,4 +1,5 @@
-"""The per-token steps around attention: residual add + RMSNorm, SiLU x up, rotary embedding + KV-cache write.
+"""The per-token steps around attention: residual add + RMSNorm, SiLU x up, rotary embedding + KV-cache write;
+and greedy sampling's argmax over each row of logits.
 
 Each has one torch form (any device, any dtype: the reference the model used to inline) and, for float32 CPU
 tensors, a fused native one (`kernels.cpu_native`: one pass over the rows where torch makes several, and one call
@@ -43,6 +44,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_native.silu_mul(lib, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [rows] (int64; the first of equal maxima, a NaN counting as largest), as torch.argmax."""
+    lib = _native(logits) if logits.is_contiguous() and logits.dim() == 2 and logits.shape[1] > 0 else None
+    if lib is not None:
+        return cpu_native.argmax(lib, logits)
+    return torch.argmax(logits, dim=-1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

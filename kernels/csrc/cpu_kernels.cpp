@@ -9,7 +9,8 @@
 // with an online softmax: per block, the scores of all its slots, one rescale of the running sum, then the
 // weighted V rows. Slots past `len` are never read, so stale or NaN values in unwritten slots cannot matter.
 // Accumulation is float32 whatever the cache dtype. Every index is checked before use: a bad table or length
-// makes the call return an error code, never read outside the cache.
+// makes the call return an error code, never read outside the cache. Rows that share leading blocks (a cached
+// prefix) read them once, as a group (attend_group).
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
@@ -22,6 +23,7 @@
 #include <limits>
 #include <omp.h>
 #include <sched.h>
+#include <vector>
 
 namespace {
 
@@ -131,11 +133,19 @@ struct Problem {
   int threads;
 };
 
+// The online-softmax state of one row's query heads part-way through its blocks (see attend_group).
+template <int D>
+struct RowState {
+  float acc[kMaxHeads][D], running_max[kMaxHeads], running_sum[kMaxHeads];
+};
+
 // One decode row over KV heads [kv_first, kv_last): walks the row's blocks once, reading each block's slots for
 // those heads in memory order (a whole block is one contiguous run when all heads are taken), with the next
 // block prefetched while this one is computed: the blocks lie anywhere, so the hardware cannot guess them.
+// With `from`, the row's first `start` blocks are already folded into that state (all heads: kv_first 0).
 template <typename T, int D>
-int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last) {
+int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int start = 0,
+               const RowState<D>* from = nullptr) {
   const int64_t token = p.tokens[row], seq = p.seqs[row];
   if (token < 0 || token >= p.num_tokens || seq < 0 || seq >= p.num_seqs) return kBadToken;
   const int len = p.lens[seq];
@@ -155,14 +165,14 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last) {
   for (int h = 0; h < heads; ++h) {
     for (int d = 0; d < D; ++d) {
       qs[h][d] = q[h * D + d] * p.scale;
-      acc[h][d] = 0.f;
+      acc[h][d] = from ? from->acc[h][d] : 0.f;
     }
-    running_max[h] = -std::numeric_limits<float>::infinity();
-    running_sum[h] = 0.f;
+    running_max[h] = from ? from->running_max[h] : -std::numeric_limits<float>::infinity();
+    running_sum[h] = from ? from->running_sum[h] : 0.f;
   }
   const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
   const int span = (kv_last - kv_first) * D;  // elements of one slot this item reads
-  for (int b = 0; b < nblocks; ++b) {
+  for (int b = start; b < nblocks; ++b) {
     const int n = std::min(bs, len - b * bs);
     const int64_t base = table[b] * block_stride + int64_t(kv_first) * D;
     if (b + 1 < nblocks) {
@@ -225,11 +235,182 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last) {
   return kOk;
 }
 
-// Work items are whole rows when there are enough of them to keep every thread busy, else (row, KV head) pairs.
+// Rows that share a cached prefix (the same leading blocks: a system prompt, n-shot examples, a fork) read it once
+// for the whole group: the group's queries are held transposed, one lane per row, so a block's scores for every
+// row come from broadcast FMAs over the key's dims, with no horizontal sums, and the softmax runs lane-parallel.
+// Then each row goes on alone from the first block it does not share (attend_row, from this state).
+constexpr int kGroupRows = 16;   // lanes: rows one group pass takes
+constexpr int kMinShared = 2;    // shared blocks that make a group pass worth it
+
+struct Group {
+  int64_t first;  // rows [first, first + count) of the call, in its order
+  int count;
+  int shared;  // leading blocks every row of the group has, full, at the same block ids
+};
+
+// Full blocks row `row` has, or -1 when its token, sequence or length is not one to trust (attend_row then
+// reports what is wrong).
+int full_blocks(const Problem& p, int64_t row) {
+  const int64_t token = p.tokens[row], seq = p.seqs[row];
+  if (token < 0 || token >= p.num_tokens || seq < 0 || seq >= p.num_seqs) return -1;
+  const int len = p.lens[seq];
+  if (len < 1 || len > p.width * p.block_size) return -1;
+  return len / p.block_size;
+}
+
+// Consecutive rows whose tables start with at least kMinShared equal blocks, up to kGroupRows at a time.
+std::vector<Group> find_groups(const Problem& p) {
+  std::vector<Group> groups;
+  int64_t i = 0;
+  while (i < p.rows) {
+    int shared = full_blocks(p, i);
+    int64_t j = i + 1;
+    if (shared >= kMinShared) {
+      const int32_t* lead = p.tables + p.seqs[i] * p.width;
+      for (; j < p.rows && j - i < kGroupRows; ++j) {
+        const int full = full_blocks(p, j);
+        const int32_t* other = p.tables + p.seqs[j] * p.width;
+        int common = 0;
+        const int limit = std::min(shared, full);
+        while (common < limit && other[common] == lead[common]) ++common;
+        if (common < kMinShared) break;
+        shared = common;
+      }
+    }
+    groups.push_back(j - i > 1 ? Group{i, int(j - i), shared} : Group{i, 1, 0});
+    i = j;
+  }
+  return groups;
+}
+
+template <int D>
+int attend_group(const Problem& p, const Group& g) {
+  const int heads = p.heads, group = p.heads / p.kv_heads, bs = p.block_size, lanes = g.count;
+  const int32_t* table = p.tables + p.seqs[g.first] * p.width;
+  for (int b = 0; b < g.shared; ++b)
+    if (table[b] < 0 || table[b] >= p.num_blocks) return kBadBlock;
+  const float* kc = static_cast<const float*>(p.key_cache);
+  const float* vc = static_cast<const float*>(p.value_cache);
+  const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
+  // [head][dim][lane]: lanes past the group's rows stay zero (their scores are computed and never used).
+  std::vector<float> qt(size_t(heads) * D * kGroupRows, 0.f), acc(size_t(heads) * D * kGroupRows, 0.f);
+  std::vector<float> mx(size_t(heads) * kGroupRows, -std::numeric_limits<float>::infinity());
+  std::vector<float> sum(size_t(heads) * kGroupRows, 0.f), s(size_t(bs) * kGroupRows);
+  for (int r = 0; r < lanes; ++r) {
+    const float* q = p.q + p.tokens[g.first + r] * heads * D;
+    for (int h = 0; h < heads; ++h)
+      for (int d = 0; d < D; ++d) qt[(size_t(h) * D + d) * kGroupRows + r] = q[h * D + d] * p.scale;
+  }
+  for (int b = 0; b < g.shared; ++b) {
+    const int64_t base = table[b] * block_stride;
+    for (int h = 0; h < heads; ++h) {
+      const float* k = kc + base + (h / group) * D;
+      const float* v = vc + base + (h / group) * D;
+      const float* qh = &qt[size_t(h) * D * kGroupRows];
+      float* ah = &acc[size_t(h) * D * kGroupRows];
+      float* m = &mx[size_t(h) * kGroupRows];
+      float* l = &sum[size_t(h) * kGroupRows];
+      float block_max[kGroupRows], rescale[kGroupRows];
+      for (int r = 0; r < kGroupRows; ++r) block_max[r] = m[r];
+      for (int t = 0; t < bs; ++t) {
+        const float* kt = k + t * slot_stride;
+        float a[kGroupRows] = {};  // a local accumulator: the compiler keeps it in a register
+        for (int d = 0; d < D; ++d) {
+          const float kd = kt[d];
+#pragma omp simd
+          for (int r = 0; r < kGroupRows; ++r) a[r] += qh[d * kGroupRows + r] * kd;
+        }
+        float* st = &s[size_t(t) * kGroupRows];
+#pragma omp simd
+        for (int r = 0; r < kGroupRows; ++r) {
+          st[r] = a[r];
+          block_max[r] = std::max(block_max[r], a[r]);
+        }
+      }
+#pragma omp simd
+      for (int r = 0; r < kGroupRows; ++r) {
+        rescale[r] = exp_nonpositive(m[r] - block_max[r]);
+        m[r] = block_max[r];
+      }
+      float block_sum[kGroupRows] = {};
+      for (int t = 0; t < bs; ++t) {
+        float* st = &s[size_t(t) * kGroupRows];
+#pragma omp simd
+        for (int r = 0; r < kGroupRows; ++r) {
+          st[r] = exp_nonpositive(st[r] - m[r]);
+          block_sum[r] += st[r];
+        }
+      }
+#pragma omp simd
+      for (int r = 0; r < kGroupRows; ++r) l[r] = l[r] * rescale[r] + block_sum[r];
+      // acc = acc * rescale + P V, four dims at a time held in registers across the block's slots.
+      for (int d0 = 0; d0 < D; d0 += 4) {
+        float a0[kGroupRows], a1[kGroupRows], a2[kGroupRows], a3[kGroupRows];
+        float* row0 = ah + d0 * kGroupRows;
+#pragma omp simd
+        for (int r = 0; r < kGroupRows; ++r) {
+          a0[r] = row0[r] * rescale[r];
+          a1[r] = row0[kGroupRows + r] * rescale[r];
+          a2[r] = row0[2 * kGroupRows + r] * rescale[r];
+          a3[r] = row0[3 * kGroupRows + r] * rescale[r];
+        }
+        for (int t = 0; t < bs; ++t) {
+          const float* vt = v + t * slot_stride + d0;
+          const float* st = &s[size_t(t) * kGroupRows];
+          const float v0 = vt[0], v1 = vt[1], v2 = vt[2], v3 = vt[3];
+#pragma omp simd
+          for (int r = 0; r < kGroupRows; ++r) {
+            a0[r] += st[r] * v0;
+            a1[r] += st[r] * v1;
+            a2[r] += st[r] * v2;
+            a3[r] += st[r] * v3;
+          }
+        }
+#pragma omp simd
+        for (int r = 0; r < kGroupRows; ++r) {
+          row0[r] = a0[r];
+          row0[kGroupRows + r] = a1[r];
+          row0[2 * kGroupRows + r] = a2[r];
+          row0[3 * kGroupRows + r] = a3[r];
+        }
+      }
+    }
+  }
+  RowState<D> state;
+  for (int r = 0; r < lanes; ++r) {
+    for (int h = 0; h < heads; ++h) {
+      for (int d = 0; d < D; ++d) state.acc[h][d] = acc[(size_t(h) * D + d) * kGroupRows + r];
+      state.running_max[h] = mx[size_t(h) * kGroupRows + r];
+      state.running_sum[h] = sum[size_t(h) * kGroupRows + r];
+    }
+    const int rc = attend_row<float, D>(p, g.first + r, 0, p.kv_heads, g.shared, &state);
+    if (rc != kOk) return rc;
+  }
+  return kOk;
+}
+
+// Work items are whole rows when there are enough of them to keep every thread busy, else (row, KV head) pairs;
+// with whole rows of a float32 cache, rows sharing a cached prefix go as one item (attend_group).
 template <typename T, int D>
 int attend_all(const Problem& p) {
   std::atomic<int> status{kOk};
   const int per_item = (p.rows >= 4 * p.threads && p.heads <= kMaxHeads) ? p.kv_heads : 1;
+  if constexpr (std::is_same_v<T, float>) {
+    if (per_item == p.kv_heads) {
+      const std::vector<Group> groups = find_groups(p);
+      if (groups.size() < size_t(p.rows)) {
+        const int64_t items = int64_t(groups.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+        for (int64_t item = 0; item < items; ++item) {
+          if (status.load(std::memory_order_relaxed) != kOk) continue;
+          const Group& g = groups[item];
+          const int rc = g.count > 1 ? attend_group<D>(p, g) : attend_row<T, D>(p, g.first, 0, p.kv_heads);
+          if (rc != kOk) status.store(rc, std::memory_order_relaxed);
+        }
+        return status.load();
+      }
+    }
+  }
   const int64_t splits = p.kv_heads / per_item, items = p.rows * splits;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
   for (int64_t item = 0; item < items; ++item) {
@@ -314,6 +495,32 @@ int pagedkv_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t int
   return kOk;
 }
 
+// out[r] = the first index of the largest value of row r of logits [rows, cols], a NaN counting as largest (as
+// torch.argmax has it): greedy sampling. Two vectorized passes over each row (its max, then where it first is),
+// where torch's generic reduction makes one slow pass.
+int pagedkv_argmax(const float* logits, int64_t rows, int64_t cols, int64_t* out, int threads) {
+  if (rows < 0 || cols < 1 || threads < 1) return kBadShape;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * cols;
+    float best = x[0];
+    bool nan = false;
+#pragma omp simd reduction(max : best) reduction(|| : nan)
+    for (int64_t i = 0; i < cols; ++i) {
+      best = std::max(best, x[i]);
+      nan = nan || x[i] != x[i];
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (x[at] == x[at]) ++at;
+    } else {
+      while (x[at] != best) ++at;
+    }
+    out[r] = at;
+  }
+  return kOk;
+}
+
 // The rotary embedding (rotate-half form) of each token's q and k heads, then k and v into the paged cache at the
 // token's slot (-1: a padding token, not written) and the rotated q into q_out [tokens, heads, D].
 // qkv [tokens, (heads + 2 kv_heads) D]; cos, sin [max_position, D]; caches float32 [slots, kv_heads, D].
@@ -371,5 +578,5 @@ int pagedkv_pin_workers(const int* cpus, int count) {
 }
 
 // The ABI version this source implements; the loader refuses a library that answers another.
-int pagedkv_native_abi() { return 3; }
+int pagedkv_native_abi() { return 4; }
 }

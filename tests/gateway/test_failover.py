@@ -114,12 +114,14 @@ def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: Loca
     worker = threading.Thread(target=lambda: result.append(client.completions.create(**ask)))
     worker.start()
 
-    def generating() -> str | None:
-        busy = [e["pool_id"] for e in health(stack.url)["executors"] if e["running"]]
+    def holder() -> str | None:
+        # The gateway's own count of what it sent each executor: current at once, where `running` (from the
+        # executors' load reports) can lag behind a generation this short (450 tokens of a tiny model).
+        busy = [e["pool_id"] for e in health(stack.url)["executors"] if e["in_flight"]]
         return busy[0] if busy else None
 
-    wait_for(lambda: generating() is not None, timeout_s=30, what="the request to be generating")
-    stack.kill(generating())
+    victim = wait_for(holder, timeout_s=30, what="the request to be sent to an executor")
+    stack.kill(victim)
     worker.join(timeout=120)
     (survived,) = result
     assert survived.usage.completion_tokens == 450

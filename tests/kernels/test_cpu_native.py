@@ -80,6 +80,75 @@ def test_few_rows_split_by_kv_head_and_many_rows_whole_agree(native):
         torch.testing.assert_close(got.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size, shared", [(16, 2), (16, 7), (1, 3), (8, 12)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 32), (4, 4, 64), (16, 2, 128)])
+def test_rows_sharing_a_prefix_read_it_as_a_group_and_match_the_reference(
+    native, block_size, shared, heads, kv_heads, head_dim
+):
+    """Rows whose tables start with the same blocks go through the grouped pass (16 rows a group), then on alone:
+    lengths from exactly the shared blocks to far past them, more rows than one group takes."""
+    gen = torch.Generator().manual_seed(block_size * 100 + shared + heads)
+    prefix = shared * block_size
+    lengths = [prefix, prefix + 1, prefix + block_size, 3 * prefix + 5]
+    lengths += (prefix + torch.randint(0, 200, (36,), generator=gen)).tolist()
+    batch = make_batch(
+        [(1, n) for n in lengths],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=int(gen.initial_seed()),
+        shared_prefix_blocks=shared,
+    )
+    tokens, seqs = decode_rows(batch)
+    out = torch.full(batch.q.shape, float("nan"))
+    cpu_native.decode_attention(
+        native,
+        batch.q.float(),
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        tokens,
+        seqs,
+        batch.scale,
+        out,
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_with_a_bad_shared_block_is_refused(native):
+    batch = make_batch(
+        [(1, 70)] * 40,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        seed=3,
+        shared_prefix_blocks=3,
+    )
+    tokens, seqs = decode_rows(batch)
+    tables = batch.block_tables.clone()
+    tables[:, 1] = batch.key_cache.shape[0]  # a shared block past the cache, in every row
+    out = torch.full(batch.q.shape, float("nan"))
+    with pytest.raises(cpu_native.NativeKernelError):
+        cpu_native.decode_attention(
+            native,
+            batch.q.float(),
+            batch.key_cache,
+            batch.value_cache,
+            tables,
+            batch.seq_lens,
+            tokens,
+            seqs,
+            batch.scale,
+            out,
+        )
+
+
 def _one_row(length: int = 40):
     return make_batch([(1, length)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
 

@@ -107,3 +107,30 @@ def test_native_rope_refuses_a_bad_slot_or_position_before_writing(monkeypatch, 
     with pytest.raises(cpu_native.NativeKernelError, match=message):
         cpu_native.rope_write_kv(cpu_native.library(), qkv, positions, cos, sin, slots, key_cache, value_cache, 4)
     assert key_cache.isnan().all() and value_cache.isnan().all()
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 17), (256, 4096), (5, 100_003)])
+def test_argmax_rows_matches_torch(form, rows, cols):
+    generator = torch.Generator().manual_seed(rows * 7 + cols)
+    logits = torch.randn(rows, cols, generator=generator)
+    if cols > 2:
+        logits[0, 1] = logits[0, cols - 1] = logits[0].max() + 1  # a tie: the first index wins
+    if rows > 2:
+        logits[1, cols // 2] = float("nan")  # a NaN counts as largest, as torch.argmax has it
+        logits[2] = float("-inf")
+    got = pointwise.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.argmax(logits, dim=-1))
+
+
+def test_native_argmax_refuses_what_it_cannot_read(monkeypatch):
+    monkeypatch.setenv(cpu_native.CHOICE_ENV, "native")
+    lib = cpu_native.library()
+    with pytest.raises(cpu_native.NativeKernelError):
+        cpu_native.argmax(lib, torch.randn(4, 8).t())  # not contiguous
+    with pytest.raises(cpu_native.NativeKernelError):
+        cpu_native.argmax(lib, torch.randn(4, 0))
+    with pytest.raises(cpu_native.NativeKernelError):
+        cpu_native.argmax(lib, torch.randn(4, 8, dtype=torch.float64))
+    transposed = torch.randn(4, 8).t()  # pointwise takes torch's form for what the native one does not read
+    assert torch.equal(pointwise.argmax_rows(transposed), torch.argmax(transposed, dim=-1))
