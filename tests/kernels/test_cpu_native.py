@@ -28,6 +28,26 @@ def decode_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([starts[i] for i in rows], dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
 
 
+def native_decode(native, batch, tables: torch.Tensor | None = None) -> torch.Tensor:
+    """The native kernel over the batch's decode rows, into a NaN-filled output."""
+    tokens, seqs = decode_rows(batch)
+    out = torch.full(batch.q.shape, float("nan"))
+    tables = batch.block_tables if tables is None else tables
+    cpu_native.decode_attention(
+        native,
+        batch.q.float(),
+        batch.key_cache,
+        batch.value_cache,
+        tables,
+        batch.seq_lens,
+        tokens,
+        seqs,
+        batch.scale,
+        out,
+    )
+    return out
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", [1, 16, 128])
@@ -45,20 +65,7 @@ def test_decode_matches_the_float64_reference(native, head_dim, heads, kv_heads,
         dtype=dtype,
         seed=int(gen.initial_seed()),
     )
-    tokens, seqs = decode_rows(batch)
-    out = torch.full(batch.q.shape, float("nan"))
-    cpu_native.decode_attention(
-        native,
-        batch.q.float(),
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        tokens,
-        seqs,
-        batch.scale,
-        out,
-    )
+    out = native_decode(native, batch)
     assert not out.isnan().any()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), float64_oracle(batch), atol=tol, rtol=tol)
@@ -101,20 +108,7 @@ def test_rows_sharing_a_prefix_read_it_as_a_group_and_match_the_reference(
         seed=int(gen.initial_seed()),
         shared_prefix_blocks=shared,
     )
-    tokens, seqs = decode_rows(batch)
-    out = torch.full(batch.q.shape, float("nan"))
-    cpu_native.decode_attention(
-        native,
-        batch.q.float(),
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        tokens,
-        seqs,
-        batch.scale,
-        out,
-    )
+    out = native_decode(native, batch)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)
 
@@ -130,23 +124,10 @@ def test_a_group_with_a_bad_shared_block_is_refused(native):
         seed=3,
         shared_prefix_blocks=3,
     )
-    tokens, seqs = decode_rows(batch)
     tables = batch.block_tables.clone()
     tables[:, 1] = batch.key_cache.shape[0]  # a shared block past the cache, in every row
-    out = torch.full(batch.q.shape, float("nan"))
     with pytest.raises(cpu_native.NativeKernelError):
-        cpu_native.decode_attention(
-            native,
-            batch.q.float(),
-            batch.key_cache,
-            batch.value_cache,
-            tables,
-            batch.seq_lens,
-            tokens,
-            seqs,
-            batch.scale,
-            out,
-        )
+        native_decode(native, batch, tables)
 
 
 def _one_row(length: int = 40):
