@@ -92,7 +92,6 @@ class Engine:
         # meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
         self._pending: StepPlan | None = None
         self._pending_ahead = False  # it was planned while the step before ran (sent or not: it may have no ops)
-        self._in_flight = False
         self._resync_first = False
         self._deferred_aborts: list[tuple[str, int | None]] = []
         self.blockd_reachable = True
@@ -345,15 +344,13 @@ class Engine:
                 self.pool.submit_step(plan.ops)
             except BlockdUnavailable:
                 return  # not sent: the next step sends it (pending, not in flight)
-            self._in_flight = True
 
     def _round_trip(self, ops: list) -> list:
         """The step's one blockd call, or the answers to the one sent ahead (the pool client retries for its
         retry window). After a call that failed for good, re-sync first: that undoes whatever blockd had applied
         of the step before it is sent again."""
         try:
-            if self._in_flight:
-                self._in_flight = False
+            if self.pool.step_in_flight:  # sent ahead: its answers
                 results = self.pool.finish_step()
             else:
                 if self._resync_first:

@@ -154,31 +154,28 @@ def test_missing_vllm_environment_is_a_clear_error(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------- server timing
 
 
-def test_a_server_is_timed_to_healthy_and_stopped(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+def _measure_fake_server(tmp_path: Path, model: Path, **env: str):
+    """`measure_server` on the fake vLLM's `serve`, with these environment variables for it."""
     port = free_port()
-    launch = measure_server(
-        [sys.executable, str(FAKE_DRIVER), "serve", str(tiny_models["llama"]), "--port", str(port)],
-        {**os.environ, "FAKE_PEER_SERVE_DELAY": "0.5"},
+    return measure_server(
+        [sys.executable, str(FAKE_DRIVER), "serve", str(model), "--port", str(port)],
+        {**os.environ, **env},
         f"http://127.0.0.1:{port}/health",
         lambda response: response.status_code == 200,
         tmp_path / "serve.log",
         PeerFailed,
     )
+
+
+def test_a_server_is_timed_to_healthy_and_stopped(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    launch = _measure_fake_server(tmp_path, tiny_models["llama"], FAKE_PEER_SERVE_DELAY="0.5")
     assert 0.5 <= launch.seconds < 30
     assert launch.detail["stopped_cleanly"] is True and launch.detail["exit"] == 0
 
 
 def test_a_server_that_exits_first_is_reported(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
-    port = free_port()
     with pytest.raises(PeerFailed, match=r"(?s)exited \(3\) before .*asked to fail"):
-        measure_server(
-            [sys.executable, str(FAKE_DRIVER), "serve", str(tiny_models["llama"]), "--port", str(port)],
-            {**os.environ, "FAKE_PEER_FAIL": "serve"},
-            f"http://127.0.0.1:{port}/health",
-            lambda response: response.status_code == 200,
-            tmp_path / "serve.log",
-            PeerFailed,
-        )
+        _measure_fake_server(tmp_path, tiny_models["llama"], FAKE_PEER_FAIL="serve")
 
 
 # --------------------------------------------------------------------------------------- the whole command
