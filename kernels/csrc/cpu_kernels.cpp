@@ -4,10 +4,11 @@
 //
 // Decode attention:
 // One query token per row: out[token] = softmax(q . K^T * scale) V over the row's first `len` cached positions,
-// whose blocks the row's block table names. Work items are (row, KV head) pairs, run in parallel by OpenMP
-// (linked against the libgomp torch has loaded, so both share one thread pool). Each item walks its blocks once
-// with an online softmax: per block, the scores of all its slots, one rescale of the running sum, then the
-// weighted V rows. Slots past `len` are never read, so stale or NaN values in unwritten slots cannot matter.
+// whose blocks the row's block table names. Work items are rows or (row, KV head) pairs, run in parallel by OpenMP
+// (linked against the libgomp torch has loaded, so both share one thread pool). Each item walks its blocks with an
+// online softmax: per block, the scores of all its slots, one rescale of the running sum, then the weighted V
+// rows. With AVX-512 and a float32 cache it walks them once per pair of query heads of a KV head (walk_heads),
+// whose accumulators then stay in registers. Slots past `len` are never read, so stale or NaN values in unwritten slots cannot matter.
 // Accumulation is float32 whatever the cache dtype. Every index is checked before use: a bad table or length
 // makes the call return an error code, never read outside the cache. Rows that share leading blocks (a cached
 // prefix) read them once, as a group (attend_group).
@@ -139,9 +140,78 @@ struct RowState {
   float acc[kMaxHeads][D], running_max[kMaxHeads], running_sum[kMaxHeads];
 };
 
-// One decode row over KV heads [kv_first, kv_last): walks the row's blocks once, reading each block's slots for
-// those heads in memory order (a whole block is one contiguous run when all heads are taken), with the next
-// block prefetched while this one is computed: the blocks lie anywhere, so the hardware cannot guess them.
+#if defined(__AVX512F__)
+// NH query heads of one KV head over a row's blocks [start, end of row), a float32 cache: the heads' accumulators
+// stay in registers across the blocks, and each key and value slot is loaded once for all NH heads. `kv` points
+// at the KV head's first element in block 0 (offset by table[b] * block_stride per block); qs holds the NH heads'
+// scaled queries; acc/mx/sum carry the online-softmax state in and out.
+template <int D, int NH>
+void walk_heads(const float* qs, const float* kc, const float* vc, const int32_t* table, int start, int len, int bs,
+                int64_t slot_stride, int64_t block_stride, float* acc_io, float* mx, float* sum) {
+  constexpr int C = D / 16;
+  __m512 acc[NH][C];
+#pragma GCC unroll 16
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_loadu_ps(acc_io + h * D + 16 * c);
+  float s[NH][kMaxBlock + 16];  // + 16: scores are stored 16 at a time
+  const int nblocks = (len + bs - 1) / bs;
+  for (int b = start; b < nblocks; ++b) {
+    const int n = std::min(bs, len - b * bs);
+    const int64_t base = table[b] * block_stride;
+    if (b + 1 < nblocks) {
+      const int64_t next = table[b + 1] * block_stride;
+      for (int t = 0; t < bs; ++t)
+        for (int e = 0; e < D; e += 16) {
+          __builtin_prefetch(kc + next + t * slot_stride + e);
+          __builtin_prefetch(vc + next + t * slot_stride + e);
+        }
+    }
+    __m512 rescale[NH];
+    for (int h = 0; h < NH; ++h) {
+      float* sh = s[h];
+      block_scores<D>(qs + h * D, kc + base, slot_stride, n, sh);
+      float block_max = mx[h];
+#pragma omp simd reduction(max : block_max)
+      for (int t = 0; t < n; ++t) block_max = std::max(block_max, sh[t]);
+      const float r = exp_nonpositive(mx[h] - block_max);
+      mx[h] = block_max;
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int t = 0; t < n; ++t) {
+        sh[t] = exp_nonpositive(sh[t] - block_max);
+        block_sum += sh[t];
+      }
+      sum[h] = sum[h] * r + block_sum;
+      rescale[h] = _mm512_set1_ps(r);
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_mul_ps(acc[h][c], rescale[h]);
+    for (int t = 0; t < n; ++t) {
+      const float* vt = vc + base + t * slot_stride;
+      __m512 v[C];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vt + 16 * c);
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) {
+        const __m512 w = _mm512_set1_ps(s[h][t]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_io + h * D + 16 * c, acc[h][c]);
+}
+#endif
+
+// One decode row over KV heads [kv_first, kv_last), with the next block prefetched while this one is computed: the
+// blocks lie anywhere, so the hardware cannot guess them. The portable path walks the row's blocks once, reading
+// each block's slots for those heads in memory order; the AVX-512 float32 path walks them per head pair.
 // With `from`, the row's first `start` blocks are already folded into that state (all heads: kv_first 0).
 template <typename T, int D>
 int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int start = 0,
@@ -171,26 +241,37 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
     running_sum[h] = from ? from->running_sum[h] : 0.f;
   }
   const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
-  const int span = (kv_last - kv_first) * D;  // elements of one slot this item reads
-  for (int b = start; b < nblocks; ++b) {
-    const int n = std::min(bs, len - b * bs);
-    const int64_t base = table[b] * block_stride + int64_t(kv_first) * D;
-    if (b + 1 < nblocks) {
-      const int64_t next = table[b + 1] * block_stride + int64_t(kv_first) * D;
-      for (int t = 0; t < bs; ++t)
-        for (int e = 0; e < span; e += 64 / int(sizeof(T))) {
-          __builtin_prefetch(kc + next + t * slot_stride + e);
-          __builtin_prefetch(vc + next + t * slot_stride + e);
-        }
-    }
-
-
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
-      for (int h = 0; h < heads; ++h) block_scores<D>(qs[h], kc + base + (h / group) * D, slot_stride, n, s[h]);
-    } else
+  if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
+    // KV head by KV head, its query heads two at a time (one at a time past D 128, where two heads' accumulators
+    // would not fit the registers), each walking all the row's blocks.
+    constexpr int kPair = D <= 128 ? 2 : 1;
+    for (int h = 0; h < heads;) {
+      const int64_t kv = int64_t(kv_first + h / group) * D;
+      const int take = (kPair == 2 && h % group + 1 < group) ? 2 : 1;
+      if (take == 2)
+        walk_heads<D, kPair>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride, block_stride, acc[h],
+                             running_max + h, running_sum + h);
+      else
+        walk_heads<D, 1>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride, block_stride, acc[h],
+                         running_max + h, running_sum + h);
+      h += take;
+    }
+  } else
 #endif
-    {
+  {
+    const int span = (kv_last - kv_first) * D;  // elements of one slot this item reads
+    for (int b = start; b < nblocks; ++b) {
+      const int n = std::min(bs, len - b * bs);
+      const int64_t base = table[b] * block_stride + int64_t(kv_first) * D;
+      if (b + 1 < nblocks) {
+        const int64_t next = table[b + 1] * block_stride + int64_t(kv_first) * D;
+        for (int t = 0; t < bs; ++t)
+          for (int e = 0; e < span; e += 64 / int(sizeof(T))) {
+            __builtin_prefetch(kc + next + t * slot_stride + e);
+            __builtin_prefetch(vc + next + t * slot_stride + e);
+          }
+      }
       for (int t = 0; t < n; ++t) {
         const T* k = kc + base + t * slot_stride;
         for (int h = 0; h < heads; ++h) {
@@ -201,29 +282,29 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
           s[h][t] = dot;
         }
       }
-    }
-    for (int h = 0; h < heads; ++h) {
-      float block_max = running_max[h];
-      for (int t = 0; t < n; ++t) block_max = std::max(block_max, s[h][t]);
-      const float rescale = exp_nonpositive(running_max[h] - block_max);
-      running_max[h] = block_max;
-      running_sum[h] *= rescale;
-      for (int d = 0; d < D; ++d) acc[h][d] *= rescale;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < n; ++t) {
-        s[h][t] = exp_nonpositive(s[h][t] - block_max);
-        sum += s[h][t];
-      }
-      running_sum[h] += sum;
-    }
-    for (int t = 0; t < n; ++t) {
-      const T* v = vc + base + t * slot_stride;
       for (int h = 0; h < heads; ++h) {
-        const T* vh = v + (h / group) * D;
-        const float w = s[h][t];
+        float block_max = running_max[h];
+        for (int t = 0; t < n; ++t) block_max = std::max(block_max, s[h][t]);
+        const float rescale = exp_nonpositive(running_max[h] - block_max);
+        running_max[h] = block_max;
+        running_sum[h] *= rescale;
+        for (int d = 0; d < D; ++d) acc[h][d] *= rescale;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < n; ++t) {
+          s[h][t] = exp_nonpositive(s[h][t] - block_max);
+          sum += s[h][t];
+        }
+        running_sum[h] += sum;
+      }
+      for (int t = 0; t < n; ++t) {
+        const T* v = vc + base + t * slot_stride;
+        for (int h = 0; h < heads; ++h) {
+          const T* vh = v + (h / group) * D;
+          const float w = s[h][t];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) acc[h][d] += w * load(vh, d);
+          for (int d = 0; d < D; ++d) acc[h][d] += w * load(vh, d);
+        }
       }
     }
   }
@@ -283,105 +364,202 @@ std::vector<Group> find_groups(const Problem& p) {
   return groups;
 }
 
+// A group's shared blocks, per KV head, take its query heads two at a time (one, when the count is odd): each key
+// or value element is broadcast once for both heads of a pair, and each score or weight vector is loaded once for
+// a run of slots or dims held in registers, so the loops are bound by FMAs rather than by loads.
+// Layouts: queries and accumulators [dim][lane], scores [slot][lane], one array of each per query head.
+#if defined(__AVX512F__)
+// s[h][t] = q[h] . k[t] for slots t in [0, J), per lane: J * NH accumulators, one key element broadcast per FMA pair.
+template <int D, int NH, int J>
+inline void group_scores(const float* const* qh, const float* k, int64_t stride, float* const* sh) {
+  __m512 a[NH][J];
+#pragma GCC unroll 16
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) a[h][j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[NH];
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h) qv[h] = _mm512_loadu_ps(qh[h] + d * kGroupRows);
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) {
+      const __m512 kb = _mm512_set1_ps(k[j * stride + d]);
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) a[h][j] = _mm512_fmadd_ps(qv[h], kb, a[h][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(sh[h] + j * kGroupRows, a[h][j]);
+}
+
+// acc[h][d] = acc[h][d] * rescale[h] + sum over slots t < n of s[h][t] * v[t][d], eight dims at a time in registers.
+template <int D, int NH>
+inline void group_values(const float* const* sh, const float* v, int64_t stride, int n, const float* const* rescale,
+                         float* const* ah) {
+  __m512 r[NH];
+#pragma GCC unroll 16
+  for (int h = 0; h < NH; ++h) r[h] = _mm512_loadu_ps(rescale[h]);
+  for (int d0 = 0; d0 < D; d0 += 8) {
+    __m512 a[NH][8];
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+      for (int j = 0; j < 8; ++j) a[h][j] = _mm512_mul_ps(_mm512_loadu_ps(ah[h] + (d0 + j) * kGroupRows), r[h]);
+    for (int t = 0; t < n; ++t) {
+      __m512 w[NH];
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) w[h] = _mm512_loadu_ps(sh[h] + t * kGroupRows);
+      const float* vt = v + t * stride + d0;
+#pragma GCC unroll 16
+      for (int j = 0; j < 8; ++j) {
+        const __m512 vb = _mm512_set1_ps(vt[j]);
+#pragma GCC unroll 16
+        for (int h = 0; h < NH; ++h) a[h][j] = _mm512_fmadd_ps(w[h], vb, a[h][j]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+      for (int j = 0; j < 8; ++j) _mm512_storeu_ps(ah[h] + (d0 + j) * kGroupRows, a[h][j]);
+  }
+}
+#else
+template <int D, int NH, int J>
+inline void group_scores(const float* const* qh, const float* k, int64_t stride, float* const* sh) {
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < J; ++j) {
+      float a[kGroupRows] = {};
+      for (int d = 0; d < D; ++d) {
+        const float kd = k[j * stride + d];
+#pragma omp simd
+        for (int r = 0; r < kGroupRows; ++r) a[r] += qh[h][d * kGroupRows + r] * kd;
+      }
+      for (int r = 0; r < kGroupRows; ++r) sh[h][j * kGroupRows + r] = a[r];
+    }
+}
+
+template <int D, int NH>
+inline void group_values(const float* const* sh, const float* v, int64_t stride, int n, const float* const* rescale,
+                         float* const* ah) {
+  for (int h = 0; h < NH; ++h)
+    for (int d = 0; d < D; ++d) {
+      float a[kGroupRows];
+#pragma omp simd
+      for (int r = 0; r < kGroupRows; ++r) a[r] = ah[h][d * kGroupRows + r] * rescale[h][r];
+      for (int t = 0; t < n; ++t) {
+        const float vd = v[t * stride + d];
+#pragma omp simd
+        for (int r = 0; r < kGroupRows; ++r) a[r] += sh[h][t * kGroupRows + r] * vd;
+      }
+      for (int r = 0; r < kGroupRows; ++r) ah[h][d * kGroupRows + r] = a[r];
+    }
+}
+#endif
+
+// One shared block for NH query heads of one KV head: scores, the online-softmax update, the weighted values.
+// q, acc, m (running max), l (running sum) and s (scores) point at each head's own arrays.
+template <int D, int NH>
+inline void group_block(const float* const* q, const float* k, const float* v, int64_t stride, int bs,
+                        float* const* acc, float* const* m, float* const* l, float* const* s) {
+  constexpr int kRun = 8;  // slots whose scores one pass keeps in registers
+  int t = 0;
+  for (; t + kRun <= bs; t += kRun) {
+    float* st[NH];
+    for (int h = 0; h < NH; ++h) st[h] = s[h] + t * kGroupRows;
+    group_scores<D, NH, kRun>(q, k + t * stride, stride, st);
+  }
+  for (; t < bs; ++t) {
+    float* st[NH];
+    for (int h = 0; h < NH; ++h) st[h] = s[h] + t * kGroupRows;
+    group_scores<D, NH, 1>(q, k + t * stride, stride, st);
+  }
+  float rescale[NH][kGroupRows];
+  const float* rescale_of[NH];
+  for (int h = 0; h < NH; ++h) {
+    float block_max[kGroupRows];
+#pragma omp simd
+    for (int r = 0; r < kGroupRows; ++r) block_max[r] = m[h][r];
+    for (int u = 0; u < bs; ++u) {
+#pragma omp simd
+      for (int r = 0; r < kGroupRows; ++r) block_max[r] = std::max(block_max[r], s[h][u * kGroupRows + r]);
+    }
+    float block_sum[kGroupRows] = {};
+    for (int u = 0; u < bs; ++u) {
+      float* su = s[h] + u * kGroupRows;
+#pragma omp simd
+      for (int r = 0; r < kGroupRows; ++r) {
+        su[r] = exp_nonpositive(su[r] - block_max[r]);
+        block_sum[r] += su[r];
+      }
+    }
+#pragma omp simd
+    for (int r = 0; r < kGroupRows; ++r) {
+      rescale[h][r] = exp_nonpositive(m[h][r] - block_max[r]);
+      m[h][r] = block_max[r];
+      l[h][r] = l[h][r] * rescale[h][r] + block_sum[r];
+    }
+    rescale_of[h] = rescale[h];
+  }
+  group_values<D, NH>(s, v, stride, bs, rescale_of, acc);
+}
+
 template <int D>
 int attend_group(const Problem& p, const Group& g) {
-  const int heads = p.heads, group = p.heads / p.kv_heads, bs = p.block_size, lanes = g.count;
+  const int heads = p.heads, group = p.heads / p.kv_heads, bs = p.block_size, rows = g.count;
   const int32_t* table = p.tables + p.seqs[g.first] * p.width;
   for (int b = 0; b < g.shared; ++b)
     if (table[b] < 0 || table[b] >= p.num_blocks) return kBadBlock;
   const float* kc = static_cast<const float*>(p.key_cache);
   const float* vc = static_cast<const float*>(p.value_cache);
   const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
-  // [head][dim][lane]: lanes past the group's rows stay zero (their scores are computed and never used).
-  std::vector<float> qt(size_t(heads) * D * kGroupRows, 0.f), acc(size_t(heads) * D * kGroupRows, 0.f);
-  std::vector<float> mx(size_t(heads) * kGroupRows, -std::numeric_limits<float>::infinity());
-  std::vector<float> sum(size_t(heads) * kGroupRows, 0.f), s(size_t(bs) * kGroupRows);
-  for (int r = 0; r < lanes; ++r) {
+  // A lane set holds `packed` query heads of one KV head side by side, `width` lanes each (one per row): a group
+  // of at most 8 rows fills the 16 lanes with two heads, not half of them with one, and so takes half the work.
+  int packed = 1;
+  while (packed * 2 <= group && group % (packed * 2) == 0 && rows <= kGroupRows / (packed * 2)) packed *= 2;
+  const int width = kGroupRows / packed, sets = heads / packed, sets_per_kv = group / packed;
+  // Per lane set: queries and accumulators [dim][lane], running max and sum [lane], scores [slot][lane]. Lanes
+  // past the group's rows hold zero queries: their scores are computed and never used.
+  const size_t per_set = size_t(D) * kGroupRows;
+  std::vector<float> qt(sets * per_set, 0.f), acc(sets * per_set, 0.f);
+  std::vector<float> mx(size_t(sets) * kGroupRows, -std::numeric_limits<float>::infinity());
+  std::vector<float> sum(size_t(sets) * kGroupRows, 0.f), s(size_t(sets) * bs * kGroupRows);
+  const auto lane_of = [&](int h, int r) { return size_t(h / packed) * per_set + (h % packed) * width + r; };
+  for (int r = 0; r < rows; ++r) {
     const float* q = p.q + p.tokens[g.first + r] * heads * D;
     for (int h = 0; h < heads; ++h)
-      for (int d = 0; d < D; ++d) qt[(size_t(h) * D + d) * kGroupRows + r] = q[h * D + d] * p.scale;
+      for (int d = 0; d < D; ++d) qt[lane_of(h, r) + size_t(d) * kGroupRows] = q[h * D + d] * p.scale;
   }
   for (int b = 0; b < g.shared; ++b) {
     const int64_t base = table[b] * block_stride;
-    for (int h = 0; h < heads; ++h) {
-      const float* k = kc + base + (h / group) * D;
-      const float* v = vc + base + (h / group) * D;
-      const float* qh = &qt[size_t(h) * D * kGroupRows];
-      float* ah = &acc[size_t(h) * D * kGroupRows];
-      float* m = &mx[size_t(h) * kGroupRows];
-      float* l = &sum[size_t(h) * kGroupRows];
-      float block_max[kGroupRows], rescale[kGroupRows];
-      for (int r = 0; r < kGroupRows; ++r) block_max[r] = m[r];
-      for (int t = 0; t < bs; ++t) {
-        const float* kt = k + t * slot_stride;
-        float a[kGroupRows] = {};  // a local accumulator: the compiler keeps it in a register
-        for (int d = 0; d < D; ++d) {
-          const float kd = kt[d];
-#pragma omp simd
-          for (int r = 0; r < kGroupRows; ++r) a[r] += qh[d * kGroupRows + r] * kd;
-        }
-        float* st = &s[size_t(t) * kGroupRows];
-#pragma omp simd
-        for (int r = 0; r < kGroupRows; ++r) {
-          st[r] = a[r];
-          block_max[r] = std::max(block_max[r], a[r]);
-        }
+    for (int i = 0; i < sets;) {
+      const int64_t kv = base + (i / sets_per_kv) * D;
+      const int pair = (i % sets_per_kv + 1 < sets_per_kv) ? 2 : 1;  // two sets of the same KV head, or the last
+      const float* q[2];
+      float *a[2], *m[2], *l[2], *sc[2];
+      for (int j = 0; j < pair; ++j) {
+        q[j] = &qt[(i + j) * per_set];
+        a[j] = &acc[(i + j) * per_set];
+        m[j] = &mx[size_t(i + j) * kGroupRows];
+        l[j] = &sum[size_t(i + j) * kGroupRows];
+        sc[j] = &s[size_t(i + j) * bs * kGroupRows];
       }
-#pragma omp simd
-      for (int r = 0; r < kGroupRows; ++r) {
-        rescale[r] = exp_nonpositive(m[r] - block_max[r]);
-        m[r] = block_max[r];
-      }
-      float block_sum[kGroupRows] = {};
-      for (int t = 0; t < bs; ++t) {
-        float* st = &s[size_t(t) * kGroupRows];
-#pragma omp simd
-        for (int r = 0; r < kGroupRows; ++r) {
-          st[r] = exp_nonpositive(st[r] - m[r]);
-          block_sum[r] += st[r];
-        }
-      }
-#pragma omp simd
-      for (int r = 0; r < kGroupRows; ++r) l[r] = l[r] * rescale[r] + block_sum[r];
-      // acc = acc * rescale + P V, four dims at a time held in registers across the block's slots.
-      for (int d0 = 0; d0 < D; d0 += 4) {
-        float a0[kGroupRows], a1[kGroupRows], a2[kGroupRows], a3[kGroupRows];
-        float* row0 = ah + d0 * kGroupRows;
-#pragma omp simd
-        for (int r = 0; r < kGroupRows; ++r) {
-          a0[r] = row0[r] * rescale[r];
-          a1[r] = row0[kGroupRows + r] * rescale[r];
-          a2[r] = row0[2 * kGroupRows + r] * rescale[r];
-          a3[r] = row0[3 * kGroupRows + r] * rescale[r];
-        }
-        for (int t = 0; t < bs; ++t) {
-          const float* vt = v + t * slot_stride + d0;
-          const float* st = &s[size_t(t) * kGroupRows];
-          const float v0 = vt[0], v1 = vt[1], v2 = vt[2], v3 = vt[3];
-#pragma omp simd
-          for (int r = 0; r < kGroupRows; ++r) {
-            a0[r] += st[r] * v0;
-            a1[r] += st[r] * v1;
-            a2[r] += st[r] * v2;
-            a3[r] += st[r] * v3;
-          }
-        }
-#pragma omp simd
-        for (int r = 0; r < kGroupRows; ++r) {
-          row0[r] = a0[r];
-          row0[kGroupRows + r] = a1[r];
-          row0[2 * kGroupRows + r] = a2[r];
-          row0[3 * kGroupRows + r] = a3[r];
-        }
-      }
+      if (pair == 2)
+        group_block<D, 2>(q, kc + kv, vc + kv, slot_stride, bs, a, m, l, sc);
+      else
+        group_block<D, 1>(q, kc + kv, vc + kv, slot_stride, bs, a, m, l, sc);
+      i += pair;
     }
   }
   RowState<D> state;
-  for (int r = 0; r < lanes; ++r) {
+  for (int r = 0; r < rows; ++r) {
     for (int h = 0; h < heads; ++h) {
-      for (int d = 0; d < D; ++d) state.acc[h][d] = acc[(size_t(h) * D + d) * kGroupRows + r];
-      state.running_max[h] = mx[size_t(h) * kGroupRows + r];
-      state.running_sum[h] = sum[size_t(h) * kGroupRows + r];
+      const size_t lane = lane_of(h, r);
+      for (int d = 0; d < D; ++d) state.acc[h][d] = acc[lane + size_t(d) * kGroupRows];
+      const size_t at = size_t(h / packed) * kGroupRows + (h % packed) * width + r;
+      state.running_max[h] = mx[at];
+      state.running_sum[h] = sum[at];
     }
     const int rc = attend_row<float, D>(p, g.first + r, 0, p.kv_heads, g.shared, &state);
     if (rc != kOk) return rc;

@@ -49,7 +49,7 @@ def native_decode(native, batch, tables: torch.Tensor | None = None) -> torch.Te
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (16, 1), (6, 2)])  # (6, 2): an odd head left over
 @pytest.mark.parametrize("block_size", [1, 16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decode_matches_the_float64_reference(native, head_dim, heads, kv_heads, block_size, dtype):
@@ -88,16 +88,18 @@ def test_few_rows_split_by_kv_head_and_many_rows_whole_agree(native):
 
 
 @pytest.mark.parametrize("block_size, shared", [(16, 2), (16, 7), (1, 3), (8, 12)])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 32), (4, 4, 64), (16, 2, 128)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 32), (4, 4, 64), (16, 2, 128), (12, 4, 32)])
+@pytest.mark.parametrize("rows", [40, 19, 18])
 def test_rows_sharing_a_prefix_read_it_as_a_group_and_match_the_reference(
-    native, block_size, shared, heads, kv_heads, head_dim
+    native, block_size, shared, heads, kv_heads, head_dim, rows
 ):
     """Rows whose tables start with the same blocks go through the grouped pass (16 rows a group), then on alone:
-    lengths from exactly the shared blocks to far past them, more rows than one group takes."""
-    gen = torch.Generator().manual_seed(block_size * 100 + shared + heads)
+    lengths from exactly the shared blocks to far past them. 40, 19 and 18 rows leave a last group of 8, 3 and 2
+    rows, which packs 2, 4 or 8 query heads of one KV head into the lanes where the head layout allows."""
+    gen = torch.Generator().manual_seed(block_size * 100 + shared + heads + rows)
     prefix = shared * block_size
     lengths = [prefix, prefix + 1, prefix + block_size, 3 * prefix + 5]
-    lengths += (prefix + torch.randint(0, 200, (36,), generator=gen)).tolist()
+    lengths += (prefix + torch.randint(0, 200, (rows - 4,), generator=gen)).tolist()
     batch = make_batch(
         [(1, n) for n in lengths],
         num_heads=heads,
