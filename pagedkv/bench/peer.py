@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from common.clicks import unless_given
 from common.cpu import machine_busy_s
 from common.units import parse_size
 from pagedkv.bench.common import threads_option
-from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds
+from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds, tree_pids
 from pagedkv.bench.throughput import BenchRequest, bench_model, make_workload
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
@@ -167,6 +168,10 @@ class System(Protocol):
 
     def run(self, requests: Sequence[BenchRequest], salt: str) -> RunResult: ...
 
+    def background_pids(self) -> list[int]:
+        """The roots of this system's processes outside the bench's own (paused while another system runs)."""
+        ...
+
 
 def read_loadavg() -> list[float]:
     try:
@@ -202,6 +207,26 @@ def busy_neighbour(limit_s: float = NEIGHBOUR_LIMIT_S) -> Iterator[subprocess.Po
         proc.wait()
 
 
+@contextlib.contextmanager
+def paused(roots: Sequence[int]) -> Iterator[list[int]]:
+    """The processes of these trees stopped (SIGSTOP) for the block and continued (SIGCONT) after, whatever
+    happens in it. The bench keeps every system loaded for the whole session, and an idle system is not idle: a
+    loaded vLLM's processes took about a tenth of a core doing nothing (its engine core polls), enough to slow
+    the team of OpenMP threads of whichever system is being timed. Yields the pids stopped."""
+    stopped: list[int] = []
+    try:
+        for root in roots:
+            for pid in tree_pids(root):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+        yield stopped
+    finally:
+        for pid in reversed(stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 def run_rounds(
     workload: str,
     requests: Sequence[BenchRequest],
@@ -211,9 +236,11 @@ def run_rounds(
     *,
     warm_up: bool = True,
     neighbour: bool = False,
+    pause_idle: bool = True,
 ) -> tuple[list[RunRecord], dict[str, list[dict[str, list[int]]]]]:
     """Every system's warm-up, then the alternated timed runs; the records and each system's outputs per run.
-    With `neighbour`, each timed run has a busy-loop process beside it (started just before, stopped after)."""
+    With `neighbour`, each timed run has a busy-loop process beside it (started just before, stopped after).
+    With `pause_idle`, the other systems' processes are paused during each timed run (see `paused`)."""
     by_name = {s.name: s for s in systems}
     if warm_up:
         warm = warmup_requests(requests)
@@ -224,8 +251,9 @@ def run_rounds(
     cpus = os.cpu_count() or 1
     tag = "-noisy" if neighbour else ""
     for round_, name in schedule([s.name for s in systems], runs):
+        idle = [pid for s in systems if s.name != name for pid in s.background_pids()] if pause_idle else []
         load = read_loadavg()
-        with busy_neighbour() if neighbour else contextlib.nullcontext():
+        with paused(idle), busy_neighbour() if neighbour else contextlib.nullcontext():
             busy = machine_busy_s()
             started = time.perf_counter()
             result = by_name[name].run(requests, f"{workload}{tag}-run{round_}")
@@ -354,6 +382,9 @@ class PagedSystem:
     def _cpu(self) -> float:
         return process_cpu_seconds(os.getpid()) + tree_cpu_seconds(self.blockd_pid)
 
+    def background_pids(self) -> list[int]:
+        return [self.blockd_pid]  # the engine is the bench's own process
+
     def run(self, requests: Sequence[BenchRequest], salt: str) -> RunResult:
         from executor.params import SamplingParams
 
@@ -421,6 +452,9 @@ class VllmSystem:
         tail = self.log.read_text(errors="replace").strip().splitlines()[-5:]
         lines = "\n  ".join(tail) or "(nothing)"
         return DriverError(f"{self.name}: the vLLM driver exited ({code}); the end of its log {self.log}:\n  {lines}")
+
+    def background_pids(self) -> list[int]:
+        return [self.process.pid]
 
     def run(self, requests: Sequence[BenchRequest], salt: str) -> RunResult:
         reply = self.call(
@@ -607,6 +641,10 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     divergence checked for a near tie against transformers' logits. Progress on stderr; the last line of stdout
     is one JSON object (ratio_default, ratio_long, ratio_prefix: null where not run).
 
+    All systems stay loaded for the whole bench; during each timed run the others' processes are paused
+    (SIGSTOP, then SIGCONT; --no-pause-idle keeps them running): an idle vLLM's engine core polls, taking about
+    a tenth of a core, which slows whichever system is being timed.
+
     --noisy-neighbour: after each workload's rounds, the same rounds again with another process saturating a
     core beside each run (a bounded busy loop the bench starts just before and stops after it); reported: each
     system's median with the neighbour and its fall from the quiet median, and whether pagedkv falls by no more
@@ -652,6 +690,12 @@ def _special_ids(model_dir: Path, config: Any) -> set[int]:
     "--noisy-neighbour",
     is_flag=True,
     help="Also run every round with a core-saturating busy loop beside it, and report each system's fall.",
+)
+@click.option(
+    "--pause-idle/--no-pause-idle",
+    default=True,
+    show_default=True,
+    help="Pause (SIGSTOP) the other systems' processes during each timed run: a loaded, idle vLLM polls.",
 )
 @click.option(
     "--plot",
@@ -743,6 +787,7 @@ def bench_peer(
     runs: int,
     quick: bool,
     noisy_neighbour: bool,
+    pause_idle: bool,
     plot_path: Path | None,
     vllm_python: Path | None,
     vllm_driver: Path,
@@ -900,14 +945,14 @@ def bench_peer(
                     err=True,
                 )
 
-            records, outputs = run_rounds(name, requests, systems, runs, progress)
+            records, outputs = run_rounds(name, requests, systems, runs, progress, pause_idle=pause_idle)
             report = WorkloadReport(spec, records, medians(records))
             report.ratio, report.best_vllm = ratio_against_best(report.medians)
             report.equality = _equality(requests, outputs, model_dir, tie_tolerance, labels)
             if noisy_neighbour:
                 click.echo(f"[{name}] again, each run with a busy-loop neighbour on one core", err=True)
                 report.noisy_records, _ = run_rounds(
-                    name, requests, systems, runs, progress, warm_up=False, neighbour=True
+                    name, requests, systems, runs, progress, warm_up=False, neighbour=True, pause_idle=pause_idle
                 )
                 report.noisy_medians = medians(report.noisy_records)
             reports[name] = report
@@ -946,6 +991,7 @@ def bench_peer(
         echo(line)
     echo(
         f"medians of {runs} run(s) each, alternated; {os.cpu_count()} cores"
+        + ("; the other systems paused during each run" if pause_idle else "")
         + (" [--quick: figures mean nothing]" if quick else "")
     )
     if noisy_neighbour:
@@ -1004,6 +1050,7 @@ def bench_peer(
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "pagedkv_threads": torch.get_num_threads(),
                 "runs": runs,
+                "pause_idle": pause_idle,
                 "seed": seed,
                 "tie_tolerance": tie_tolerance,
                 "plot": None if plot_path is None or plot_note else str(plot_path),
@@ -1108,6 +1155,7 @@ __all__ = [
     "check_near_tie",
     "compare_outputs",
     "medians",
+    "paused",
     "ratio_against_best",
     "run_rounds",
     "schedule",

@@ -54,17 +54,14 @@ def process_cpu_seconds(pid: int) -> float:
     return 0.0 if stat is None else stat[1] / os.sysconf("SC_CLK_TCK")
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of `root` and every live descendant (Linux /proc; 0.0 elsewhere).
-
-    A descendant that exits between two readings takes its time with it unless its parent in the tree reaped it
-    (then it is in the parent's children's time): differences over a span are a lower bound."""
+def _proc_table() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """(children of each pid, CPU ticks of each pid) of every live process (Linux /proc; empty elsewhere)."""
     parents: dict[int, int] = {}
     ticks: dict[int, int] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return 0.0
+        return {}, {}
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -74,6 +71,26 @@ def tree_cpu_seconds(root: int) -> float:
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
+    return children, ticks
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant, parents before children (Linux /proc; [root] elsewhere)."""
+    children, _ = _proc_table()
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and every live descendant (Linux /proc; 0.0 elsewhere).
+
+    A descendant that exits between two readings takes its time with it unless its parent in the tree reaped it
+    (then it is in the parent's children's time): differences over a span are a lower bound."""
+    children, ticks = _proc_table()
     total, todo = 0, [root]
     while todo:
         pid = todo.pop()

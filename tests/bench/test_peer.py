@@ -5,6 +5,8 @@ command against a fake vLLM driver (transformers behind the driver's protocol); 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,11 +25,12 @@ from pagedkv.bench.peer import (
     check_near_tie,
     compare_outputs,
     medians,
+    paused,
     ratio_against_best,
     run_rounds,
     schedule,
 )
-from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds
+from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds, tree_pids
 
 FAKE_DRIVER = Path(__file__).with_name("fake_vllm_driver.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +86,72 @@ class FakeSystem:
         tokens = sum(r.output_len for r in requests)
         rate = self.rates.pop(0) if "warmup" not in salt else 1.0
         return RunResult(outputs, tokens / rate, cpu_s=tokens * 0.001)
+
+    def background_pids(self) -> list[int]:
+        return []
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process in /proc ("T" stopped, "S" sleeping, ...)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    return data[data.rindex(b")") + 2 :].split()[0].decode()
+
+
+class SystemWithAHelper(FakeSystem):
+    """A fake system with a process of its own (a shell with a child), which records, when it runs, the states
+    of the other system's processes."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__(name, [100.0] * 4, log)
+        self.helper = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+        self.other: SystemWithAHelper | None = None
+        self.seen: list[list[str]] = []
+
+    def run(self, requests, salt: str) -> RunResult:
+        if self.other is not None and "warmup" not in salt:
+            self.seen.append([process_state(pid) for pid in tree_pids(self.other.helper.pid)])
+        return super().run(requests, salt)
+
+    def background_pids(self) -> list[int]:
+        return [self.helper.pid]
+
+
+def test_the_other_systems_processes_are_paused_during_each_run_and_go_on_after() -> None:
+    log: list[str] = []
+    a, b = SystemWithAHelper("pagedkv", log), SystemWithAHelper("vllm", log)
+    a.other, b.other = b, a
+    try:
+        deadline = time.monotonic() + 10
+        while len(tree_pids(a.helper.pid)) < 2 or len(tree_pids(b.helper.pid)) < 2:  # the shells' sleeps
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        requests = [BenchRequest("r0", [5, 6], 4)]
+        run_rounds("w", requests, [a, b], 2)
+        assert a.seen == b.seen == [["T", "T"], ["T", "T"]]  # the other's shell and its child, in every run
+        assert all(process_state(pid) != "T" for s in (a, b) for pid in tree_pids(s.helper.pid))
+        a.seen.clear()
+        run_rounds("w", requests, [a, b], 1, warm_up=False, pause_idle=False)
+        assert "T" not in a.seen[0]
+    finally:
+        for s in (a, b):
+            s.helper.kill()
+            s.helper.wait()
+
+
+def test_a_failing_run_still_continues_the_paused_processes() -> None:
+    helper = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(RuntimeError), paused([helper.pid]) as stopped:
+            assert stopped == [helper.pid] and process_state(helper.pid) == "T"
+            raise RuntimeError("a run failed")
+        deadline = time.monotonic() + 5
+        while process_state(helper.pid) == "T":  # SIGCONT is delivered asynchronously
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        helper.kill()
+        helper.wait()
 
 
 def test_runs_alternate_after_each_systems_warm_up() -> None:
@@ -159,9 +228,6 @@ def test_near_tie_needs_both_tokens_on_top_and_a_small_gap() -> None:
 
 
 def test_cpu_seconds_of_a_process_tree() -> None:
-    import os
-    import subprocess
-
     child = subprocess.Popen(
         [
             sys.executable,
@@ -254,8 +320,6 @@ def test_quick_run_against_a_fake_peer(tiny_models: dict[str, Path], tmp_path: P
             assert (divergence["request_id"], divergence["position"]) == ("r1", 3)
             assert divergence["theirs"] == divergence["top_two"][1] and divergence["ours"] == divergence["top_two"][0]
             assert divergence["near_tie"] is False and divergence["gap"] > figures["tie_tolerance"]
-    import os
-
     assert figures["vllm"]["vllm-bind"]["threads_bind"] == f"0-{(os.cpu_count() or 1) - 1}"
     assert figures["vllm"]["vllm-default"]["threads_bind"] == "auto (unset)"
     assert "NOT a near tie: request r1 at output token 3" in result.stdout
