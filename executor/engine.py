@@ -292,7 +292,13 @@ class Engine:
         if chunks:
             self.steps += 1
             if self.threads is not None:
-                self.threads.step()
+                before = self.threads.threads
+                if self.threads.step() != before:
+                    log.info(
+                        "torch_threads_resized",
+                        threads=self.threads.threads,
+                        others_cores=round(self.threads.others, 2),
+                    )
             self._send_ahead(chunks)
             logits = self.runner.execute(chunks, self.pool.seqs)
             sampled = sum(1 for c in chunks if c.samples)
