@@ -8,10 +8,10 @@
 // (linked against the libgomp torch has loaded, so both share one thread pool). Each item walks its blocks with an
 // online softmax: per block, the scores of all its slots, one rescale of the running sum, then the weighted V
 // rows. With AVX-512 and a float32 cache it walks them once per pair of query heads of a KV head (walk_heads),
-// whose accumulators then stay in registers. Slots past `len` are never read, so stale or NaN values in unwritten slots cannot matter.
-// Accumulation is float32 whatever the cache dtype. Every index is checked before use: a bad table or length
-// makes the call return an error code, never read outside the cache. Rows that share leading blocks (a cached
-// prefix) read them once, as a group (attend_group).
+// whose accumulators then stay in registers. Slots past `len` are never read, so stale or NaN values in unwritten
+// slots cannot matter. Accumulation is float32 whatever the cache dtype. Every index is checked before use: a bad
+// table or length makes the call return an error code, never read outside the cache. Rows that share leading
+// blocks (a cached prefix) read them once, as a group (attend_group).
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
@@ -142,9 +142,9 @@ struct RowState {
 
 #if defined(__AVX512F__)
 // NH query heads of one KV head over a row's blocks [start, end of row), a float32 cache: the heads' accumulators
-// stay in registers across the blocks, and each key and value slot is loaded once for all NH heads. `kv` points
-// at the KV head's first element in block 0 (offset by table[b] * block_stride per block); qs holds the NH heads'
-// scaled queries; acc/mx/sum carry the online-softmax state in and out.
+// stay in registers across the blocks, and each key and value slot is loaded once for all NH heads. kc and vc
+// point at the KV head's first element in block 0 (offset by table[b] * block_stride per block); qs holds the NH
+// heads' scaled queries; acc_io, mx and sum carry the online-softmax state in and out.
 template <int D, int NH>
 void walk_heads(const float* qs, const float* kc, const float* vc, const int32_t* table, int start, int len, int bs,
                 int64_t slot_stride, int64_t block_stride, float* acc_io, float* mx, float* sum) {
@@ -364,10 +364,10 @@ std::vector<Group> find_groups(const Problem& p) {
   return groups;
 }
 
-// A group's shared blocks, per KV head, take its query heads two at a time (one, when the count is odd): each key
-// or value element is broadcast once for both heads of a pair, and each score or weight vector is loaded once for
-// a run of slots or dims held in registers, so the loops are bound by FMAs rather than by loads.
-// Layouts: queries and accumulators [dim][lane], scores [slot][lane], one array of each per query head.
+// A group's shared blocks, per KV head, take its lane sets (query heads, see attend_group) two at a time (one,
+// when the count is odd): each key or value element is broadcast once for both sets of a pair, and each score or
+// weight vector is loaded once for a run of slots or dims held in registers, so the loops are bound by FMAs rather
+// than by loads. Layouts: queries and accumulators [dim][lane], scores [slot][lane], one array of each per set.
 #if defined(__AVX512F__)
 // s[h][t] = q[h] . k[t] for slots t in [0, J), per lane: J * NH accumulators, one key element broadcast per FMA pair.
 template <int D, int NH, int J>
@@ -458,8 +458,8 @@ inline void group_values(const float* const* sh, const float* v, int64_t stride,
 }
 #endif
 
-// One shared block for NH query heads of one KV head: scores, the online-softmax update, the weighted values.
-// q, acc, m (running max), l (running sum) and s (scores) point at each head's own arrays.
+// One shared block for NH lane sets of one KV head: scores, the online-softmax update, the weighted values.
+// q, acc, m (running max), l (running sum) and s (scores) point at each set's own arrays.
 template <int D, int NH>
 inline void group_block(const float* const* q, const float* k, const float* v, int64_t stride, int bs,
                         float* const* acc, float* const* m, float* const* l, float* const* s) {
