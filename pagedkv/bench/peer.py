@@ -847,6 +847,7 @@ def bench_peer(
     budget, python = check_setup(max_num_seqs, max_num_batched_tokens, kv_cache_memory, vllm_python)
     if threads is not None:
         torch.set_num_threads(threads)
+    pagedkv_threads = torch.get_num_threads()
     settings: list[tuple[str, str | None]] = []
     if vllm_threads in ("both", "default"):
         settings.append(("vllm-default", None))
@@ -871,7 +872,7 @@ def bench_peer(
 
     echo(
         f"model:    {model_dir} ({config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"vocab {config.vocab_size}); cpu, float32; pagedkv: {torch.get_num_threads()} torch threads, "
+        f"vocab {config.vocab_size}); cpu, float32; pagedkv: {pagedkv_threads} torch threads, "
         f"{num_blocks:,} blocks of {block_size}; {os.cpu_count()} cores"
     )
     echo(
@@ -1048,7 +1049,7 @@ def bench_peer(
                 "num_blocks": num_blocks,
                 "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": max_num_batched_tokens,
-                "pagedkv_threads": torch.get_num_threads(),
+                "pagedkv_threads": pagedkv_threads,  # as configured: the thread governor may have changed it since
                 "runs": runs,
                 "pause_idle": pause_idle,
                 "seed": seed,
