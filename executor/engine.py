@@ -7,9 +7,8 @@ next step is planned (`Scheduler.plan_ahead`: a slot reserved for each token bei
 step starts, so blockd works while the model does. A step with nothing sent ahead (the first, one after a
 failed round trip, one whose plan needs a preemption) is planned after sampling and sent synchronously; requests
 that arrived after a step was planned get one extra round trip (admits alone) before it is scheduled, so that
-they start in it rather than a step later. The
-engine is single-threaded and owns everything it touches; the server drives it and carries its deltas to
-gateways.
+they start in it rather than a step later. The engine is single-threaded and owns everything it touches; the
+server drives it and carries its deltas to gateways.
 
 A request with structured output (`params.structured`) has its grammar compiled off the step's thread
 (executor.structured: cached per spec); it enters the scheduler once that is done, and a spec that does not
@@ -292,13 +291,7 @@ class Engine:
         if chunks:
             self.steps += 1
             if self.threads is not None:
-                before = self.threads.threads
-                if self.threads.step() != before:
-                    log.info(
-                        "torch_threads_resized",
-                        threads=self.threads.threads,
-                        others_cores=round(self.threads.others, 2),
-                    )
+                self.threads.step()
             self._send_ahead(chunks)
             logits = self.runner.execute(chunks, self.pool.seqs)
             sampled = sum(1 for c in chunks if c.samples)

@@ -6,8 +6,9 @@ their quiet speed where one thread kept more than half of it. So every `window` 
 CPU the rest of the machine used meanwhile (/proc/stat, less this process's own time) and sizes the team to the
 cores left: `cores - round(others)`, at least one, at most the configured count, once the others take 0.6 of a
 core or more; back to the configured count only once they fall below 0.4, so a neighbour at the edge does not
-flip the team every window. Reading two counters a window costs nothing measurable; where /proc/stat is missing
-the team keeps its configured size.
+flip the team every window. Each resize is logged (`torch_threads_resized`, with the cores the others took).
+Reading two counters a window costs nothing measurable; where /proc/stat is missing the team keeps its
+configured size.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import os
 import time
 from collections.abc import Callable
 
+import structlog
 import torch
 
 from common.cpu import machine_busy_s
+
+log = structlog.get_logger("executor")
 
 
 def own_cpu_s() -> float:
@@ -73,4 +77,5 @@ class ThreadGovernor:
         if wanted != self.threads:
             self.threads = wanted
             self._set(wanted)
+            log.info("torch_threads_resized", threads=wanted, others_cores=round(self.others, 2))
         return self.threads

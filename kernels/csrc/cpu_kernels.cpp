@@ -231,7 +231,6 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
   const float* q = p.q + (token * p.heads + int64_t(kv_first) * group) * D;
 
   float qs[kMaxHeads][D], acc[kMaxHeads][D], running_max[kMaxHeads], running_sum[kMaxHeads];
-  float s[kMaxHeads][kMaxBlock + 16];  // + 16: scores are stored 16 at a time
   for (int h = 0; h < heads; ++h) {
     for (int d = 0; d < D; ++d) {
       qs[h][d] = q[h * D + d] * p.scale;
@@ -260,6 +259,7 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
   } else
 #endif
   {
+    float s[kMaxHeads][kMaxBlock];  // the scores of one block's slots, per query head
     const int span = (kv_last - kv_first) * D;  // elements of one slot this item reads
     for (int b = start; b < nblocks; ++b) {
       const int n = std::min(bs, len - b * bs);

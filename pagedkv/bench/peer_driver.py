@@ -74,9 +74,8 @@ def _proc_table() -> tuple[dict[int, list[int]], dict[int, int]]:
     return children, ticks
 
 
-def tree_pids(root: int) -> list[int]:
-    """`root` and every live descendant, parents before children (Linux /proc; [root] elsewhere)."""
-    children, _ = _proc_table()
+def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
+    """`root` and its descendants in `children`, parents before children."""
     found, todo = [], [root]
     while todo:
         pid = todo.pop(0)
@@ -85,18 +84,18 @@ def tree_pids(root: int) -> list[int]:
     return found
 
 
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant, parents before children (Linux /proc; [root] elsewhere)."""
+    return _tree(root, _proc_table()[0])
+
+
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU seconds of `root` and every live descendant (Linux /proc; 0.0 elsewhere).
 
     A descendant that exits between two readings takes its time with it unless its parent in the tree reaped it
     (then it is in the parent's children's time): differences over a span are a lower bound."""
     children, ticks = _proc_table()
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += ticks.get(pid, 0)
-        todo.extend(children.get(pid, ()))
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(ticks.get(pid, 0) for pid in _tree(root, children)) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------------------------------------------ driver
