@@ -42,7 +42,7 @@ from common.clicks import unless_given
 from common.cpu import machine_busy_s
 from common.units import parse_size
 from pagedkv.bench.common import threads_option
-from pagedkv.bench.peer_driver import process_cpu_seconds, tree_cpu_seconds, tree_pids
+from pagedkv.bench.peer_driver import process_cpu_seconds, process_state, tree_cpu_seconds, tree_pids
 from pagedkv.bench.throughput import BenchRequest, bench_model, make_workload
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
@@ -207,12 +207,24 @@ def busy_neighbour(limit_s: float = NEIGHBOUR_LIMIT_S) -> Iterator[subprocess.Po
         proc.wait()
 
 
+RUNNABLE = frozenset("RSD")  # states of a process not (yet) stopped; gone, zombie or "T"/"t" are done
+
+
+def _wait_for(done: Callable[[], bool], wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 @contextlib.contextmanager
-def paused(roots: Sequence[int]) -> Iterator[list[int]]:
+def paused(roots: Sequence[int], wait_s: float = 2.0) -> Iterator[list[int]]:
     """The processes of these trees stopped (SIGSTOP) for the block and continued (SIGCONT) after, whatever
     happens in it. The bench keeps every system loaded for the whole session, and an idle system is not idle: a
     loaded vLLM's processes took about a tenth of a core doing nothing (its engine core polls), enough to slow
-    the team of OpenMP threads of whichever system is being timed. Yields the pids stopped."""
+    the team of OpenMP threads of whichever system is being timed. Yields the pids stopped, once each is seen
+    stopped (a signal takes effect when its target is next scheduled, not when kill returns) or `wait_s` has
+    passed: one in uninterruptible sleep stops only when it wakes, and the run need not wait for that. Likewise
+    returns once each is seen going on again, or after `wait_s`."""
     stopped: list[int] = []
     try:
         for root in roots:
@@ -220,11 +232,13 @@ def paused(roots: Sequence[int]) -> Iterator[list[int]]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
+        _wait_for(lambda: all(process_state(pid) not in RUNNABLE for pid in stopped), wait_s)
         yield stopped
     finally:
         for pid in reversed(stopped):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        _wait_for(lambda: all(process_state(pid) != "T" for pid in stopped), wait_s)
 
 
 def run_rounds(

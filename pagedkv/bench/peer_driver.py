@@ -34,15 +34,28 @@ import traceback
 from typing import Any
 
 
-def _proc_stat(pid: int | str) -> tuple[int, int] | None:
-    """(parent pid, CPU clock ticks of the process: its own user + system and its reaped children's), or None."""
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: fields after it follow the last ")".
-    fields = data[data.rindex(b")") + 2 :].split()
+    return data[data.rindex(b")") + 2 :].split()
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of a process ("T" stopped, "S" sleeping, "R" running, "Z" zombie...), or None."""
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[0].decode()
+
+
+def _proc_stat(pid: int | str) -> tuple[int, int] | None:
+    """(parent pid, CPU clock ticks of the process: its own user + system and its reaped children's), or None."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
     ppid = int(fields[1])
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
     return ppid, utime + stime + cutime + cstime
