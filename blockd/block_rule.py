@@ -2,15 +2,18 @@
 
 A sequence of n tokens with r reserved slots holds ceil((n + r) / block_size) blocks. Reserved slots are room for
 tokens blockd has not been told yet: an executor computes a decoding sequence's tokens into them step after step
-and registers them (their ids, which the prefix index hashes) only when the room runs out, once a block. So a
-decode step needs no blockd op for most sequences, and a step's round trip can be sent before its tokens are
-sampled. A reservation never reaches past the block its first slot is in (`reservable`): every slot past a
-sequence's tokens is then in its last block, the only one a write can find shared.
+and registers them (their ids, which the prefix index hashes) only when the room runs low. A reservation reaches
+at most to the end of the block after the one its first slot is in (`reservable`), so one append gives a decoding
+sequence between one and two blocks of room, and a step's round trip is needed only every block or so of decode
+steps (the executor renews every sequence that is low on room in the same round trip).
+
+Only the blocks that hold a registered token can be shared (a fork shares those and no reserved-only block), so
+a write can find at most one block shared: the open block, partly filled, that the next token goes into.
 
 Growing a sequence by k tokens (they fill its reserved slots first) and to `reserve` reserved slots past them
-takes the blocks past its table's end, plus one copy of its last block when that block is open (has a slot past
-the tokens), shared with another sequence (after a fork), and written by the growth (tokens registered, or slots
-newly reserved): the new tokens must not be written into a block someone else reads.
+takes the blocks past its table's end, plus one copy of its open block when that block is shared with another
+sequence (after a fork) and written by the growth (tokens registered, or slots newly reserved): the new tokens
+must not be written into a block someone else reads.
 
 blockd's pool grants by this rule (admit, append); the executor's scheduler estimates by it before it asks.
 Pure arithmetic, no state: both sides pass in what they know.
@@ -25,7 +28,7 @@ class Growth(NamedTuple):
     """Fresh blocks one growth takes."""
 
     new_blocks: int  # blocks appended to the table
-    copy_on_write: bool  # the shared, open last block is replaced by a fresh copy first
+    copy_on_write: bool  # the shared open block is replaced by a fresh copy first
 
     @property
     def blocks(self) -> int:
@@ -33,10 +36,20 @@ class Growth(NamedTuple):
         return self.new_blocks + self.copy_on_write
 
 
-def reservable(block_size: int, num_tokens: int) -> int:
-    """Most slots a sequence of `num_tokens` tokens may hold reserved: up to the end of the block that its next
-    token goes into."""
+def to_block_end(block_size: int, num_tokens: int) -> int:
+    """Slots from a sequence's next token to the end of the block that token goes into."""
     return block_size - num_tokens % block_size
+
+
+def reservable(block_size: int, num_tokens: int) -> int:
+    """Most slots a sequence of `num_tokens` tokens may hold reserved: up to the end of the block after the one
+    its next token goes into."""
+    return to_block_end(block_size, num_tokens) + block_size
+
+
+def shared_blocks(block_size: int, num_tokens: int) -> int:
+    """Leading blocks of a table that a fork shares: those holding one of the `num_tokens` registered tokens."""
+    return -(-num_tokens // block_size)
 
 
 def reserved_after(reserved: int, num_new_tokens: int, reserve: int) -> int:
@@ -51,17 +64,17 @@ def growth(
     num_new_tokens: int,
     table_blocks: int,
     *,
-    last_block_shared: bool = False,
+    open_block_shared: bool = False,
     reserved: int = 0,
     reserve: int = 0,
 ) -> Growth:
     """Blocks taken when a table of `table_blocks` blocks holding `num_tokens` tokens and `reserved` reserved
-    slots grows by `num_new_tokens` tokens, keeping `reserve` slots reserved past them.
+    slots grows by `num_new_tokens` tokens, keeping `reserve` slots reserved past them. `open_block_shared`: the
+    partly filled block the next token goes into is held by another sequence too.
 
     An admission is a growth from an empty table (or from its cached prefix: full blocks, so never a copy).
     """
     kept = reserved_after(reserved, num_new_tokens, reserve)
     new_blocks = max(-(-(num_tokens + num_new_tokens + kept) // block_size) - table_blocks, 0)
     writes = num_new_tokens > 0 or kept > reserved
-    open_tail = num_tokens % block_size != 0 or reserved > 0
-    return Growth(new_blocks, writes and open_tail and last_block_shared)
+    return Growth(new_blocks, writes and num_tokens % block_size != 0 and open_block_shared)

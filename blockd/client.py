@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from blockd import protocol as p
-from blockd.block_rule import reserved_after
+from blockd.block_rule import reserved_after, shared_blocks
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.manager import DEFAULT_MAX_LOOKUP_TOKENS
@@ -387,10 +387,11 @@ class PoolClient:
         gens = self.generations
         if type(op) is p.Append:
             seq = self.seqs[op.seq_id]
+            open_block = len(seq.tokens) // TOKEN_BYTES // self.block_size  # the one a copy replaces
             seq.tokens += op.tokens
             seq.reserved = reserved_after(seq.reserved, len(op.tokens) // TOKEN_BYTES, op.reserve)
             for (src, dst), gen in zip(outcome.copies, outcome.copy_generations, strict=False):
-                seq.blocks[-1] = dst
+                seq.blocks[open_block] = dst
                 gens[dst] = gen
                 self._release((src,))
                 self._hold((dst,))
@@ -412,13 +413,10 @@ class PoolClient:
             self._release(self.seqs.pop(op.seq_id).blocks)
         elif type(op) is p.Fork:
             parent = self.seqs[op.parent_id]
-            self._hold(parent.blocks)
+            shared = parent.blocks[: shared_blocks(self.block_size, len(parent.tokens) // TOKEN_BYTES)]
+            self._hold(shared)
             self.seqs[op.child_id] = MirroredSequence(
-                bytearray(parent.tokens),
-                list(parent.blocks),
-                parent.num_computed_tokens,
-                parent.cache_salt,
-                parent.reserved,
+                bytearray(parent.tokens), shared, parent.num_computed_tokens, parent.cache_salt
             )
 
     def _one(self, op: p.StepOp) -> Any:

@@ -15,7 +15,8 @@ operation instead.
  I3. The prefix index and the per-block hash agree both ways: index[h] == b  <=>  block_hash[b] == h.
      A block carries a hash only while its KV holds exactly the tokens that hash names.
  I4. A live sequence of n tokens and r reserved slots holds ceil((n + r) / block_size) blocks, its reserved
-     slots are all in its last block (r <= block_rule.reservable), and its committed blocks are full.
+     slots end at most one block past the block its next token goes into (r <= block_rule.reservable), its
+     committed blocks are full, and the blocks past its tokens (reserved slots only) are its alone (refcount 1).
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
@@ -37,7 +38,7 @@ from typing import Final, Protocol
 
 import msgspec
 
-from blockd.block_rule import growth, reservable, reserved_after
+from blockd.block_rule import growth, reservable, reserved_after, shared_blocks
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
@@ -331,11 +332,11 @@ class BlockPool:
     def append(self, seq_id: str, tokens: TokenIds, reserve: int = 0) -> AppendResult:
         """Register `tokens` after the sequence's current tokens (they fill its reserved slots first), and keep
         `reserve` slots reserved past them: room for tokens the executor computes before it registers them, up to
-        the end of the block the first of them goes into (blockd.block_rule).
+        the end of the block after the one the first of them goes into (blockd.block_rule).
 
-        New blocks are taken at block boundaries. If the tokens or new reserved slots land in a last block that
-        another sequence shares (after a fork), that block is copied first: a fresh block plus a (src, dst) copy
-        instruction.
+        New blocks are taken at block boundaries. If the tokens or new reserved slots land in an open block that
+        another sequence shares (after a fork), that block is copied first: a fresh block in its place in the
+        table plus a (src, dst) copy instruction.
         """
         seq = self.seqs.get(seq_id) or self._seq(seq_id)
         packed = tokens if type(tokens) is bytes and not len(tokens) % _TOKEN_BYTES else _packed(tokens)
@@ -344,22 +345,21 @@ class BlockPool:
         bs = self.block_size
         n_old = len(held) // _TOKEN_BYTES
         k = len(packed) // _TOKEN_BYTES
-        if reserve and not 0 <= reserve <= bs - (n_old + k) % bs:
+        if reserve and not 0 <= reserve <= reservable(bs, n_old + k):
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
-                f"reserve {reserve} for {seq_id!r} reaches past the block its first slot is in "
+                f"reserve {reserve} for {seq_id!r} reaches more than a block past the block its first slot is in "
                 f"(at most {reservable(bs, n_old + k)})",
             )
         reserved = seq.reserved
         keep = reserved_after(reserved, k, reserve)
         writes = k > 0 or keep > reserved
-        if n_old + k + keep <= len(table) * bs and (not writes or self.refcount[table[-1]] == 1):
+        open_shared = n_old % bs != 0 and self.refcount[table[n_old // bs]] > 1
+        if n_old + k + keep <= len(table) * bs and not (writes and open_shared):
             held += packed  # the block rule asks for nothing: the room is held, in a block nobody else reads
             seq.reserved = keep
             return _NOTHING_APPENDED
-        need = growth(
-            bs, n_old, k, len(table), last_block_shared=self.refcount[table[-1]] > 1, reserved=reserved, reserve=reserve
-        )
+        need = growth(bs, n_old, k, len(table), open_block_shared=open_shared, reserved=reserved, reserve=reserve)
         new_blocks, cow, needed = need.new_blocks, need.copy_on_write, need.blocks
         if needed > len(self.free_queue):
             raise self._shortfall(needed, len(self.free_queue), f"appending {k} tokens to {seq_id!r}")
@@ -370,10 +370,10 @@ class BlockPool:
         copies: tuple[tuple[int, int], ...] = ()
         copy_generations: tuple[int, ...] = ()
         if cow:
-            src = table[-1]
+            src = table[n_old // bs]
             (dst,) = self._allocate(1)
             self.refcount[src] -= 1  # stays >= 1: another sequence holds it
-            table[-1] = dst
+            table[n_old // bs] = dst
             copies, copy_generations = ((src, dst),), (generation[dst],)
             self.counters.copies_on_write += 1
         grown = self._allocate(new_blocks) if new_blocks > 0 else []
@@ -422,19 +422,16 @@ class BlockPool:
         return added
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent; writes into a shared last block copy it first."""
+        """The child shares the parent's blocks that hold its tokens (not its reserved-only blocks) and has no
+        reserved slots; a write into their shared open block copies it first."""
         parent = self._seq(parent_id)
         self._check_new_seq_id(child_id)
         refcount = self.refcount
-        for b in parent.table:
+        shared = parent.table[: shared_blocks(self.block_size, len(parent.tokens) // _TOKEN_BYTES)]
+        for b in shared:
             refcount[b] += 1
         self.seqs[child_id] = SeqState(
-            bytearray(parent.tokens),
-            list(parent.table),
-            list(parent.hashes),
-            parent.committed,
-            parent.extra,
-            parent.reserved,
+            bytearray(parent.tokens), shared, list(parent.hashes), parent.committed, parent.extra
         )
         self._recently_freed.pop(child_id, None)
 
@@ -496,8 +493,8 @@ class BlockPool:
         if not 0 <= reserved <= reservable(self.block_size, n):
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
-                f"sequence {seq_id!r}: {reserved} reserved slots reach past its last block "
-                f"(at most {reservable(self.block_size, n)})",
+                f"sequence {seq_id!r}: {reserved} reserved slots reach more than a block past its next token's "
+                f"block (at most {reservable(self.block_size, n)})",
             )
         if len(table) != _ceil_div(n + reserved, self.block_size) or not n:
             raise BlockdError(
@@ -508,12 +505,25 @@ class BlockPool:
         for b in table:
             if not 0 <= b < self.num_blocks:
                 raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: block {b} is not in the pool")
+        if len(set(table)) < len(table):
+            raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: its table names a block twice")
+        tails = table[shared_blocks(self.block_size, n) :]
+        if any(self.refcount[b] for b in tails) or not self._tails().isdisjoint(table):
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"sequence {seq_id!r}: a block past its tokens (reserved slots only) is held by another sequence",
+            )
         for b in table:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
         self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt), reserved)
         self.commit(seq_id, min(max(num_computed, 0), n))
+
+    def _tails(self) -> set[int]:
+        """Every live sequence's blocks past its tokens (O(live sequences): re-sync only)."""
+        bs = self.block_size
+        return {b for q in self.seqs.values() for b in q.table[shared_blocks(bs, len(q.tokens) // _TOKEN_BYTES) :]}
 
     def restore_index(self, records: Iterable[tuple[int, BlockRecord]], generations: Sequence[int] | None) -> int:
         """Re-enter block records persisted earlier, keeping only those the executor's KV still backs.
@@ -604,6 +614,11 @@ class BlockPool:
                     f"{pid}: I4 sequence {seq_id!r} holds {len(seq.table)} blocks for {n} tokens and "
                     f"{seq.reserved} reserved slots (expected {expected})"
                 )
+            for b in seq.table[shared_blocks(self.block_size, n) :]:
+                if self.refcount[b] != 1:
+                    problems.append(
+                        f"{pid}: I4 sequence {seq_id!r} shares block {b}, which holds only its reserved slots"
+                    )
             if seq.committed > n // self.block_size:
                 problems.append(
                     f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, more than its full blocks"

@@ -37,8 +37,8 @@ PackedTokens = bytes
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 #: Slots reserved past a sequence's tokens for tokens not registered yet (blockd.block_rule; the pool checks the
-#: exact bound, which depends on its block size).
-Reserved = Annotated[int, msgspec.Meta(ge=0, le=max(SUPPORTED_BLOCK_SIZES))]
+#: exact bound, which depends on its block size: at most two blocks).
+Reserved = Annotated[int, msgspec.Meta(ge=0, le=2 * max(SUPPORTED_BLOCK_SIZES))]
 
 
 # ------------------------------------------------------------------------------------------ step ops

@@ -18,9 +18,16 @@ token to every decoding sequence, then prefill chunks to the others in admission
 admitted ones last.
 
 Decoding sequences are registered a block at a time. An append registers every token known and reserves the
-rest of the block the next token goes into (blockd.block_rule); the tokens computed into those reserved slots are
-registered by the append made when the room runs out, so most decode steps need no blockd op at all. Commits
-index only registered tokens; a sequence whose blocks go back registers its computed full blocks first.
+rest of the block the next token goes into and the block after it (blockd.block_rule; only the rest of the first
+block when blocks run short); the tokens computed into those reserved slots are registered by a later append.
+Commits index only registered tokens; a sequence whose blocks go back registers its computed full blocks first.
+
+Most steps need no round trip at all. One is needed when a sequence is out of room, a waiting sequence could be
+admitted, a choice forks, a sequence is preempted, or a prompt's computed blocks are to be committed (new
+requests and the gateway's routing look for them); commits of generated tokens and frees can wait for it (at
+most `QUIET_STEPS` steps, and never once nothing runs). When one goes, every running sequence with less than a
+block of room left is renewed in it, so after any round trip each has at least a block of decode steps before it
+needs another.
 
 `plan_ahead(chunks)` plans the next step while `chunks` (this step) still run, so that its round trip travels
 during this step's forward pass. The tokens this step samples are not known yet: a sampling sequence needs room
@@ -40,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd import protocol as p
-from blockd.block_rule import growth, reservable
+from blockd.block_rule import growth, reservable, shared_blocks, to_block_end
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
 from common.tokens import TOKEN_BYTES, pack_tokens
@@ -128,6 +135,10 @@ class StepOutcome:
     failed: list[tuple[Sequence, p.OpError]] = field(default_factory=list)  # ops blockd refused (not admits)
 
 
+#: Steps in a row that may go without a round trip while commits or frees wait (see the module docstring).
+QUIET_STEPS = 16
+
+
 class Scheduler:
     """The waiting queue, the running batch and each step's plan; see the module docstring.
 
@@ -159,6 +170,7 @@ class Scheduler:
         self._order = itertools.count()
         self.num_preemptions = 0
         self.arrived = False  # a sequence was added since admissions were last planned
+        self.quiet_steps = 0  # steps planned in a row without a round trip
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -219,22 +231,25 @@ class Scheduler:
         """Token slots blockd holds for the sequence: its registered tokens and its reserved slots."""
         return seq.num_registered + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
 
-    def _append_need(self, seq: Sequence) -> int:
-        """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token
-        known and reserves the rest of the block the next one goes into."""
-        mirrored = self.blocks.seqs[seq.fork_parent or seq.seq_id]
-        table = mirrored.blocks
-        # An unforked child's tail is shared with its parent by the time its append reaches blockd.
-        shared = seq.fork_parent is not None or self.blocks.refcount[table[-1]] > 1
+    def _append_need(self, seq: Sequence, reserve: int, forking: set[str]) -> int:
+        """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token known
+        and keeps `reserve` slots reserved past them. `forking`: parents of the choices forked in this plan."""
+        bs = self.block_size
+        n = seq.num_registered
+        if seq.fork_parent is not None:  # not forked yet: it will hold its parent's blocks of its tokens, shared
+            table, reserved, shared = shared_blocks(bs, n), 0, True
+        else:
+            mirrored = self.blocks.seqs[seq.seq_id]
+            table, reserved = len(mirrored.blocks), mirrored.reserved
+            shared = n % bs != 0 and (self.blocks.refcount[mirrored.blocks[n // bs]] > 1 or seq.seq_id in forking)
         return growth(
-            self.block_size,
-            seq.num_registered,
-            len(seq.tokens) - seq.num_registered,
-            len(table),
-            last_block_shared=shared,
-            reserved=mirrored.reserved,
-            reserve=reservable(self.block_size, len(seq.tokens)),
+            bs, n, len(seq.tokens) - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve
         ).blocks
+
+    def _reserve(self, seq: Sequence, wide: bool) -> int:
+        """Slots an append keeps reserved past the sequence's known tokens: to the end of the block after the
+        next token's (`wide`), or only to the end of the next token's block when blocks run short."""
+        return (reservable if wide else to_block_end)(self.block_size, len(seq.tokens))
 
     def plan(self) -> StepPlan:
         """The next step's ops, with every sampled token known."""
@@ -251,6 +266,13 @@ class Scheduler:
 
     def _plan(self, ahead: list[Chunk] | None) -> StepPlan | None:
         plan = StepPlan()
+        # A sequence sampling in the step now running (a plan made ahead) needs room for one more token, not
+        # known yet.
+        sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
+        if self._quiet(sampling):
+            self.quiet_steps += 1
+            return plan
+        self.quiet_steps = 0
         # Forks first: a new choice starts from its parent's prompt, before any op registers the parent's
         # tokens past it.
         for child in self.to_fork:
@@ -266,18 +288,18 @@ class Scheduler:
             plan.add(Purpose.FREE, seq, p.Free(seq.seq_id))
         free = self.blocks.free_blocks + sum(self._releases(s) for s in self.to_free)
 
-        # Room for every token the next step computes: a sequence sampling in the step now running (a plan made
-        # ahead) gets one more, not known yet. Most decode steps fit in the slots reserved before; where they do
-        # not, an append registers the tokens known and reserves the rest of the next token's block. A new
-        # choice always appends: its first token must not be written into the block it shares with its parent.
-        sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
-        growing = [
-            s for s in self.running if s.fork_parent is not None or self._room(s) < len(s.tokens) + (id(s) in sampling)
-        ]
+        # Room for every token the next step computes. Most decode steps fit in the slots reserved before; where
+        # they do not, an append registers the tokens known and reserves room past them.
+        growing = [s for s in self.running if self._needs_room(s, sampling)]
+        forking = {child.fork_parent for child in self.to_fork if child.fork_parent is not None}
+        wide = True
         while True:
-            need = sum(self._append_need(s) for s in growing)
+            need = sum(self._append_need(s, self._reserve(s, wide), forking) for s in growing)
             if need <= free or not self.running:
                 break
+            if wide:
+                wide = False  # short of blocks: reserve less before preempting anyone
+                continue
             if ahead is not None:
                 return None  # preempting a sequence while it runs: left to the plan made after sampling
             victim = self._victim()
@@ -285,8 +307,7 @@ class Scheduler:
             self._preempt(plan, victim)
             growing = [s for s in growing if s is not victim]
         for seq in growing:
-            tokens = pack_tokens(seq.tokens[seq.num_registered :])
-            plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens, reservable(self.block_size, len(seq.tokens))))
+            self._append(plan, seq, self._reserve(seq, wide))
         free -= need
 
         # The token budget left once the running sequences have what they still need after this step.
@@ -295,8 +316,53 @@ class Scheduler:
         for seq in self.running:
             left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
             budget -= min(left, budget)
-        self._admit(plan, free, budget)
+        free = self._admit(plan, free, budget)
+        if wide and plan.entries:
+            self._renew(plan, free, growing, sampling, forking)
         return plan
+
+    def _needs_room(self, seq: Sequence, sampling: set[int]) -> bool:
+        """Whether the sequence must append before the next step: its tokens (and the one it is sampling) do not
+        fit in the room blockd holds for it, or it is a new choice, whose first token must not be written into
+        the block it shares with its parent."""
+        return seq.fork_parent is not None or self._room(seq) < len(seq.tokens) + (id(seq) in sampling)
+
+    def _quiet(self, sampling: set[int]) -> bool:
+        """Whether the next step can go without a round trip (see the module docstring)."""
+        if self.to_fork or self.to_preempt or not self.running:
+            return False  # (with nothing running, finished sequences' blocks go back now)
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return False  # an admission, and the frees and commits before it
+        bs = self.block_size
+        waiting_ops = bool(self.to_free)
+        for seq in self.running:
+            if min(seq.num_computed, seq.num_registered) // bs > seq.committed_tokens // bs:
+                if seq.committed_tokens < seq.prompt_len - seq.prompt_len % bs:
+                    return False  # a prompt's blocks: new requests, and the gateway's routing, look for them now
+                waiting_ops = True
+        if waiting_ops and self.quiet_steps >= QUIET_STEPS:
+            return False
+        return not any(self._needs_room(s, sampling) for s in self.running)
+
+    def _append(self, plan: StepPlan, seq: Sequence, reserve: int) -> None:
+        tokens = pack_tokens(seq.tokens[seq.num_registered :])
+        plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens, reserve))
+
+    def _renew(self, plan: StepPlan, free: int, growing: list[Sequence], sampling: set[int], forking: set[str]) -> None:
+        """In a round trip that goes anyway, renew the running sequences with less than a block of room left,
+        while blocks stay above the watermark."""
+        grown = set(map(id, growing))
+        for seq in self.running:
+            if id(seq) in grown or seq.status is not Status.RUNNING:
+                continue
+            if self._room(seq) - len(seq.tokens) - (id(seq) in sampling) >= self.block_size:
+                continue
+            reserve = self._reserve(seq, True)
+            need = self._append_need(seq, reserve, forking)
+            if need > free - self.watermark:
+                break
+            self._append(plan, seq, reserve)
+            free -= need
 
     def plan_arrivals(self) -> StepPlan:
         """Admits alone, for requests that arrived after the step now starting was planned ahead: sent before
@@ -308,9 +374,9 @@ class Scheduler:
         self._admit(plan, self.blocks.free_blocks, budget)
         return plan
 
-    def _admit(self, plan: StepPlan, free: int, budget: int) -> None:
+    def _admit(self, plan: StepPlan, free: int, budget: int) -> int:
         """Admits for the waiting sequences, first come first served, while blocks (`free`, above the watermark),
-        sequence slots and the token budget allow."""
+        sequence slots and the token budget allow; returns the blocks still free after them (worst case)."""
         self.arrived = False
         free_slots = self.max_num_seqs - len(self.running)
         pending = self._uncommitted_prefixes() if self.waiting else {}
@@ -333,6 +399,7 @@ class Scheduler:
             free -= worst
             free_slots -= 1
             budget -= 1
+        return free
 
     # Requests that share a prefix often arrive together (one system prompt, n-shot examples), but blockd indexes
     # a block only once it is computed and committed. Admitted in the same step, each would compute (and hold)

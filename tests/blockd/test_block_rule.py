@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockd.block_rule import Growth, growth, reservable
+from blockd.block_rule import Growth, growth, reservable, shared_blocks, to_block_end
 
 
 def _slots_counted(
@@ -23,8 +23,8 @@ def _slots_counted(
         written = slot < num_tokens + num_new_tokens or slot >= room  # a token, or a newly reserved slot
         if slot >= blocks * block_size:
             blocks += 1
-        elif written and shared and slot // block_size == table - 1:  # a write into the shared last block
-            copied = 1
+        elif written and shared and slot // block_size == (num_tokens - 1) // block_size:
+            copied = 1  # a write into the block that holds the last token, shared
     return blocks - table, copied
 
 
@@ -33,7 +33,7 @@ def _growths(draw: st.DrawFn) -> tuple[int, int, int, bool, int, int]:
     block_size = draw(st.integers(1, 8))
     num_tokens = draw(st.integers(1, 40))
     num_new_tokens = draw(st.integers(0, 40))
-    # Reservations end in the block their first slot is in (blockd checks the one asked for).
+    # Reservations end at most a block past the block their first slot is in (blockd checks the one asked for).
     reserved = draw(st.integers(0, reservable(block_size, num_tokens)))
     reserve = draw(st.integers(0, reservable(block_size, num_tokens + num_new_tokens)))
     return block_size, num_tokens, num_new_tokens, draw(st.booleans()), reserved, reserve
@@ -48,7 +48,7 @@ def test_growth_matches_counting_slots(case: tuple[int, int, int, bool, int, int
         num_tokens,
         num_new_tokens,
         table_blocks,
-        last_block_shared=shared,
+        open_block_shared=shared,
         reserved=reserved,
         reserve=reserve,
     )
@@ -60,18 +60,23 @@ def test_growth_matches_counting_slots(case: tuple[int, int, int, bool, int, int
 def test_examples() -> None:
     assert growth(4, 0, 9, 0) == Growth(3, False)  # an admission: ceil(9 / 4)
     assert growth(4, 8, 1, 2) == Growth(1, False)  # a decode at a block boundary
-    assert growth(4, 6, 1, 2, last_block_shared=True) == Growth(0, True)  # first write after a fork
-    assert growth(4, 8, 1, 2, last_block_shared=True) == Growth(1, False)  # a full shared block is never written
-    assert growth(4, 6, 0, 2, last_block_shared=True) == Growth(0, False)  # nothing written, nothing copied
+    assert growth(4, 6, 1, 2, open_block_shared=True) == Growth(0, True)  # first write after a fork
+    assert growth(4, 8, 1, 2, open_block_shared=True) == Growth(1, False)  # a full shared block is never written
+    assert growth(4, 6, 0, 2, open_block_shared=True) == Growth(0, False)  # nothing written, nothing copied
     assert growth(4, 6, 1, 3).blocks == 0  # a table longer than the tokens need takes nothing (never negative)
 
 
 def test_reservation_examples() -> None:
-    assert reservable(4, 8) == 4 and reservable(4, 9) == 3  # to the end of the next token's block
+    assert to_block_end(4, 8) == 4 and to_block_end(4, 9) == 3  # to the end of the next token's block
+    assert reservable(4, 8) == 8 and reservable(4, 9) == 7  # and the block after it
+    assert shared_blocks(4, 8) == 2 and shared_blocks(4, 9) == 3  # the blocks that hold a token
     assert growth(4, 8, 0, 2, reserve=4) == Growth(1, False)  # room for the next block's tokens, ahead of them
+    assert growth(4, 9, 0, 3, reserve=7) == Growth(1, False)  # the rest of this block and all of the next
+    assert growth(4, 9, 3, 4, reserved=7, reserve=7) == Growth(1, False)  # 3 registered, room renewed early
     assert growth(4, 8, 3, 3, reserved=4) == Growth(0, False)  # tokens computed into it, registered later
     assert growth(4, 8, 4, 3, reserved=4, reserve=4) == Growth(1, False)  # it ran out: register, reserve on
     assert growth(4, 6, 0, 2, reserved=2, reserve=1) == Growth(0, False)  # a reservation lasts until filled
-    # A fork shares the reserved slots too: the first of the two to write there copies the block.
-    assert growth(4, 6, 1, 2, last_block_shared=True, reserved=2) == Growth(0, True)
-    assert growth(4, 8, 0, 3, last_block_shared=True, reserved=4, reserve=4) == Growth(0, False)
+    # A fork shares the open block (the rest of it reserved): the first of the two to write there copies it.
+    assert growth(4, 6, 1, 2, open_block_shared=True, reserved=2) == Growth(0, True)
+    # Reserved-only blocks are never shared: a full last token block leaves nothing to copy.
+    assert growth(4, 8, 0, 3, open_block_shared=True, reserved=4, reserve=4) == Growth(0, False)

@@ -10,9 +10,12 @@ from blockd import protocol as p
 from blockd.client import BlockdClient, PoolClient, PoolFenced, StepFailed
 from blockd.errors import BlockdError, ErrorCode
 from blockd.persistence import POOLS_KEY, load_pool_records
+from common.limits import SUPPORTED_BLOCK_SIZES
 from common.tokens import pack_tokens
 from tests.support.processes import RedisProcess
 from tests.support.waiting import wait_for
+
+TOO_MANY_RESERVED = 2 * max(SUPPORTED_BLOCK_SIZES) + 1
 
 BS = 4
 
@@ -249,9 +252,9 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "", "tokens": b"\0" * 4}]}),), ErrorCode.INVALID_REQUEST),
         ((enc({"v": 1, "id": 3, "op": "register", "pool_id": "ex0"}),), ErrorCode.INVALID_REQUEST),
         ((enc({**step, "pool_id": "ghost", "ops": []}),), ErrorCode.UNKNOWN_POOL),
-        # A reservation larger than any block: refused by the schema, before any op is applied.
+        # A reservation larger than two of the largest blocks: refused by the schema, before any op is applied.
         (
-            (enc({**step, "ops": [{"type": "append", "seq_id": "a", "tokens": b"", "reserve": 65}]}),),
+            (enc({**step, "ops": [{"type": "append", "seq_id": "a", "tokens": b"", "reserve": TOO_MANY_RESERVED}]}),),
             ErrorCode.INVALID_REQUEST,
         ),
         (
@@ -305,9 +308,10 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         ErrorCode.INVALID_REQUEST,
         ErrorCode.UNKNOWN_SEQUENCE,
     ]
-    # A reservation reaching past the block its first slot is in ("a" holds 10 tokens: 2 slots left in its block).
-    (past,) = ex.step([p.Append("a", b"", 3)])
-    assert past.code == ErrorCode.INVALID_REQUEST and "at most 2" in past.message
+    # A reservation reaching more than a block past the block its first slot is in ("a" holds 10 tokens: 2 slots
+    # left in its block, then a block of 4).
+    (past,) = ex.step([p.Append("a", b"", 7)])
+    assert past.code == ErrorCode.INVALID_REQUEST and "at most 6" in past.message
     # Packed token ids that are not whole uint32s: the op fails, the sequence is untouched.
     (odd,) = ex.step([p.Append("a", b"\x01\x02\x03")])
     assert odd.code == ErrorCode.INVALID_REQUEST and "multiple of 4" in odd.message

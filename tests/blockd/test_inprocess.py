@@ -55,3 +55,25 @@ def test_bad_requests_get_error_replies_and_change_nothing() -> None:
         client.call(p.Step, pool_id="nobody", epoch=1, ops=[])
     assert raised.value.code == ErrorCode.UNKNOWN_POOL
     assert client.manager.pools == {}
+
+
+def test_the_mirror_follows_a_fork_and_a_copy_before_a_reserved_only_block() -> None:
+    client = InProcessBlockd()
+    pool = _pool(client)
+    pool.register()
+    pool.admit("a", list(range(5)))  # blocks of 4: one full, one open
+    pool.append("a", [], reserve=7)  # the rest of the open block and a reserved-only one
+    pool.fork("a", "b")
+    (copied, child) = pool.step([p.Append("a", pack_tokens([5])), p.Append("b", pack_tokens([9]), 2)])
+    assert type(copied) is p.AppendResult and len(copied.copies) == 1  # the parent copies the open block ...
+    assert type(child) is p.AppendResult and not child.copies  # ... so the child holds the original alone
+    blockd_pool = client.manager.pool("pool")
+    for seq_id in ("a", "b"):
+        assert pool.seqs[seq_id].blocks == blockd_pool.seqs[seq_id].table
+        assert pool.seqs[seq_id].reserved == blockd_pool.seqs[seq_id].reserved
+    assert pool.seqs["a"].blocks[1] == copied.copies[0][1] and len(pool.seqs["a"].blocks) == 3  # in its place
+    assert pool.refcount == blockd_pool.refcount and blockd_pool.check() == []
+    client.manager.unregister("pool", pool.epoch)  # and a re-sync from that mirror is taken as it is
+    pool.heartbeat()
+    assert client.manager.pool("pool").seqs["a"].table == pool.seqs["a"].blocks
+    assert client.manager.pool("pool").check() == []

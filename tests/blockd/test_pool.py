@@ -247,37 +247,51 @@ def test_reserved_slots_hold_tokens_computed_before_they_are_registered() -> Non
     assert pool.check() == []
 
 
-def test_a_reservation_past_its_block_is_refused_and_changes_nothing() -> None:
+def test_a_reservation_reaches_into_the_next_block_and_no_further() -> None:
     pool = make_pool(8, 4)
-    pool.admit("a", [1, 2, 3, 4, 5])
+    pool.admit("a", [1, 2, 3, 4, 5])  # blocks 0, 1; 3 slots left in block 1
     before = pool_state(pool)
-    err = expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [], reserve=4)
-    assert "at most 3" in err.message
-    expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [6, 7, 8], reserve=5)  # at most 4: a fresh block
+    err = expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [], reserve=8)
+    assert "at most 7" in err.message
+    expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [6, 7, 8], reserve=9)  # at most 8: two fresh blocks
     expect_error(ErrorCode.INVALID_REQUEST, pool.append, "a", [6], reserve=-1)
     assert pool_state(pool) == before
+    r = pool.append("a", [], reserve=7)  # the rest of block 1 and all of a fresh one
+    assert r.blocks == (2,) and pool.seqs["a"].table == [0, 1, 2] and pool.check() == []
+    assert pool.append("a", [6, 7, 8, 9, 10]) == AppendResult()  # computed into the room, registered later
+    assert pool.seqs["a"].reserved == 2 and pool.check() == []
 
 
-def test_a_fork_shares_the_reserved_slots_and_the_first_to_write_there_copies_the_block() -> None:
+def test_a_fork_shares_the_blocks_of_the_tokens_and_the_first_to_write_there_copies_the_open_one() -> None:
     pool = make_pool(8, 4)
     pool.admit("a", [1, 2, 3, 4, 5])
-    pool.append("a", [], reserve=3)
+    pool.append("a", [], reserve=7)  # blocks 0, 1 and reserved-only 2
     pool.fork("a", "b")
-    assert pool.seqs["b"].reserved == 3 and pool.refcount[:2] == [2, 2]
-    r = pool.append("b", [9])  # the child's first token: not into the block its parent writes
-    assert r.copies == ((1, 2),) and pool.seqs["b"].table == [0, 2] and pool.seqs["b"].reserved == 2
-    assert pool.append("a", [6]) == AppendResult()  # the parent holds its block alone again
+    # The child shares the blocks holding tokens, not the parent's reserved-only block, and reserves nothing.
+    assert pool.seqs["b"].table == [0, 1] and pool.seqs["b"].reserved == 0
+    assert pool.refcount[:3] == [2, 2, 1] and pool.check() == []
+    r = pool.append("a", [6])  # the parent writes first: it takes the copy of the open block, in its place
+    assert r.copies == ((1, 3),) and pool.seqs["a"].table == [0, 3, 2] and pool.seqs["b"].table == [0, 1]
+    assert pool.append("b", [9], reserve=2) == AppendResult()  # the child holds block 1 alone now
+    assert pool.token_ids("a") == [1, 2, 3, 4, 5, 6] and pool.token_ids("b") == [1, 2, 3, 4, 5, 9]
     assert pool.check() == []
 
 
-def test_restore_sequence_takes_reserved_slots_within_its_last_block() -> None:
+def test_restore_sequence_takes_reserved_slots_up_to_a_block_past_its_next_tokens_block() -> None:
     pool = make_pool(8, 4)
-    pool.restore_sequence("a", [1, 2, 3, 4, 5], [3, 6], 5, reserved=3)
-    assert pool.seqs["a"].reserved == 3 and pool.check() == []
+    pool.restore_sequence("a", [1, 2, 3, 4, 5], [3, 6, 7], 5, reserved=7)
+    assert pool.seqs["a"].reserved == 7 and pool.check() == []
     before = pool_state(pool)
-    expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4, 5], [0, 1, 2], 5, reserved=4)
-    expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4, 5], [0, 1], 5, reserved=4)
+    for table, r in (([0, 1, 2, 4], 8), ([0, 1], 4), ([0, 1, 1], 4)):
+        expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4, 5], table, 5, reserved=r)
+    # A reserved-only block is its sequence's alone: no other table may name it, nor may it name a held one.
+    err = expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4, 5], [0, 7], 5)
+    assert "reserved slots only" in err.message
+    err = expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", [1, 2, 3, 4], [0, 6], 4, reserved=4)
+    assert "reserved slots only" in err.message
     assert pool_state(pool) == before
+    pool.restore_sequence("b", [1, 2, 3, 4, 5], [3, 6], 5)  # sharing the blocks of tokens is what a fork leaves
+    assert pool.check() == []
 
 
 def test_append_out_of_blocks_reports_what_is_missing_and_changes_nothing() -> None:

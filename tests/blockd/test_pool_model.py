@@ -164,16 +164,17 @@ class Model:
         seq = self.seq(sid)
         n_old = len(seq.tokens)
         n_new = n_old + len(tokens)
-        # A reservation must end in the block its first slot is in.
-        if not 0 <= reserve <= self.bs - n_new % self.bs or any(not 0 <= t < 2**32 for t in tokens):
+        # A reservation may end at most one block past the block its first slot is in.
+        if not 0 <= reserve <= 2 * self.bs - n_new % self.bs or any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
         # Tokens fill the reserved slot first; a reservation not filled stays.
         left = seq.reserved - min(seq.reserved, len(tokens))
         keep = max(reserve, left)
         new_blocks = -(-(n_old + len(tokens) + keep) // self.bs) - len(seq.table)
         writes = bool(tokens) or reserve > seq.reserved
-        tail_has_room = len(seq.table) * self.bs > n_old
-        cow = writes and tail_has_room and self.refcount[seq.table[-1]] > 1
+        # The block of the last token, when it has room, is the only one a fork can have shared with the writer.
+        last = (n_old - 1) // self.bs
+        cow = writes and (last + 1) * self.bs > n_old and self.refcount[seq.table[last]] > 1
         if new_blocks <= 0 and not cow:
             seq.tokens.extend(tokens)
             seq.reserved = keep
@@ -187,10 +188,10 @@ class Model:
         copies: tuple = ()
         copy_gens: tuple = ()
         if cow:
-            src = seq.table[-1]
+            src = seq.table[last]
             (dst,) = self.allocate(1)
             self.refcount[src] -= 1
-            seq.table[-1] = dst
+            seq.table[last] = dst
             copies, copy_gens = ((src, dst),), (self.generation[dst],)
             self.counters["copies_on_write"] += 1
         grown = self.allocate(new_blocks) if new_blocks > 0 else []
@@ -220,9 +221,11 @@ class Model:
         p = self.seq(parent)
         if child in self.seqs:
             raise ModelError(ErrorCode.SEQUENCE_EXISTS)
-        for b in p.table:
+        # The child takes the blocks that hold a token, and none of the parent's reserved-only ones.
+        shared = [b for i, b in enumerate(p.table) if i * self.bs < len(p.tokens)]
+        for b in shared:
             self.refcount[b] += 1
-        self.seqs[child] = ModelSeq(list(p.tokens), list(p.table), p.committed, p.salt, p.reserved)
+        self.seqs[child] = ModelSeq(list(p.tokens), shared, p.committed, p.salt)
         self.freed.discard(child)
 
     def free_seq(self, sid: str) -> int:
@@ -402,12 +405,13 @@ class PoolMachine(RuleBasedStateMachine):
     def op_append(self, data: st.DataObject, sid: str | None = None) -> None:
         if sid is None:
             sid = data.draw(st.sampled_from(self.live()))
-        # A reservation: room for tokens computed before they are registered (the engine's decode steps); now
-        # and then one reaching past its block.
+        # A reservation: room for tokens computed before they are registered (the engine's decode steps), to
+        # the end of the next token's block or of the block after it; now and then one reaching further.
         tokens = data.draw(st.lists(TOKENS, min_size=0, max_size=5))
         n_new = len(self.model.seqs[sid].tokens) + len(tokens) if sid in self.model.seqs else len(tokens)
-        most = self.model.bs - n_new % self.model.bs
-        reserve = data.draw(st.sampled_from([0, 0, 1, most, most, most + 1]))
+        block_end = self.model.bs - n_new % self.model.bs
+        most = block_end + self.model.bs
+        reserve = data.draw(st.sampled_from([0, 0, 1, block_end, block_end, most, most, most + 1]))
         if tokens and data.draw(st.integers(0, 19)) == 19:  # now and then an id out of range
             tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(st.sampled_from([-1, 2**32]))
         out = self.both(
@@ -597,10 +601,12 @@ class PoolMachine(RuleBasedStateMachine):
         for hsh, b in pool.index.items():
             assert pool.block_hash[b] == hsh
         assert sum(x is not None for x in pool.block_hash) == len(pool.index)
-        # I4: block counts and committed blocks.
+        # I4: block counts, committed blocks, and reserved-only blocks held alone.
         for sid, s in pool.seqs.items():
-            assert 0 <= s.reserved <= pool.block_size - pool.num_tokens(sid) % pool.block_size
+            assert 0 <= s.reserved <= 2 * pool.block_size - pool.num_tokens(sid) % pool.block_size
             assert len(s.table) == -(-(pool.num_tokens(sid) + s.reserved) // pool.block_size)
+            holding_tokens = -(-pool.num_tokens(sid) // pool.block_size)
+            assert all(pool.refcount[b] == 1 for b in s.table[holding_tokens:]), "a reserved-only block is shared"
             assert s.committed <= pool.num_tokens(sid) // pool.block_size
         # I5: uncached free blocks first, then cached ones in least-recently-freed order.
         cached = [pool.block_hash[b] is not None for b in pool.free_queue]
