@@ -2,8 +2,11 @@
 
 Greedy rows are one batched argmax. Random rows apply temperature, top-k and top-p, then draw with their own
 `torch.Generator`: a request with a seed owns a generator seeded from it, so its output depends on the seed
-alone, never on what else shares the batch. The draw is the exponential race (argmax of p / E with E ~ Exp(1)),
-which picks token i with probability p_i and needs one random vector per row.
+alone, never on what else shares the batch. The draw inverts the distribution function: one uniform u per row,
+and the first token whose cumulative probability (float64, normalised so that the last is exactly 1) exceeds u,
+which picks token i with probability p_i and never one of probability 0. (The exponential race, argmax of p / E
+with E ~ Exp(1), is as exact but draws and takes a logarithm per vocabulary entry: 1.9 ms a step for 16 rows of
+a 4,096-token vocabulary on this CPU, against a tenth of that.)
 
 Logits processing (vLLM's order and meaning) comes first, on a copy of the logits, each step as a few batched
 tensor ops over the rows that ask for it, and not at all when none does: allowed_token_ids (everything else to
@@ -92,13 +95,18 @@ class Sampler:
             processed = process_logits(processed if constrained else logits.clone(), rows, self.eos_token_ids)
         tokens = argmax_rows(processed)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if random and any(rows[i].params.min_p != 0.0 for i in random):
-            scaled = _scale_with_min_p(processed, [rows[i].params for i in random], random)
-            for j, i in enumerate(random):
-                tokens[i] = self._draw(scaled[j], rows[i].params, rows[i].generator or self.shared, prescaled=True)
-        else:
-            for i in random:
-                tokens[i] = self._draw(processed[i], rows[i].params, rows[i].generator or self.shared)
+        if random:
+            params = [rows[i].params for i in random]
+            generators = [rows[i].generator or self.shared for i in random]
+            scaled = _scale(processed, params, random)
+            vocab = scaled.shape[-1]
+            truncated = [j for j, q in enumerate(params) if 0 < q.top_k < vocab or q.top_p < 1.0]
+            whole = [j for j in range(len(random)) if j not in set(truncated)]
+            if whole:  # one batched draw for the rows that sample from the whole distribution
+                drawn = _invert(torch.softmax(scaled[whole], dim=-1), [generators[j] for j in whole])
+                tokens[torch.tensor([random[j] for j in whole])] = drawn
+            for j in truncated:
+                tokens[random[j]] = self._draw(scaled[j], params[j], generators[j])
         token_ids = tokens.tolist()
         want = [row.params.logprobs for row in rows]
         if all(k is None for k in want):
@@ -117,11 +125,8 @@ class Sampler:
         return Sampled(token_ids, out)
 
     @staticmethod
-    def _draw(
-        row: torch.Tensor, params: SamplingParams, generator: torch.Generator, prescaled: bool = False
-    ) -> torch.Tensor:
-        """One draw from a row's logits (already divided by the temperature when `prescaled`)."""
-        scaled = row if prescaled else row / params.temperature
+    def _draw(scaled: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+        """One draw from a row's logits (already divided by its temperature) after its top-k and top-p."""
         if params.top_k and params.top_k < scaled.shape[-1]:
             threshold = torch.topk(scaled, params.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
@@ -131,8 +136,15 @@ class Sampler:
             before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly above each token
             sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)  # the top token always stays
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        return torch.argmax(probs / race)
+        return _invert(probs[None], [generator])[0]
+
+
+def _invert(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` ([rows, vocab]), drawn with one uniform from that row's generator."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    cdf = cdf / cdf[:, -1:]  # each row's last is 1 exactly: a uniform below 1 always lands on a token
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    return torch.searchsorted(cdf, u[:, None], right=True).view(-1)
 
 
 _NEG_INF = float("-inf")
@@ -250,13 +262,18 @@ def _flat_tokens(
     return row_ids, token_ids
 
 
-def _scale_with_min_p(logits: torch.Tensor, params: list[SamplingParams], random: list[int]) -> torch.Tensor:
-    """The random rows' logits divided by their temperatures, with min_p applied (tokens whose probability is
-    below min_p times the top one's set to -inf), as in vLLM: after temperature, before top-k and top-p."""
+def _scale(logits: torch.Tensor, params: list[SamplingParams], random: list[int]) -> torch.Tensor:
+    """The random rows' logits divided by their temperatures, then min_p where any row asks for it."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     scaled = logits[torch.tensor(random, device=device)] / temperature[:, None]
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+    return scaled if all(p.min_p == 0.0 for p in params) else _apply_min_p(scaled, params)
+
+
+def _apply_min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Tokens whose probability is below min_p times the top one's set to -inf, as in vLLM: after temperature,
+    before top-k and top-p."""
+    min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype, device=scaled.device)
     probs = torch.softmax(scaled, dim=-1)
     threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return scaled.masked_fill(probs < threshold, _NEG_INF)

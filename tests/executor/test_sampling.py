@@ -68,6 +68,35 @@ def test_seeded_choices_are_reproducible_and_distinct():
     assert choice_generator(SamplingParams(seed=3, temperature=0.0), 0, CPU) is None  # greedy needs no luck
 
 
+def test_a_seeded_row_draws_the_same_whatever_else_shares_the_batch():
+    params = SamplingParams(seed=7, temperature=0.8)
+    mine, noise = torch.randn(300, generator=torch.Generator().manual_seed(3)), torch.randn(300)
+    sampler = Sampler(CPU, seed=None)
+    others = [SamplingParams(temperature=1.3), SamplingParams(top_k=5), SamplingParams(temperature=0.0)]
+
+    def tokens(batch: list[SamplingParams]) -> list[int]:
+        generator = choice_generator(params, 0, CPU)
+        at = batch.index(params)
+        logits = torch.stack([mine if q is params else noise for q in batch])
+        rows = [SampleRow(q, generator if q is params else None) for q in batch]
+        return [sampler(logits, rows).token_ids[at] for _ in range(30)]
+
+    alone = tokens([params])
+    assert len(set(alone)) > 1
+    assert tokens([*others, params]) == alone  # after other random, truncated and greedy rows
+    assert tokens([others[0], params, others[0], others[2]]) == alone
+
+
+def test_zero_probability_tokens_are_never_drawn_even_at_the_ends_of_the_vocabulary():
+    logits = torch.full((2, 64), float("-inf"))
+    logits[0, 0] = 0.0  # only the first token possible
+    logits[1, 63] = 0.0  # only the last
+    sampler = Sampler(CPU, seed=5)
+    rows = [SampleRow(SamplingParams(temperature=1.0), None)] * 2
+    for _ in range(200):
+        assert sampler(logits, rows).token_ids == [0, 63]
+
+
 def test_logprobs_are_the_model_distribution_with_top_alternatives():
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
     params = SamplingParams(temperature=0.0, logprobs=2)
@@ -222,7 +251,7 @@ def test_neutral_settings_skip_processing(monkeypatch):
         raise AssertionError("processing ran for neutral settings")
 
     monkeypatch.setattr(sampling, "process_logits", fail)
-    monkeypatch.setattr(sampling, "_scale_with_min_p", fail)
+    monkeypatch.setattr(sampling, "_apply_min_p", fail)
     neutral = SamplingParams(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0)
     assert not neutral.processes_logits
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
