@@ -100,11 +100,12 @@ class Sampler:
             generators = [rows[i].generator or self.shared for i in random]
             scaled = _scale(processed, params, random)
             vocab = scaled.shape[-1]
-            truncated = [j for j, q in enumerate(params) if 0 < q.top_k < vocab or q.top_p < 1.0]
-            whole = [j for j in range(len(random)) if j not in set(truncated)]
+            truncated, whole = [], []
+            for j, q in enumerate(params):
+                (truncated if 0 < q.top_k < vocab or q.top_p < 1.0 else whole).append(j)
             if whole:  # one batched draw for the rows that sample from the whole distribution
                 drawn = _invert(torch.softmax(scaled[whole], dim=-1), [generators[j] for j in whole])
-                tokens[torch.tensor([random[j] for j in whole])] = drawn
+                tokens[torch.tensor([random[j] for j in whole], device=tokens.device)] = drawn
             for j in truncated:
                 tokens[random[j]] = self._draw(scaled[j], params[j], generators[j])
         token_ids = tokens.tolist()
@@ -143,7 +144,7 @@ def _invert(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch
     """One token per row of `probs` ([rows, vocab]), drawn with one uniform from that row's generator."""
     cdf = probs.to(torch.float64).cumsum(-1)
     cdf = cdf / cdf[:, -1:]  # each row's last is 1 exactly: a uniform below 1 always lands on a token
-    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g, device=probs.device) for g in generators])
     return torch.searchsorted(cdf, u[:, None], right=True).view(-1)
 
 

@@ -210,10 +210,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- planning
 
-    def _commit(self, plan: StepPlan, seq: Sequence, registered: int | None = None) -> None:
+    def _commit_due(self, seq: Sequence, registered: int | None = None) -> int | None:
+        """The tokens a commit would cover, if that fills a block past the last commit; else None."""
         # Tokens computed into reserved slots are not registered yet: blockd can hash only registered tokens.
         done = min(seq.num_computed, seq.num_registered if registered is None else registered)
-        if done // self.block_size > seq.committed_tokens // self.block_size:
+        return done if done // self.block_size > seq.committed_tokens // self.block_size else None
+
+    def _commit(self, plan: StepPlan, seq: Sequence, registered: int | None = None) -> None:
+        done = self._commit_due(seq, registered)
+        if done is not None:
             plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, done))
             seq.committed_tokens = done
 
@@ -269,7 +274,10 @@ class Scheduler:
         # A sequence sampling in the step now running (a plan made ahead) needs room for one more token, not
         # known yet.
         sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
-        if self._quiet(sampling):
+        # Room for every token the next step computes. Most decode steps fit in the slots reserved before; where
+        # they do not, an append registers the tokens known and reserves room past them.
+        growing = [s for s in self.running if self._needs_room(s, sampling)]
+        if self._quiet(growing):
             self.quiet_steps += 1
             return plan
         self.quiet_steps = 0
@@ -288,9 +296,6 @@ class Scheduler:
             plan.add(Purpose.FREE, seq, p.Free(seq.seq_id))
         free = self.blocks.free_blocks + sum(self._releases(s) for s in self.to_free)
 
-        # Room for every token the next step computes. Most decode steps fit in the slots reserved before; where
-        # they do not, an append registers the tokens known and reserves room past them.
-        growing = [s for s in self.running if self._needs_room(s, sampling)]
         forking = {child.fork_parent for child in self.to_fork if child.fork_parent is not None}
         wide = True
         while True:
@@ -327,22 +332,21 @@ class Scheduler:
         the block it shares with its parent."""
         return seq.fork_parent is not None or self._room(seq) < len(seq.tokens) + (id(seq) in sampling)
 
-    def _quiet(self, sampling: set[int]) -> bool:
-        """Whether the next step can go without a round trip (see the module docstring)."""
-        if self.to_fork or self.to_preempt or not self.running:
+    def _quiet(self, growing: list[Sequence]) -> bool:
+        """Whether the next step can go without a round trip (see the module docstring). `growing`: the
+        sequences that must append first (new choices among them)."""
+        if growing or self.to_preempt or not self.running:
             return False  # (with nothing running, finished sequences' blocks go back now)
         if self.waiting and len(self.running) < self.max_num_seqs:
             return False  # an admission, and the frees and commits before it
         bs = self.block_size
         waiting_ops = bool(self.to_free)
         for seq in self.running:
-            if min(seq.num_computed, seq.num_registered) // bs > seq.committed_tokens // bs:
+            if self._commit_due(seq) is not None:
                 if seq.committed_tokens < seq.prompt_len - seq.prompt_len % bs:
                     return False  # a prompt's blocks: new requests, and the gateway's routing, look for them now
                 waiting_ops = True
-        if waiting_ops and self.quiet_steps >= QUIET_STEPS:
-            return False
-        return not any(self._needs_room(s, sampling) for s in self.running)
+        return not (waiting_ops and self.quiet_steps >= QUIET_STEPS)
 
     def _append(self, plan: StepPlan, seq: Sequence, reserve: int) -> None:
         tokens = pack_tokens(seq.tokens[seq.num_registered :])
@@ -353,7 +357,7 @@ class Scheduler:
         while blocks stay above the watermark."""
         grown = set(map(id, growing))
         for seq in self.running:
-            if id(seq) in grown or seq.status is not Status.RUNNING:
+            if id(seq) in grown:
                 continue
             if self._room(seq) - len(seq.tokens) - (id(seq) in sampling) >= self.block_size:
                 continue
