@@ -12,8 +12,10 @@ a write can find at most one block shared: the open block, partly filled, that t
 
 Growing a sequence by k tokens (they fill its reserved slots first) and to `reserve` reserved slots past them
 takes the blocks past its table's end, plus one copy of its open block when that block is shared with another
-sequence (after a fork) and written by the growth (tokens registered, or slots newly reserved): the new tokens
-must not be written into a block someone else reads.
+sequence (after a fork) and the growth writes into it (`writes_open_block`: a token registered, or a slot newly
+reserved there): the new tokens must not be written into a block someone else reads. The executor writes a
+reserved slot before blockd hears of its token, so of the sequences sharing a partly filled block at most one
+holds reserved slots in it (the fork's parent; the child starts with none, and copies before it reserves).
 
 blockd's pool grants by this rule (admit, append); the executor's scheduler estimates by it before it asks.
 Pure arithmetic, no state: both sides pass in what they know.
@@ -58,6 +60,15 @@ def reserved_after(reserved: int, num_new_tokens: int, reserve: int) -> int:
     return max(reserve, reserved - num_new_tokens, 0)
 
 
+def writes_open_block(block_size: int, num_tokens: int, num_new_tokens: int, reserved: int, kept: int) -> bool:
+    """Whether a growth writes into the sequence's open block (partly filled: its next token goes there): it
+    registers a token, or reserves a slot there that was not reserved before (new reserved slots start where
+    the old ones end, so none lands there once the old ones reach the block's end)."""
+    if num_tokens % block_size == 0:
+        return False
+    return num_new_tokens > 0 or (kept > reserved and reserved < to_block_end(block_size, num_tokens))
+
+
 def growth(
     block_size: int,
     num_tokens: int,
@@ -76,5 +87,5 @@ def growth(
     """
     kept = reserved_after(reserved, num_new_tokens, reserve)
     new_blocks = max(-(-(num_tokens + num_new_tokens + kept) // block_size) - table_blocks, 0)
-    writes = num_new_tokens > 0 or kept > reserved
-    return Growth(new_blocks, writes and num_tokens % block_size != 0 and open_block_shared)
+    writes = writes_open_block(block_size, num_tokens, num_new_tokens, reserved, kept)
+    return Growth(new_blocks, writes and open_block_shared)

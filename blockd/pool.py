@@ -17,6 +17,9 @@ operation instead.
  I4. A live sequence of n tokens and r reserved slots holds ceil((n + r) / block_size) blocks, its reserved
      slots end at most one block past the block its next token goes into (r <= block_rule.reservable), its
      committed blocks are full, and the blocks past its tokens (reserved slots only) are its alone (refcount 1).
+     Reserved slots are written before blockd hears of their tokens, so a shared open block (partly filled)
+     that holds some of one sequence's reserved slots is, for every other sequence holding it, its open block
+     too, with no reserved slots in it and no more tokens than the writer has there.
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
@@ -38,7 +41,7 @@ from typing import Final, Protocol
 
 import msgspec
 
-from blockd.block_rule import growth, reservable, reserved_after, shared_blocks
+from blockd.block_rule import growth, reservable, reserved_after, shared_blocks, writes_open_block
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
@@ -111,7 +114,7 @@ class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
 class AppendResult(msgspec.Struct, tag="append", frozen=True, omit_defaults=True):
     blocks: tuple[int, ...] = ()  # blocks appended to the table
     generations: tuple[int, ...] = ()  # their generations
-    copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy src into dst; dst replaces src as the table's tail
+    copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy src into dst; dst takes src's place in the table
     copy_generations: tuple[int, ...] = ()  # generation of each dst
 
 
@@ -149,6 +152,18 @@ class PoolStats(msgspec.Struct):
     prefix_hit_rate_tokens: float
     prefix_hit_rate_blocks: float
     counters: PoolCounters
+
+
+def _written_ahead_problem(block: int, open_for: list[tuple[int, int]], holders: int) -> str | None:
+    """I4's rule for a block that is open (partly filled) for the sequences in `open_for` ((tokens in it,
+    reserved slots) each) and held `holders` times: if one of them writes ahead into it (reserved slots), every
+    other holder has it open too, reserves nothing, and reads no slot the writer writes. None when it holds."""
+    writers = [filled for filled, reserved in open_for if reserved]
+    if not writers:
+        return None
+    if len(writers) > 1 or holders != len(open_for) or max(filled for filled, _ in open_for) > writers[0]:
+        return f"block {block} holds one sequence's reserved slots and another sequence reads or reserves them"
+    return None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -353,9 +368,9 @@ class BlockPool:
             )
         reserved = seq.reserved
         keep = reserved_after(reserved, k, reserve)
-        writes = k > 0 or keep > reserved
-        open_shared = n_old % bs != 0 and self.refcount[table[n_old // bs]] > 1
-        if n_old + k + keep <= len(table) * bs and not (writes and open_shared):
+        writes = writes_open_block(bs, n_old, k, reserved, keep)
+        open_shared = writes and self.refcount[table[n_old // bs]] > 1  # (only then looked up: the common case)
+        if n_old + k + keep <= len(table) * bs and not open_shared:
             held += packed  # the block rule asks for nothing: the room is held, in a block nobody else reads
             seq.reserved = keep
             return _NOTHING_APPENDED
@@ -513,12 +528,29 @@ class BlockPool:
                 ErrorCode.INVALID_REQUEST,
                 f"sequence {seq_id!r}: a block past its tokens (reserved slots only) is held by another sequence",
             )
+        open_blocks = self._open_blocks()
+        if n % self.block_size:
+            open_blocks.setdefault(table[n // self.block_size], []).append((n % self.block_size, reserved))
+        for b in open_blocks.keys() & set(table):
+            if (problem := _written_ahead_problem(b, open_blocks[b], self.refcount[b] + 1)) is not None:
+                raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: {problem}")
         for b in table:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
         self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt), reserved)
         self.commit(seq_id, min(max(num_computed, 0), n))
+
+    def _open_blocks(self) -> dict[int, list[tuple[int, int]]]:
+        """Each live sequence's open block (partly filled: its next token goes there) -> (its tokens in that
+        block, its reserved slots) for every sequence it is open for (O(live sequences): re-sync and check)."""
+        bs = self.block_size
+        found: dict[int, list[tuple[int, int]]] = {}
+        for q in self.seqs.values():
+            n = len(q.tokens) // _TOKEN_BYTES
+            if n % bs:
+                found.setdefault(q.table[n // bs], []).append((n % bs, q.reserved))
+        return found
 
     def _tails(self) -> set[int]:
         """Every live sequence's blocks past its tokens (O(live sequences): re-sync only)."""
@@ -641,6 +673,9 @@ class BlockPool:
         for h, b in self.index.items():
             if not 0 <= b < self.num_blocks or self.block_hash[b] != h:
                 problems.append(f"{pid}: I3 index entry {h.hex()} names block {b} whose hash differs")
+        for b, open_for in self._open_blocks().items():
+            if (problem := _written_ahead_problem(b, open_for, self.refcount[b])) is not None:
+                problems.append(f"{pid}: I4 {problem}")
         seen_cached = False
         last_stamp = -1
         for b in self.free_queue:

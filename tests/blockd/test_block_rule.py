@@ -78,5 +78,9 @@ def test_reservation_examples() -> None:
     assert growth(4, 6, 0, 2, reserved=2, reserve=1) == Growth(0, False)  # a reservation lasts until filled
     # A fork shares the open block (the rest of it reserved): the first of the two to write there copies it.
     assert growth(4, 6, 1, 2, open_block_shared=True, reserved=2) == Growth(0, True)
+    # Reserving writes there only if the new slots start there: a parent holding the rest of it reserves on past
+    # it without a copy; one holding less of it copies.
+    assert growth(2, 1, 0, 1, open_block_shared=True, reserved=1, reserve=2) == Growth(1, False)
+    assert growth(4, 5, 0, 2, open_block_shared=True, reserved=1, reserve=6) == Growth(1, True)
     # Reserved-only blocks are never shared: a full last token block leaves nothing to copy.
     assert growth(4, 8, 0, 3, open_block_shared=True, reserved=4, reserve=4) == Growth(0, False)

@@ -277,6 +277,45 @@ def test_a_fork_shares_the_blocks_of_the_tokens_and_the_first_to_write_there_cop
     assert pool.check() == []
 
 
+def test_only_a_write_into_the_shared_open_block_copies_it() -> None:
+    pool = make_pool(8, 4)
+    pool.admit("a", [1, 2, 3, 4, 5])
+    pool.append("a", [], reserve=3)  # the rest of block 1
+    pool.fork("a", "b")
+    r = pool.append("a", [], reserve=7)  # the new slots start past block 1: nothing is written there
+    assert r.copies == () and r.blocks == (2,) and pool.seqs["a"].table == [0, 1, 2] and pool.check() == []
+    r = pool.append("b", [], reserve=3)  # the child's first reserved slot is in block 1: it copies first
+    assert r.copies == ((1, 3),) and pool.seqs["b"].table == [0, 3] and pool.check() == []
+
+
+def test_check_names_a_shared_open_block_written_ahead_by_two() -> None:
+    pool = make_pool(8, 4)
+    pool.admit("a", [1, 2, 3, 4, 5])
+    pool.append("a", [], reserve=3)
+    pool.fork("a", "b")
+    assert pool.check() == []
+    pool.seqs["b"].reserved = 3  # (a state no operation leads to: both would write slots 5-7 of block 1)
+    assert any("I4 block 1 holds one sequence's reserved slots" in p for p in pool.check())
+
+
+def test_restore_sequence_refuses_to_share_an_open_block_that_another_writes_ahead() -> None:
+    pool = make_pool(8, 4)
+    pool.restore_sequence("a", [1, 2, 3, 4, 5], [3, 6], 5, reserved=3)  # writes ahead into block 6
+    before = pool_state(pool)
+    for tokens, table, reserved in (
+        ([1, 2, 3, 4, 5], [3, 6], 3),  # reserving there too
+        ([1, 2, 3, 4, 5, 6], [3, 6], 0),  # reading a slot "a" writes
+        ([1, 2, 3, 4, 9, 9, 9, 9], [3, 6], 0),  # holding it full
+    ):
+        err = expect_error(
+            ErrorCode.INVALID_REQUEST, pool.restore_sequence, "b", tokens, table, len(tokens), reserved=reserved
+        )
+        assert "reads or reserves them" in err.message
+    assert pool_state(pool) == before
+    pool.restore_sequence("b", [1, 2, 3, 4, 5], [3, 6], 5)  # what a fork leaves: the same tokens, no reservation
+    assert pool.check() == []
+
+
 def test_restore_sequence_takes_reserved_slots_up_to_a_block_past_its_next_tokens_block() -> None:
     pool = make_pool(8, 4)
     pool.restore_sequence("a", [1, 2, 3, 4, 5], [3, 6, 7], 5, reserved=7)

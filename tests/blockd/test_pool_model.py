@@ -171,10 +171,13 @@ class Model:
         left = seq.reserved - min(seq.reserved, len(tokens))
         keep = max(reserve, left)
         new_blocks = -(-(n_old + len(tokens) + keep) // self.bs) - len(seq.table)
-        writes = bool(tokens) or reserve > seq.reserved
         # The block of the last token, when it has room, is the only one a fork can have shared with the writer.
+        # It is written by a token (the first lands there), or by a slot newly reserved in it: new reserved slots
+        # start where the old ones end.
         last = (n_old - 1) // self.bs
-        cow = writes and (last + 1) * self.bs > n_old and self.refcount[seq.table[last]] > 1
+        end_of_last = (last + 1) * self.bs
+        writes = bool(tokens) or (keep > seq.reserved and n_old + seq.reserved < end_of_last)
+        cow = writes and end_of_last > n_old and self.refcount[seq.table[last]] > 1
         if new_blocks <= 0 and not cow:
             seq.tokens.extend(tokens)
             seq.reserved = keep
@@ -608,6 +611,17 @@ class PoolMachine(RuleBasedStateMachine):
             holding_tokens = -(-pool.num_tokens(sid) // pool.block_size)
             assert all(pool.refcount[b] == 1 for b in s.table[holding_tokens:]), "a reserved-only block is shared"
             assert s.committed <= pool.num_tokens(sid) // pool.block_size
+        # I4: a sequence's reserved slots in its open block are written ahead, so every other holder of that
+        # block has it open too (at its next token's position), reserves nothing and holds no more tokens there.
+        bs = pool.block_size
+        for sid, s in pool.seqs.items():
+            n = pool.num_tokens(sid)
+            if s.reserved and n % bs:
+                for other_id, other in pool.seqs.items():
+                    m = pool.num_tokens(other_id)
+                    for position, b in enumerate(other.table):
+                        if b == s.table[n // bs] and other_id != sid:
+                            assert position == m // bs and 0 < m % bs <= n % bs and not other.reserved
         # I5: uncached free blocks first, then cached ones in least-recently-freed order.
         cached = [pool.block_hash[b] is not None for b in pool.free_queue]
         assert cached == sorted(cached)

@@ -120,7 +120,11 @@ def test_bad_messages_get_clear_errors_and_serving_continues(tiny_models, blockd
         # New requests still work, and the one that was running all along finishes (its 30 tokens may outlast
         # the new one's 16 on a loaded machine: the fixture's leak check must not race it).
         assert tokens_of(client.generate(good, GREEDY)[0]) == hf_greedy(tiny_models["llama"], good, 16)
-        wait_for(lambda: client.load().running == 0, timeout_s=60, what="the busy request to finish")
+        wait_for(
+            lambda: (load := client.load()).running == 0 and load.free_blocks == load.num_blocks,
+            timeout_s=60,
+            what="the busy request to finish and both to hand their blocks back",
+        )
 
 
 def _next_rejection(client: ExecutorClient) -> ep.Rejected:
