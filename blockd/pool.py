@@ -548,7 +548,7 @@ class BlockPool:
         found: dict[int, list[tuple[int, int]]] = {}
         for q in self.seqs.values():
             n = len(q.tokens) // _TOKEN_BYTES
-            if n % bs:
+            if n % bs and n // bs < len(q.table):  # (a table too short for its tokens is I4's other report)
                 found.setdefault(q.table[n // bs], []).append((n % bs, q.reserved))
         return found
 
@@ -647,7 +647,7 @@ class BlockPool:
                     f"{seq.reserved} reserved slots (expected {expected})"
                 )
             for b in seq.table[shared_blocks(self.block_size, n) :]:
-                if self.refcount[b] != 1:
+                if 0 <= b < self.num_blocks and self.refcount[b] != 1:  # (outside the pool: reported below)
                     problems.append(
                         f"{pid}: I4 sequence {seq_id!r} shares block {b}, which holds only its reserved slots"
                     )
@@ -674,7 +674,8 @@ class BlockPool:
             if not 0 <= b < self.num_blocks or self.block_hash[b] != h:
                 problems.append(f"{pid}: I3 index entry {h.hex()} names block {b} whose hash differs")
         for b, open_for in self._open_blocks().items():
-            if (problem := _written_ahead_problem(b, open_for, self.refcount[b])) is not None:
+            holders = self.refcount[b] if 0 <= b < self.num_blocks else len(open_for)
+            if (problem := _written_ahead_problem(b, open_for, holders)) is not None:
                 problems.append(f"{pid}: I4 {problem}")
         seen_cached = False
         last_stamp = -1

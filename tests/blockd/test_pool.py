@@ -296,6 +296,8 @@ def test_check_names_a_shared_open_block_written_ahead_by_two() -> None:
     assert pool.check() == []
     pool.seqs["b"].reserved = 3  # (a state no operation leads to: both would write slots 5-7 of block 1)
     assert any("I4 block 1 holds one sequence's reserved slots" in p for p in pool.check())
+    pool.seqs["b"].table = [0]  # a table too short for its tokens is reported, not a crash of the check
+    assert any("I4 sequence 'b' holds 1 blocks" in p for p in pool.check())
 
 
 def test_restore_sequence_refuses_to_share_an_open_block_that_another_writes_ahead() -> None:
