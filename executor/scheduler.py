@@ -232,9 +232,11 @@ class Scheduler:
             registered = seq.num_computed
         self._commit(plan, seq, registered)
 
-    def _room(self, seq: Sequence) -> int:
-        """Token slots blockd holds for the sequence: its registered tokens and its reserved slots."""
-        return seq.num_registered + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
+    def _room_left(self, seq: Sequence, sampling: set[int]) -> int:
+        """Token slots blockd holds for the sequence (registered or reserved) past its known tokens and the one it
+        is sampling: below 0, the next step's tokens do not fit."""
+        held = seq.num_registered + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
+        return held - len(seq.tokens) - (id(seq) in sampling)
 
     def _append_need(self, seq: Sequence, reserve: int, forking: set[str]) -> int:
         """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token known
@@ -330,7 +332,7 @@ class Scheduler:
         """Whether the sequence must append before the next step: its tokens (and the one it is sampling) do not
         fit in the room blockd holds for it, or it is a new choice, whose first token must not be written into
         the block it shares with its parent."""
-        return seq.fork_parent is not None or self._room(seq) < len(seq.tokens) + (id(seq) in sampling)
+        return seq.fork_parent is not None or self._room_left(seq, sampling) < 0
 
     def _quiet(self, growing: list[Sequence]) -> bool:
         """Whether the next step can go without a round trip (see the module docstring). `growing`: the
@@ -359,7 +361,7 @@ class Scheduler:
         for seq in self.running:
             if id(seq) in grown:
                 continue
-            if self._room(seq) - len(seq.tokens) - (id(seq) in sampling) >= self.block_size:
+            if self._room_left(seq, sampling) >= self.block_size:
                 continue
             reserve = self._reserve(seq, True)
             need = self._append_need(seq, reserve, forking)
