@@ -304,10 +304,13 @@ def test_quick_run_against_a_fake_peer(tiny_models: dict[str, Path], tmp_path: P
         requests = work["spec"]["requests"]
         for check in against.values():
             # The fake took the second most likely token of request r1 at its output token 3: found, and not a
-            # near tie at the default tolerance (random weights do not tie).
-            assert check["equal_requests"] == requests - 1
-            [divergence] = check["divergences"]
-            assert (divergence["request_id"], divergence["position"]) == ("r1", 3)
+            # near tie at the default tolerance. Any other divergence is a float32 near tie that the thread count
+            # can flip (the tiny llama has one: `long` r2 at token 63, top two 2e-4 apart), and is reported as one.
+            planted = [d for d in check["divergences"] if (d["request_id"], d["position"]) == ("r1", 3)]
+            others = [d for d in check["divergences"] if d not in planted]
+            assert all(d["near_tie"] for d in others), others
+            assert check["equal_requests"] == requests - 1 - len(others)
+            [divergence] = planted
             assert divergence["theirs"] == divergence["top_two"][1] and divergence["ours"] == divergence["top_two"][0]
             assert divergence["near_tie"] is False and divergence["gap"] > figures["tie_tolerance"]
     assert figures["vllm"]["vllm-bind"]["threads_bind"] == f"0-{(os.cpu_count() or 1) - 1}"
