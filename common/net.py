@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Collection
 
 
 class PortInUse(RuntimeError):
@@ -14,13 +15,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports that were free a moment ago (all bound at once, so no two are the same)."""
-    sockets = [socket.socket() for _ in range(count)]
+def free_ports(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> list[int]:
+    """`count` distinct ports that were free a moment ago (all bound at once, so no two are the same), none of
+    them in `avoid`: ports promised to a server not listening yet, which the kernel may hand out meanwhile."""
+    sockets = [socket.socket() for _ in range(count + len(avoid))]
     try:
         for s in sockets:
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
+        return [port for s in sockets if (port := s.getsockname()[1]) not in avoid][:count]
     finally:
         for s in sockets:
             s.close()

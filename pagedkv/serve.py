@@ -270,7 +270,8 @@ class LocalStack:
             from common.auth import generate
 
             generate(self.keys_dir, [f"executor-{i}" for i in range(self.executors)], force=True)
-        self._blockd_port, *self._executor_ports = net.free_ports(1 + self.executors)
+        # Not the gateway's port: it listens last, and the kernel may hand that port out until then.
+        self._blockd_port, *self._executor_ports = net.free_ports(1 + self.executors, avoid=(self.port,))
         self._progress(
             f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; logs in {self.log_dir}"
         )

@@ -87,6 +87,13 @@ def test_free_ports_are_distinct_and_bindable() -> None:
         check_port_free("127.0.0.1", port)
 
 
+def test_free_ports_leave_out_the_ports_promised_elsewhere() -> None:
+    for _ in range(20):
+        promised = free_ports(8)  # free again at once: the kernel may hand any of them out next
+        ports = free_ports(8, avoid=promised)
+        assert len(set(ports)) == 8 and not set(ports) & set(promised)
+
+
 def test_busy_port_is_a_clear_error_before_anything_starts(
     tmp_path: Path, busy_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
