@@ -1,40 +1,9 @@
-"""Continuous batching: which sequences run this step, with how many tokens, and what blockd must do first.
+"""Continuous batching: which sequences run each step, with how many tokens, and what blockd must do first.
 
-A step is planned in two halves around its one blockd round trip:
-
-`plan()` (or `plan_ahead()`, see below) writes the step's `StepPlan`: one list of `PlannedOp`s, each a blockd op
-with the sequence it is for and its `Purpose`, in an order that makes every op valid when blockd reaches it:
-forks (n > 1 choices), commits (computed blocks into the prefix index), frees (finished, aborted, preempted),
-appends (room for the decoding sequences' next tokens, where it runs out), admits (waiting sequences, oldest
-first). This executor is the pool's only user, so it knows exactly how many blocks are free: the pool client
-mirrors blockd's block tables and counts each block's holders (`BlockView`), and `blockd.block_rule.growth` (the
-rule blockd grants by) says what each op takes. Appends are planned to fit, preempting the most recently
-admitted sequences (recompute: they go back to the head of the queue) until they do, so an append never fails.
-Admits are tried only while their worst case (no prefix hit) fits above a small watermark; blockd answers with
-what was actually cached.
-
-`apply()` takes in blockd's answers entry by entry, by purpose; `schedule()` then hands out the token budget: one
-token to every decoding sequence, then prefill chunks to the others in admission order (chunked prefill), newly
-admitted ones last.
-
-Decoding sequences are registered a block at a time. An append registers every token known and reserves the
-rest of the block the next token goes into and the block after it (blockd.block_rule; only the rest of the first
-block when blocks run short); the tokens computed into those reserved slots are registered by a later append.
-Commits index only registered tokens; a sequence whose blocks go back registers its computed full blocks first.
-
-Most steps need no round trip at all. One is needed when a sequence is out of room, a waiting sequence could be
-admitted, a choice forks, a sequence is preempted, or a prompt's computed blocks are to be committed (new
-requests and the gateway's routing look for them); commits of generated tokens and frees can wait for it (at
-most `QUIET_STEPS` steps, and never once nothing runs). When one goes, every running sequence with less than a
-block of room left is renewed in it, so after any round trip each has at least a block of decode steps before it
-needs another.
-
-`plan_ahead(chunks)` plans the next step while `chunks` (this step) still run, so that its round trip travels
-during this step's forward pass. The tokens this step samples are not known yet: a sampling sequence needs room
-for one more token, which the reserved slots hold. Commits cover what was computed before this step
-(committing a block before its K/V is written could hand it out as a prefix hit), finishes this step samples
-are freed a step later, and admissions count the tokens this step leaves to compute. A plan that would need a
-preemption is not made ahead (None): the engine plans that step after sampling, as `plan()`.
+`plan()` / `plan_ahead()` write a step's blockd ops (`StepPlan`), `apply()` takes in blockd's answers, and
+`schedule()` hands out the token budget as chunks. It keeps no block ledger: free blocks and who holds what come
+from the pool client's mirror of blockd. The design (op order, registration a block at a time, steps without a
+round trip, plans made ahead) is in docs/architecture.md, "A step".
 """
 
 from __future__ import annotations
@@ -135,16 +104,13 @@ class StepOutcome:
     failed: list[tuple[Sequence, p.OpError]] = field(default_factory=list)  # ops blockd refused (not admits)
 
 
-#: Steps in a row that may go without a round trip while commits or frees wait (see the module docstring).
+#: Steps in a row that may go without a round trip while commits or frees wait.
 QUIET_STEPS = 16
 
 
 class Scheduler:
-    """The waiting queue, the running batch and each step's plan; see the module docstring.
-
-    It keeps no block accounting of its own: free blocks and who holds what come from `blocks`, the pool
-    client's mirror of blockd, which changes only when a step's answers arrive (before `apply`).
-    """
+    """The waiting queue, the running batch and each step's plan. `blocks` (the pool client's mirror) changes
+    only when a step's answers arrive, before `apply`."""
 
     def __init__(
         self,
@@ -208,12 +174,18 @@ class Scheduler:
         self.running.append(child)
         self.to_fork.append(child)
 
+    def registered(self, seq: Sequence) -> int:
+        """Tokens of the sequence blockd holds (registered), as of the last step's answers: the mirror's. A choice
+        not forked yet counts its parent's, which it will share; a sequence blockd does not hold, 0."""
+        mirrored = self.blocks.seqs.get(seq.fork_parent or seq.seq_id)
+        return 0 if mirrored is None else len(mirrored.tokens) // TOKEN_BYTES
+
     # ----------------------------------------------------------------------------------------- planning
 
     def _commit_due(self, seq: Sequence, registered: int | None = None) -> int | None:
         """The tokens a commit would cover, if that fills a block past the last commit; else None."""
         # Tokens computed into reserved slots are not registered yet: blockd can hash only registered tokens.
-        done = min(seq.num_computed, seq.num_registered if registered is None else registered)
+        done = min(seq.num_computed, self.registered(seq) if registered is None else registered)
         return done if done // self.block_size > seq.committed_tokens // self.block_size else None
 
     def _commit(self, plan: StepPlan, seq: Sequence, registered: int | None = None) -> None:
@@ -225,7 +197,7 @@ class Scheduler:
     def _register_computed(self, plan: StepPlan, seq: Sequence) -> None:
         """Before a sequence's blocks go back: register its computed tokens that fill a block, and commit, so
         that its full blocks stay prefix hits. They lie in its reserved slots: no block is taken."""
-        registered = seq.num_registered
+        registered = self.registered(seq)
         if seq.num_computed // self.block_size > registered // self.block_size:
             tokens = pack_tokens(seq.tokens[registered : seq.num_computed])
             plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens))
@@ -235,14 +207,14 @@ class Scheduler:
     def _room_left(self, seq: Sequence, sampling: set[int]) -> int:
         """Token slots blockd holds for the sequence (registered or reserved) past its known tokens and the one it
         is sampling: below 0, the next step's tokens do not fit."""
-        held = seq.num_registered + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
+        held = self.registered(seq) + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
         return held - len(seq.tokens) - (id(seq) in sampling)
 
     def _append_need(self, seq: Sequence, reserve: int, forking: set[str]) -> int:
         """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token known
         and keeps `reserve` slots reserved past them. `forking`: parents of the choices forked in this plan."""
         bs = self.block_size
-        n = seq.num_registered
+        n = self.registered(seq)
         if seq.fork_parent is not None:  # not forked yet: it will hold its parent's blocks of its tokens, shared
             table, reserved, shared = shared_blocks(bs, n), 0, True
         else:
@@ -265,7 +237,7 @@ class Scheduler:
         return plan
 
     def plan_ahead(self, chunks: list[Chunk]) -> StepPlan | None:
-        """The next step's ops while `chunks` still run (see the module docstring); None if that plan would need
+        """The next step's ops while `chunks` still run (docs/architecture.md, "A step"); None if that plan would need
         a preemption."""
         if self.to_preempt:
             return None
@@ -335,7 +307,7 @@ class Scheduler:
         return seq.fork_parent is not None or self._room_left(seq, sampling) < 0
 
     def _quiet(self, growing: list[Sequence]) -> bool:
-        """Whether the next step can go without a round trip (see the module docstring). `growing`: the
+        """Whether the next step can go without a round trip (docs/architecture.md, "A step"). `growing`: the
         sequences that must append first (new choices among them)."""
         if growing or self.to_preempt or not self.running:
             return False  # (with nothing running, finished sequences' blocks go back now)
@@ -351,7 +323,7 @@ class Scheduler:
         return not (waiting_ops and self.quiet_steps >= QUIET_STEPS)
 
     def _append(self, plan: StepPlan, seq: Sequence, reserve: int) -> None:
-        tokens = pack_tokens(seq.tokens[seq.num_registered :])
+        tokens = pack_tokens(seq.tokens[self.registered(seq) :])
         plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens, reserve))
 
     def _renew(self, plan: StepPlan, free: int, growing: list[Sequence], sampling: set[int], forking: set[str]) -> None:
@@ -459,7 +431,7 @@ class Scheduler:
             self._register_computed(plan, seq)
             plan.add(Purpose.PREEMPT, seq, p.Free(seq.seq_id))
         seq.status = Status.WAITING
-        seq.num_computed = seq.num_registered = seq.committed_tokens = 0
+        seq.num_computed = seq.committed_tokens = 0
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -480,7 +452,6 @@ class Scheduler:
                     self.waiting.remove(seq)
                     seq.status = Status.RUNNING
                     seq.admitted_order = next(self._order)
-                    seq.num_registered = len(entry.op.tokens) // TOKEN_BYTES
                     seq.num_computed = seq.committed_tokens = result.num_cached_tokens
                     if seq.preemptions == 0 and seq.index == 0:
                         seq.request.num_cached_tokens = result.num_cached_tokens
@@ -489,9 +460,6 @@ class Scheduler:
                 case Purpose.APPEND:
                     assert type(result) is p.AppendResult
                     outcome.copies.extend(result.copies)
-                    if seq.status is Status.RUNNING:  # (a preempted one starts again from nothing)
-                        # The tokens it carried: a plan made ahead leaves out the one sampled meanwhile.
-                        seq.num_registered += len(entry.op.tokens) // TOKEN_BYTES
                 case Purpose.FORK:
                     seq.fork_parent = None
                     self.to_fork.remove(seq)

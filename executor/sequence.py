@@ -1,16 +1,7 @@
-"""Requests and their sequences, as the engine tracks them.
+"""Requests and their sequences (one per choice), as the engine tracks them, and how far each sequence has got.
 
-A request with n choices starts as one sequence (choice 0). When its prompt has been computed, the other
-n - 1 choices are forked from it in blockd, so they share the prompt's blocks; each then samples on its own.
-
-Per sequence, three counters always satisfy
-    num_computed <= num_registered + reserved  and  num_registered <= len(tokens)
-`num_computed` tokens have K/V in the cache, `num_registered` tokens are known to blockd (it holds blocks for
-them, and `reserved` slots past them: room for tokens computed before they are registered, see
-executor.scheduler), and `tokens` ends with the last sampled token, whose K/V the next step computes. `tokens`
-only grows; the two counters move forward while the sequence runs, and preemption resets both (and
-`committed_tokens`) to 0: its blocks are freed and it is admitted again later, recomputing what the prefix
-cache no longer holds.
+A request with n choices starts as one sequence (choice 0); the other n - 1 are forked from it in blockd once
+its prompt is computed, sharing the prompt's blocks (docs/architecture.md, "A step").
 """
 
 from __future__ import annotations
@@ -63,9 +54,13 @@ class Sequence:
     tokens: list[int]
     generator: torch.Generator | None
     status: Status = Status.WAITING
-    num_computed: int = 0
-    num_registered: int = 0
-    committed_tokens: int = 0  # num_computed as of the last commit sent to blockd
+    # How far it has got: `tokens` only grows (the prompt, then each sampled token, whose K/V the next step
+    # computes). How many tokens blockd holds is not counted here: the pool client's mirror says
+    # (`Scheduler.registered`), and the mirror's `reserved` slots past them take tokens computed before they are
+    # registered. Preemption resets both counters (its blocks go back; it is admitted again later and recomputes
+    # what the prefix cache no longer holds).
+    num_computed: int = 0  # tokens whose K/V are in the cache (prefix hits count): a step computes the rest
+    committed_tokens: int = 0  # tokens the last planned commit covers: blockd indexes their full blocks
     admitted_order: int = -1  # when it (last) became RUNNING: preemption takes the newest
     fork_parent: str | None = None  # set until the fork that creates it in blockd has been sent
     finish_reason: str | None = None

@@ -69,14 +69,15 @@ def check_sequence_invariants(engine: Engine) -> None:
     scheduler = engine.scheduler
     for seq in scheduler.running:
         assert seq.status is Status.RUNNING
-        assert seq.num_registered <= len(seq.tokens), seq
+        registered = scheduler.registered(seq)
+        assert registered <= len(seq.tokens), seq
         if seq.fork_parent is None:
             mirrored = engine.pool.seqs[seq.seq_id]
             # A token computed before it is registered sits in the slot blockd reserved for it.
-            assert seq.num_computed <= seq.num_registered + mirrored.reserved, seq
-            assert len(mirrored.tokens) // 4 == seq.num_registered, seq
+            assert seq.num_computed <= registered + mirrored.reserved, seq
+            assert mirrored.token_ids() == seq.tokens[:registered], seq  # what blockd holds is the sequence's own
             bs = engine.pool.block_size
-            assert len(mirrored.blocks) == -(-(seq.num_registered + mirrored.reserved) // bs), seq
+            assert len(mirrored.blocks) == -(-(registered + mirrored.reserved) // bs), seq
     for seq in scheduler.waiting:
         assert seq.status is Status.WAITING and seq.seq_id not in engine.pool.seqs
     held = Counter(b for s in engine.pool.seqs.values() for b in s.blocks)

@@ -1,11 +1,11 @@
-"""The scheduler alone, against blockd's own BlockManager in this process: no model, no subprocess, no ZeroMQ.
+"""The scheduler, run by the engine's own step loop against blockd's BlockManager in this process: no model.
 
-`Harness.step` is the engine's step loop (plan -> one blockd step -> apply -> schedule) with a stand-in for the
-model: every scheduled chunk counts as computed, and a chunk that reaches its sequence's end samples a made-up
-token. `pipelined=True` runs it as the engine does: the next step planned ahead and sent before the chunks are
-computed, its answers taken in by the next step. After every step blockd's pool passes its invariant check, and
-whenever a step's answers are in, the pool client's mirror counts exactly blockd's refcounts. Every slot a chunk
-writes is checked: never in a block the prefix index names, never one another live sequence reads.
+`FakeModel` is the model half of a step without a model: every scheduled chunk counts as computed, and each
+sampling sequence draws a made-up token. `pipelined=True` runs the loop as the engine does (the next step planned
+ahead and sent before the chunks are computed); `False` plans every step after sampling. After every step
+blockd's pool passes its invariant check, and whenever a step's answers are in, the pool client's mirror counts
+exactly blockd's refcounts. Every slot a chunk writes is checked: never in a block the prefix index names, never
+one another live sequence reads; every append sent continues the tokens blockd holds with the sequence's own.
 """
 
 from __future__ import annotations
@@ -13,27 +13,42 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import pytest
 
+from blockd import protocol as p
 from blockd.client import MirroredSequence, PoolClient
 from blockd.inprocess import InProcessBlockd
 from blockd.pool import BlockPool
+from common.tokens import unpack_tokens
 from executor.params import SamplingParams
 from executor.scheduler import QUIET_STEPS, Chunk, Purpose, Scheduler, StepOutcome, StepPlan
 from executor.sequence import Request, Sequence, Status
+from executor.step_loop import Draw, StepLoop, StepReport
 
 POOL = "pool"
 #: Random workloads per mode; PAGEDKV_SCHEDULER_SEEDS=3000 for a long soak (3,000 passed in both modes).
 RANDOM_SEEDS = int(os.environ.get("PAGEDKV_SCHEDULER_SEEDS", "12"))
+STOP = 0  # the stop token (made-up tokens are 1..50)
 
 
 @dataclass
 class StepRecord:
-    plan: StepPlan
-    outcome: StepOutcome
-    chunks: list[Chunk]
+    report: StepReport
+
+    @property
+    def plan(self) -> StepPlan:
+        return self.report.plan
+
+    @property
+    def outcome(self) -> StepOutcome:
+        return self.report.outcome
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.report.chunks
 
     def admitted(self) -> list[str]:
         return [s.seq_id for s in self.outcome.admitted]
@@ -41,6 +56,43 @@ class StepRecord:
     def scheduled(self) -> list[tuple[str, int, int]]:
         """(sequence, first position, tokens) of every chunk, in batch order."""
         return [(c.seq.seq_id, c.start, len(c.token_ids)) for c in self.chunks]
+
+
+class FakeModel:
+    """The model half of a step, with no model: nothing to compute, made-up tokens (now and then the stop token,
+    when `stops` is given). Before the chunks "run", the harness checks the slots they write."""
+
+    def __init__(self, harness: Harness, stops: random.Random | None) -> None:
+        self.harness = harness
+        self.stops = stops
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass  # no K/V to copy
+
+    def new_choice(self, request: Request, index: int) -> Sequence:
+        return Sequence(f"{request.request_id}#{index}", request, index, list(request.prompt), None)
+
+    def run(self, chunks: list[Chunk], rows: list[tuple[Sequence, Chunk]]) -> list[Draw]:
+        self.harness.check_writes(chunks)
+        return [Draw(self._token(seq)) for seq, _ in rows]
+
+    def _token(self, seq: Sequence) -> int:
+        if self.stops is not None and self.stops.random() < 0.1:
+            return STOP
+        return (31 * len(seq.tokens) + seq.index) % 50 + 1
+
+
+class CheckedScheduler(Scheduler):
+    """The scheduler, checked each time it takes in a step's answers (blockd and the mirror agree then)."""
+
+    harness: Harness
+
+    def apply(self, plan: StepPlan, results: list[p.StepOpResult]) -> StepOutcome:
+        outcome = super().apply(plan, results)
+        h = self.harness
+        assert h.pool.refcount == h.blockd_pool.refcount
+        assert not (h.exact and self.to_preempt), "blockd refused an append the plan said would fit"
+        return outcome
 
 
 class Harness:
@@ -55,10 +107,7 @@ class Harness:
         pipelined: bool = False,
         stops: random.Random | None = None,
     ) -> None:
-        self.pipelined = pipelined
         self.stops = stops  # when given, a sampled token now and then is a stop token
-        self.ahead: StepPlan | None = None  # the step planned and sent ahead (pipelined)
-        self.deferred_aborts: list[Request] = []
         self.blockd = InProcessBlockd()
         self.pool = PoolClient(
             self.blockd,
@@ -69,13 +118,24 @@ class Harness:
             epoch=1,
         )
         self.pool.register()
-        self.scheduler = Scheduler(
+        self._submit_step = self.pool.submit_step
+        self.pool.submit_step = self._checked_submit  # type: ignore[method-assign]
+        self.scheduler = CheckedScheduler(
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             blocks=self.pool,
             watermark_blocks=watermark_blocks,
+        )
+        self.scheduler.harness = self
+        self.loop = StepLoop(
+            self.scheduler,
+            self.pool,
+            FakeModel(self, stops),
+            eos_token_ids=(),
+            max_model_len=10**9,
+            plan_ahead=pipelined,
         )
         self.requests: list[Request] = []
         self.aborted: set[str] = set()
@@ -84,6 +144,11 @@ class Harness:
     @property
     def blockd_pool(self) -> BlockPool:
         return self.blockd.manager.pools[POOL]
+
+    @property
+    def ahead(self) -> StepPlan | None:
+        """The step planned ahead (pipelined), once this one ran."""
+        return self.loop.pending
 
     def in_blockd(self, seq: Sequence) -> bool:
         return seq.seq_id in self.blockd_pool.seqs
@@ -101,58 +166,32 @@ class Harness:
     ) -> Sequence:
         salt = len(self.requests)  # distinct prompts: no prefix hits unless a test wants them
         prompt = prompt if prompt is not None else [(7 * i + salt) % 50 + 1 for i in range(prompt_len)]
-        params = SamplingParams(max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs)
+        stop_ids = (STOP,) if self.stops is not None else ()
+        params = SamplingParams(max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids)
         request = Request(name, params, prompt, cache_salt, 0.0)
         if prompt_logprobs is not None:
             request.prompt_logprobs = []  # as the engine starts it: scored during the prefill
         seq = Sequence(f"{name}#0", request, 0, list(prompt), None)
         request.sequences.append(seq)
         self.requests.append(request)
+        self.loop.requests[name] = request
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request: Request) -> None:
-        """What Engine.abort does to the scheduler: every choice so far ends; the rest never start. While a step
-        is in flight it waits for that step's answers, as the engine's does."""
+        """The engine's abort: every choice so far ends, the rest never start (after a step in flight)."""
         self.aborted.add(request.request_id)
-        if self.ahead is not None:
-            self.deferred_aborts.append(request)
-            return
-        for seq in request.sequences:
-            self.scheduler.finish(seq, "abort")
+        self.loop.abort(request.request_id)
 
     def step(self) -> StepRecord:
-        scheduler = self.scheduler
-        if self.ahead is None:
-            plan = scheduler.plan()
-            results = self.pool.step(plan.ops) if plan.entries else []
-        else:
-            plan, self.ahead = self.ahead, None
-            results = self.pool.finish_step() if plan.entries else []
-        outcome = scheduler.apply(plan, results)
-        assert self.pool.refcount == self.blockd_pool.refcount
-        assert not (self.exact and scheduler.to_preempt), "blockd refused an append the plan said would fit"
-        for request in self.deferred_aborts:
-            self.abort(request)
-        self.deferred_aborts.clear()
-        chunks = scheduler.schedule(outcome)
-        assert sum(len(c.token_ids) for c in chunks) <= scheduler.max_num_batched_tokens
-        if self.pipelined and chunks:
-            self.ahead = scheduler.plan_ahead(chunks)
-            if self.ahead is not None and self.ahead.entries:
-                self.pool.submit_step(self.ahead.ops)
-        self._check_writes(chunks)
-        for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + len(chunk.token_ids)
-        for chunk in chunks:
-            if chunk.samples:
-                self._sample(chunk.seq)
+        record = StepRecord(self.loop.step())
         assert self.blockd_pool.check() == []
-        return StepRecord(plan, outcome, chunks)
+        return record
 
-    def _check_writes(self, chunks: list[Chunk]) -> None:
+    def check_writes(self, chunks: list[Chunk]) -> None:
         """No slot the chunks write (by the tables the forward pass uses: the mirror's) is indexed as a prefix
-        or read by another live sequence."""
+        or read by another live sequence; the step's token budget holds."""
+        assert sum(len(c.token_ids) for c in chunks) <= self.scheduler.max_num_batched_tokens
         bs = self.scheduler.block_size
         tables = self.pool.seqs
         read: dict[tuple[int, int], str] = {}  # (block, slot) -> a sequence whose computed tokens are there
@@ -171,42 +210,25 @@ class Harness:
                 reader = read.get((block, pos % bs))
                 assert reader is None, f"{chunk.seq.seq_id} writes slot {pos % bs} of block {block}, read by {reader}"
 
-    def _sample(self, seq: Sequence) -> None:
-        """What Engine._sample does to the scheduler's state, with made-up tokens."""
-        request = seq.request
-        first = seq.index == 0 and len(request.sequences) == 1 and request.params.n > 1 and seq.num_generated == 0
-        self._grow(seq)
-        if not first:
-            return
-        for index in range(1, request.params.n):  # the other choices start from the same prompt logits
-            child = Sequence(f"{request.request_id}#{index}", request, index, list(request.prompt), None)
-            child.num_computed = child.num_registered = child.committed_tokens = seq.prompt_len
-            request.sequences.append(child)
-            child.tokens.append(self._token(child))
-            reason = self._finish_reason(child)
-            if reason is not None:
-                child.status, child.finish_reason = Status.FINISHED, reason
-            else:
-                self.scheduler.fork(seq, child)
-
-    def _grow(self, seq: Sequence) -> None:
-        seq.tokens.append(self._token(seq))
-        reason = self._finish_reason(seq)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        if self.stops is not None and self.stops.random() < 0.1:
-            return "stop"
-        return "length" if seq.num_generated >= seq.params.max_tokens else None
-
-    @staticmethod
-    def _token(seq: Sequence) -> int:
-        return (31 * len(seq.tokens) + seq.index) % 50 + 1
+    def _checked_submit(self, ops: Seq[p.StepOp]) -> None:
+        """Every append sent continues the tokens blockd will hold for the sequence with the sequence's own (a
+        commit hashes what blockd holds: a wrong token there is a wrong prefix hit later)."""
+        seqs = {s.seq_id: s for r in self.requests for s in r.sequences}
+        held = {seq_id: m.token_ids() for seq_id, m in self.pool.seqs.items()}
+        for op in ops:
+            if type(op) is p.Admit:
+                held[op.seq_id] = unpack_tokens(op.tokens)
+            elif type(op) is p.Fork:
+                held[op.child_id] = list(held[op.parent_id])
+            elif type(op) is p.Append:
+                tokens = held[op.seq_id] + unpack_tokens(op.tokens)
+                assert tokens == seqs[op.seq_id].tokens[: len(tokens)], f"{op.seq_id}: blockd would hold other tokens"
+                held[op.seq_id] = tokens
+        self._submit_step(ops)
 
     def run(self, max_steps: int = 500) -> list[StepRecord]:
         records = []
-        while self.scheduler.has_work():
+        while self.loop.has_work():
             records.append(self.step())
             assert len(records) < max_steps, "the scheduler did not finish"
         return records
