@@ -216,6 +216,23 @@ def test_abort_frees_the_request_blocks(tiny_models, blockd):
     assert "long" not in engine.requests
 
 
+def test_aborting_a_choice_of_a_request_whose_grammar_compiles_leaves_the_request_running(tiny_models, blockd):
+    from executor.params import GrammarSpec
+
+    engine = make_engine(tiny_models["llama"], blockd.endpoint)
+    spec = GrammarSpec("regex", "[0-9]{2}z", param="test")  # a spec no other test compiles: not cached
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, n=2, structured=spec))
+    assert "r" in engine._compiling
+    assert engine.abort("r", 1) == []  # a choice not forked yet has produced nothing to stop
+    reasons = {}
+    while engine.has_work():
+        for delta in engine.step():
+            if delta.finish_reason is not None:
+                reasons[delta.index] = delta.finish_reason
+    assert sorted(reasons) == [0, 1] and "abort" not in reasons.values()  # both choices ran to their end
+    assert not engine.requests
+
+
 def test_invalid_requests_are_rejected_and_change_nothing(tiny_models, blockd):
     engine = make_engine(tiny_models["llama"], blockd.endpoint, num_blocks=8)
     good = random_prompts([12], vocab=512, seed=11)[0]
