@@ -59,6 +59,9 @@ class StepReport:
 
 
 class StepLoop:
+    """Steps, one at a time, with the requests in progress; the caller adds requests (and their first choice
+    to the scheduler), and `step()` and `abort()` do the rest."""
+
     def __init__(
         self,
         scheduler: Scheduler,
@@ -77,7 +80,7 @@ class StepLoop:
         self.plan_ahead = plan_ahead  # False: every step planned after sampling and sent synchronously
         # The longest a sequence can grow, alone in the cache above the admission watermark.
         self.max_seq_tokens = (scheduler.num_blocks - scheduler.watermark) * scheduler.block_size
-        self.requests: dict[str, Request] = {}  # in progress, by id; the caller adds them (and their first choice)
+        self.requests: dict[str, Request] = {}  # in progress, by id
         self.steps = 0  # steps that ran a forward pass
         self.blockd_reachable = True
         # The next step's plan once made: sent ahead (in flight: its answers are collected by the next step() call),
@@ -85,12 +88,12 @@ class StepLoop:
         # meanwhile the caller keeps serving, and aborts wait for it (they would change its plan).
         self._pending: StepPlan | None = None
         self._pending_ahead = False  # it was planned while the step before ran (sent or not: it may have no ops)
-        self._resync_first = False
-        self._deferred_aborts: list[tuple[str, int | None]] = []
+        self._resync_first = False  # a round trip failed for good: re-sync before the next one is sent
+        self._deferred_aborts: list[tuple[str, int | None]] = []  # came while a plan was pending: once it is in
 
     @property
     def pending(self) -> StepPlan | None:
-        """The next step's plan, if made already (see `_pending`)."""
+        """The next step's plan, if made already: sent ahead, or to be sent again after a failed round trip."""
         return self._pending
 
     def has_work(self) -> bool:
