@@ -152,30 +152,27 @@ CALLING = (
 )
 
 
-def exchange(parallel: bool = True):
-    from types import SimpleNamespace
-
+def endpoint(parallel: bool = True):
     from gateway.api import ChatCompletionRequest
-    from gateway.exchange import Exchange
+    from gateway.chat import ChatCompletions
 
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": parallel}
     )
-    gateway = SimpleNamespace(tool_call_parser="hermes", model_name="m", tokenizer=None)
-    return Exchange(gateway, "chat", body, [SimpleNamespace(request_id="r")], None)  # type: ignore[arg-type]
+    return ChatCompletions(body, None, "hermes")  # type: ignore[arg-type]  # no logprobs: no tokenizer needed
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, len(CALLING)])
 def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
     from gateway.generation import ChoiceEvent
+    from gateway.responses import Envelope
 
-    streamed = exchange()
+    streamed = endpoint().streamed(Envelope("chatcmpl-r", 0, "m"), 0, 0)
     pieces = [CALLING[i : i + size] for i in range(0, len(CALLING), size)]
     chunks = []
     for number, piece in enumerate(pieces):
         finish = "stop" if number == len(pieces) - 1 else None
-        sse = streamed._chunk(0, ChoiceEvent(0, piece, [], finish), {})
-        chunks.append(json.loads(sse.removeprefix("data: ")))
+        chunks.append(streamed.chunk(ChoiceEvent(0, piece, [], finish), None))
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
     entries = [entry for d in deltas for entry in d.get("tool_calls", [])]
@@ -198,14 +195,14 @@ def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
 
 
 def test_whole_message_with_tool_calls() -> None:
-    message, finish = exchange()._message(CALLING, "stop")
+    message, finish = endpoint().output.message(CALLING, "stop")
     assert finish == "tool_calls" and message["content"] == "Checking."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "now"]
     from openai.types.chat import ChatCompletionMessage
 
     sdk = ChatCompletionMessage.model_validate(message)
     assert sdk.tool_calls and json.loads(sdk.tool_calls[0].function.arguments) == {"city": "Zürich"}
-    single, _ = exchange(parallel=False)._message(CALLING, "stop")
+    single, _ = endpoint(parallel=False).output.message(CALLING, "stop")
     assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]
-    plain, finish = exchange()._message("just text ", "length")
+    plain, finish = endpoint().output.message("just text ", "length")
     assert plain == {"role": "assistant", "content": "just text "} and finish == "length"
