@@ -25,7 +25,7 @@ from executor.params import (
 )
 from gateway.errors import invalid_request
 from gateway.generation import OutputOptions
-from gateway.structured import GUIDED_FIELDS, StructuredOutputFields
+from gateway.structured import StructuredOutputFields
 
 if TYPE_CHECKING:
     from gateway.text import Tokenizer
@@ -403,13 +403,7 @@ class ChatCompletionRequest(GenerationRequest):
                 name = self.tool_choice.function.get("name")
                 if name not in {tool.function.name for tool in self.tools}:
                     raise ParamError("tool_choice", f"tool_choice names a function not among the tools: {name!r}")
-            constraints = [
-                name
-                for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-                if getattr(self, name) is not None
-            ]
-            if self.response_format is not None and self.response_format.get("type") == "text":
-                constraints.remove("response_format")
+            constraints = self.constraint_fields()
             if constraints:
                 raise ParamError(
                     "tool_choice",

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from executor.params import SamplingParams
 from gateway import errors
-from gateway.endpoint import CollectedChoice, Endpoint, StreamedChoice
+from gateway.endpoint import Endpoint, StreamedChoice
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted, Usage
 from gateway.responses import DONE, Envelope, error_event, sse, total_usage, usage_chunk
@@ -31,7 +31,7 @@ from gateway.state import Gateway
 
 log = structlog.get_logger("gateway")
 T = TypeVar("T")
-AnyEndpoint = Endpoint[Any, CollectedChoice]
+AnyEndpoint = Endpoint[Any, Any]  # whichever endpoint: the exchange never asks
 
 
 async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, ChoiceEvent | Restarted]]:
