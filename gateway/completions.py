@@ -150,20 +150,21 @@ class _StreamedCompletion:
         self.envelope = envelope
         self.position = position
         self.index = index
-        self.offset: int | None = None  # in the choice's text streamed so far; None: nothing streamed yet
+        self.started = False
+        self.offset = 0  # the length of the choice's text streamed so far
 
     def chunk(self, event: ChoiceEvent, usage: Usage | None) -> dict[str, Any]:
         endpoint = self.endpoint
         text = event.text
-        if self.offset is None and endpoint.echo is not None:  # the choice's first chunk: the prompt first
+        if not self.started and endpoint.echo is not None:  # the choice's first chunk: the prompt first
             text = endpoint.echo[self.position] + text
-        offset = self.offset or 0
+        self.started = True
         logprobs = None
         if endpoint.logprobs is not None:
             accumulated = CompletionLogprobs()
-            accumulated.add(endpoint.tokenizer, event.logprobs, offset, endpoint.as_ids)
+            accumulated.add(endpoint.tokenizer, event.logprobs, self.offset, endpoint.as_ids)
             logprobs = accumulated.body()
-        self.offset = offset + len(text)
+        self.offset += len(text)
         return completion_chunk(self.envelope, self.index, text, logprobs, event.finish_reason, usage)
 
 
