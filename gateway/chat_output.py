@@ -24,6 +24,8 @@ class ChoiceDeltas(ABC):
 
 
 class OutputRule(ABC):
+    """What a request's choices answer with; the state a streamed choice needs is its `deltas`' own."""
+
     @abstractmethod
     def message(self, text: str, finish_reason: str | None) -> Message:
         """A whole choice's message (and finish reason) from its text."""
