@@ -25,7 +25,7 @@ from executor.params import (
 )
 from gateway.errors import invalid_request
 from gateway.generation import OutputOptions
-from gateway.structured import GUIDED_FIELDS, StructuredOutputFields
+from gateway.structured import StructuredOutputFields
 
 if TYPE_CHECKING:
     from gateway.text import Tokenizer
@@ -50,7 +50,10 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
 
 
-class _Common(StructuredOutputFields):
+class GenerationRequest(StructuredOutputFields):
+    """The fields every request that generates has (completions and chat completions): sampling, stop,
+    streaming and vLLM's output settings."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -91,7 +94,7 @@ class _Common(StructuredOutputFields):
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _supported(self) -> _Common:
+    def _supported(self) -> GenerationRequest:
         self._check_logit_bias()
         if self.bad_words is not None and any(not word.strip() for word in self.bad_words):
             raise ParamError("bad_words", "bad_words must not contain empty strings")
@@ -200,7 +203,7 @@ class _Common(StructuredOutputFields):
         return self._bad_words_ids
 
     @model_validator(mode="after")
-    def _output_supported(self) -> _Common:
+    def _output_supported(self) -> GenerationRequest:
         if self.truncate_prompt_tokens == 0:
             raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the context) or at least 1")
         return self
@@ -224,7 +227,7 @@ class _Common(StructuredOutputFields):
         return prompt[-keep:] if keep is not None and len(prompt) > keep else prompt
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -374,7 +377,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -400,13 +403,7 @@ class ChatCompletionRequest(_Common):
                 name = self.tool_choice.function.get("name")
                 if name not in {tool.function.name for tool in self.tools}:
                     raise ParamError("tool_choice", f"tool_choice names a function not among the tools: {name!r}")
-            constraints = [
-                name
-                for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-                if getattr(self, name) is not None
-            ]
-            if self.response_format is not None and self.response_format.get("type") == "text":
-                constraints.remove("response_format")
+            constraints = self.constraint_fields()
             if constraints:
                 raise ParamError(
                     "tool_choice",

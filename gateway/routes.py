@@ -3,7 +3,8 @@ the error handlers that answer in OpenAI's error shape.
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
 prompts x n against --max-queue), tokenized off the event loop (the gateway's text pool), checked against the
-context length, then handed to `exchange.respond`, which runs its generations and answers.
+context length, then handed with its endpoint (gateway.completions, gateway.chat) to `exchange.respond`, which
+runs its generations and answers in the endpoint's shape.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from starlette.routing import Match
 from gateway import errors
 from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
 from gateway.auth import install_api_keys
+from gateway.chat import ChatCompletions
+from gateway.completions import Completions, echo_only
 from gateway.errors import APIError
-from gateway.exchange import echo_only, respond
+from gateway.exchange import respond
 from gateway.state import Gateway, GatewayConfig
 from gateway.text import PromptError
 from gateway.utility import add_utility_routes
@@ -113,9 +116,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if body.gateway_only:  # echo, max_tokens 0, no logprobs: nothing to run (with logprobs: scored)
             admission.close()
             return echo_only(gateway, body, prompts, echo)
-        return await respond(
-            gateway, request, "completion", body, prompts, limits, body.logprobs, admission, echo if body.echo else None
-        )
+        endpoint = Completions(body, gateway.tokenizer, echo if body.echo else None)
+        return await respond(gateway, request, endpoint, prompts, limits, admission)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -140,7 +142,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except BaseException:
             admission.close()
             raise
-        return await respond(gateway, request, "chat", body, [prompt], [limit], body.logprobs_k, admission)
+        endpoint = ChatCompletions(body, gateway.tokenizer, gateway.tool_call_parser)
+        return await respond(gateway, request, endpoint, [prompt], [limit], admission)
 
     def model_card() -> dict[str, Any]:
         return {

@@ -17,7 +17,6 @@ from pydantic import BaseModel
 from executor.params import MAX_GRAMMAR_CHARS, GrammarSpec
 from gateway.errors import invalid_request
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's other keys of structured_outputs that pagedkv takes: xgrammar is its only backend (nothing to fall back
 # from) and its JSON schemas are strict already (no properties beyond those listed, unless the schema says so).
@@ -34,6 +33,24 @@ class StructuredOutputFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def _guided(self) -> tuple[tuple[str, str, Any], ...]:
+        """vLLM's older fields: each one's name, the kind of constraint it asks for, and its value."""
+        return (
+            ("guided_json", "json", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        )
+
+    def constraint_fields(self) -> list[str]:
+        """The fields given that constrain the output (response_format 'text' does not), in the order they are
+        checked."""
+        fields = [("response_format", self.response_format), ("structured_outputs", self.structured_outputs)]
+        given = [name for name, value in fields + [(n, v) for n, _, v in self._guided()] if value is not None]
+        if self.response_format is not None and self.response_format.get("type") == "text":
+            given.remove("response_format")
+        return given
+
     def grammar_spec(self) -> GrammarSpec | None:
         """The constraint asked for (None: free text); raises APIError (400, naming the parameter) if it is
         malformed, or if more than one parameter constrains the output."""
@@ -44,13 +61,7 @@ class StructuredOutputFields(BaseModel):
                 specs.append(spec)
         if self.structured_outputs is not None:
             specs.append(_structured_outputs(self.structured_outputs))
-        for name, kind in (
-            ("guided_json", "json"),
-            ("guided_regex", "regex"),
-            ("guided_choice", "choice"),
-            ("guided_grammar", "grammar"),
-        ):
-            value = getattr(self, name)
+        for name, kind, value in self._guided():
             if value is not None:
                 specs.append(_spec(kind, value, name))
         if len(specs) > 1:

@@ -13,7 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from gateway import errors
-from gateway.api import _Common, require_json_object, validation_message
+from gateway.api import GenerationRequest, require_json_object, validation_message
 from gateway.state import Gateway
 
 
@@ -50,7 +50,7 @@ def check_token_ids(gateway: Gateway, tokens: list[int], param: str = "prompt") 
     return tokens
 
 
-def check_stop_token_ids(gateway: Gateway, body: _Common) -> None:
+def check_stop_token_ids(gateway: Gateway, body: GenerationRequest) -> None:
     vocab = gateway.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise errors.invalid_request(f"stop_token_ids must be token ids in [0, {vocab}).", param="stop_token_ids")

@@ -1,4 +1,5 @@
-"""gateway.api (request bodies: validation, prompts, sampling) and gateway.responses (bodies, chunks, SSE)."""
+"""gateway.api (request bodies: validation, prompts, sampling) and the shapes of responses: gateway.responses
+(SSE, usage), gateway.completions and gateway.chat (their bodies, chunks and logprobs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from executor import protocol as ep
 from executor.params import MAX_LOGPROBS, SamplingParams
-from gateway import responses
+from gateway import completions, responses
 from gateway.api import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
@@ -20,6 +21,7 @@ from gateway.api import (
     require_json_object,
     validation_message,
 )
+from gateway.chat import chat_body, chat_chunk, chat_logprobs
 from gateway.errors import APIError, invalid_request
 from gateway.generation import Usage
 from gateway.text import Tokenizer
@@ -436,7 +438,7 @@ ENV = responses.Envelope(id="cmpl-1", created=1700000000, model="tiny")
 
 
 def test_completion_chunk_and_body() -> None:
-    chunk = responses.completion_chunk(ENV, 1, "hi", None, "stop")
+    chunk = completions.completion_chunk(ENV, 1, "hi", None, "stop")
     assert chunk == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -444,19 +446,19 @@ def test_completion_chunk_and_body() -> None:
         "model": "tiny",
         "choices": [{"index": 1, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
     }
-    body = responses.completion_body(ENV, chunk["choices"], Usage(2, 1, 0))
+    body = completions.completion_body(ENV, chunk["choices"], Usage(2, 1, 0))
     assert body["object"] == "text_completion" and body["usage"]["total_tokens"] == 3
     usage = responses.usage_chunk(ENV, "text_completion", Usage(2, 1, 0))
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
 
 
 def test_chat_chunk_and_body() -> None:
-    chunk = responses.chat_chunk(ENV, 0, {"content": "x"}, None, None)
+    chunk = chat_chunk(ENV, 0, {"content": "x"}, None, None)
     assert chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"] == [{"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}]
-    with_lp = responses.chat_chunk(ENV, 0, {}, [{"token": "x"}], "length")
+    with_lp = chat_chunk(ENV, 0, {}, [{"token": "x"}], "length")
     assert with_lp["choices"][0]["logprobs"] == {"content": [{"token": "x"}]}
-    body = responses.chat_body(ENV, [], Usage(1, 1, 1))
+    body = chat_body(ENV, [], Usage(1, 1, 1))
     assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
 
 
@@ -470,7 +472,7 @@ def test_completion_logprobs_text_offset_accumulates(tokenizer: Tokenizer) -> No
     ids = tokenizer.encode("hello world, again")
     texts = [tokenizer.token_text(i) for i in ids]
     assert "".join(texts) == "hello world, again"
-    logprobs = responses.CompletionLogprobs()
+    logprobs = completions.CompletionLogprobs()
     half = len(ids) // 2
     logprobs.add(tokenizer, [ep.TokenLogprob(i, -0.5, [(i, -0.5), (0, -3.0)]) for i in ids[:half]], offset=0)
     offset = sum(len(t) for t in texts[:half])
@@ -487,7 +489,7 @@ def test_completion_logprobs_text_offset_accumulates(tokenizer: Tokenizer) -> No
 def test_completion_logprobs_offsets_of_a_split_character_wait_for_the_whole_character(tokenizer: Tokenizer) -> None:
     text = "é日!"
     ids = tokenizer.encode(text)
-    logprobs = responses.CompletionLogprobs()
+    logprobs = completions.CompletionLogprobs()
     logprobs.add(tokenizer, [ep.TokenLogprob(i, -0.5, []) for i in ids], offset=0)
     offsets = logprobs.body()["text_offset"]
     assert len(ids) > len(text), "the characters are split across byte tokens"
@@ -498,13 +500,13 @@ def test_completion_logprobs_offsets_of_a_split_character_wait_for_the_whole_cha
 def test_chat_logprobs(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("é!")
     entries = [ep.TokenLogprob(i, -0.25, [(i, -0.25), (2, -1.0), (3, -2.0)]) for i in ids]
-    out = responses.chat_logprobs(tokenizer, entries, top=2)
+    out = chat_logprobs(tokenizer, entries, top=2)
     assert len(out) == len(ids)
     assert b"".join(bytes(e["bytes"]) for e in out) == "é!".encode(), "bytes add up to the text, split or not"
     assert all(len(e["top_logprobs"]) == 2 for e in out), "only the `top` best alternatives"
     assert out[0]["top_logprobs"][1] == {"token": "<|im_start|>", "logprob": -1.0, "bytes": list(b"<|im_start|>")}
     assert out[-1]["token"] == "!" and out[-1]["logprob"] == -0.25
-    assert responses.chat_logprobs(tokenizer, entries, top=0)[0]["top_logprobs"] == []
+    assert chat_logprobs(tokenizer, entries, top=0)[0]["top_logprobs"] == []
 
 
 # ------------------------------------------------------------------------------------------------ logits processing

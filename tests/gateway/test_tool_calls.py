@@ -152,30 +152,27 @@ CALLING = (
 )
 
 
-def exchange(parallel: bool = True):
-    from types import SimpleNamespace
-
+def endpoint(parallel: bool = True):
     from gateway.api import ChatCompletionRequest
-    from gateway.exchange import Exchange
+    from gateway.chat import ChatCompletions
 
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": parallel}
     )
-    gateway = SimpleNamespace(tool_call_parser="hermes", model_name="m", tokenizer=None)
-    return Exchange(gateway, "chat", body, [SimpleNamespace(request_id="r")], None)  # type: ignore[arg-type]
+    return ChatCompletions(body, None, "hermes")  # type: ignore[arg-type]  # no logprobs: no tokenizer needed
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, len(CALLING)])
 def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
     from gateway.generation import ChoiceEvent
+    from gateway.responses import Envelope
 
-    streamed = exchange()
+    streamed = endpoint().streamed(Envelope("chatcmpl-r", 0, "m"), 0, 0)
     pieces = [CALLING[i : i + size] for i in range(0, len(CALLING), size)]
     chunks = []
     for number, piece in enumerate(pieces):
         finish = "stop" if number == len(pieces) - 1 else None
-        sse = streamed._chunk(0, ChoiceEvent(0, piece, [], finish), {})
-        chunks.append(json.loads(sse.removeprefix("data: ")))
+        chunks.append(streamed.chunk(ChoiceEvent(0, piece, [], finish), None))
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
     entries = [entry for d in deltas for entry in d.get("tool_calls", [])]
@@ -198,14 +195,70 @@ def test_streamed_tool_call_deltas_in_openais_shape(size: int) -> None:
 
 
 def test_whole_message_with_tool_calls() -> None:
-    message, finish = exchange()._message(CALLING, "stop")
+    message, finish = endpoint().output.message(CALLING, "stop")
     assert finish == "tool_calls" and message["content"] == "Checking."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "now"]
     from openai.types.chat import ChatCompletionMessage
 
     sdk = ChatCompletionMessage.model_validate(message)
     assert sdk.tool_calls and json.loads(sdk.tool_calls[0].function.arguments) == {"city": "Zürich"}
-    single, _ = exchange(parallel=False)._message(CALLING, "stop")
+    single, _ = endpoint(parallel=False).output.message(CALLING, "stop")
     assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]
-    plain, finish = exchange()._message("just text ", "length")
+    plain, finish = endpoint().output.message("just text ", "length")
     assert plain == {"role": "assistant", "content": "just text "} and finish == "length"
+
+
+def forced(tool_choice: object, parallel: bool = True):
+    from gateway.api import ChatCompletionRequest
+    from gateway.chat_output import output_rule
+
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel,
+        }
+    )
+    return output_rule(body, "hermes")
+
+
+def streamed_deltas(rule, text: str, size: int, finish: str) -> list[tuple[dict, str | None]]:
+    from gateway.generation import ChoiceEvent
+
+    deltas = rule.deltas()
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    return [
+        deltas.delta(ChoiceEvent(0, piece, [], finish if k == len(pieces) - 1 else None))
+        for k, piece in enumerate(pieces)
+    ]
+
+
+def test_a_named_tool_choice_streams_its_call_then_its_arguments() -> None:
+    rule = forced({"type": "function", "function": {"name": "get_weather"}})
+    arguments = '{"city": "Zürich"}'
+    message, finish = rule.message(arguments, "stop")
+    assert finish == "stop" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", arguments)
+    ]
+    deltas = streamed_deltas(rule, arguments, 4, "stop")
+    entries = [entry for delta, _ in deltas for entry in delta["tool_calls"]]
+    assert entries[0]["id"] and entries[0]["function"]["name"] == "get_weather"
+    assert all("id" not in entry for entry in entries[1:]), "the call is announced once"
+    assert "".join(e["function"]["arguments"] for e in entries) == arguments and deltas[-1][1] == "stop"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_come_whole_once_the_array_is_complete(parallel: bool) -> None:
+    rule = forced("required", parallel)
+    array = json.dumps([{"name": "get_weather", "parameters": {"city": "Z"}}, {"name": "now", "parameters": {}}])
+    deltas = streamed_deltas(rule, array, 6, "stop")
+    assert all(delta == ({}, None) for delta in deltas[:-1]), "nothing before the array is whole"
+    last, finish = deltas[-1]
+    names = [c["function"]["name"] for c in last["tool_calls"]]
+    assert names == (["get_weather", "now"] if parallel else ["get_weather"]) and finish == "tool_calls"
+    assert [c["index"] for c in last["tool_calls"]] == list(range(len(names)))
+    cut = '[{"name": "get_w'  # max_tokens reached inside the array: answered as the text it is
+    assert rule.message(cut, "length") == ({"role": "assistant", "content": cut}, "length")
+    assert streamed_deltas(rule, cut, 5, "length")[-1] == ({"content": cut}, "length")
