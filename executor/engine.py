@@ -35,7 +35,7 @@ log = structlog.get_logger("executor")
 
 
 class RequestRejected(ValueError):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ep.RejectCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -143,27 +143,27 @@ class Engine:
     ) -> None:
         """Queue a request, or raise RequestRejected (nothing else is affected)."""
         if request_id in self.requests:
-            raise RequestRejected("duplicate_request", f"request {request_id!r} is already in progress")
+            raise RequestRejected(ep.RejectCode.DUPLICATE_REQUEST, f"request {request_id!r} is already in progress")
         problem = params.validate(self.config.vocab_size)
         if problem:
-            raise RequestRejected("invalid_request", problem)
+            raise RequestRejected(ep.RejectCode.INVALID_REQUEST, problem)
         prompt = list(prompt)
         if not prompt:
-            raise RequestRejected("invalid_request", "the prompt is empty")
+            raise RequestRejected(ep.RejectCode.INVALID_REQUEST, "the prompt is empty")
         vocab = self.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestRejected("invalid_request", f"prompt token ids must be in [0, {vocab})")
+            raise RequestRejected(ep.RejectCode.INVALID_REQUEST, f"prompt token ids must be in [0, {vocab})")
         limit = self.config.max_model_len
         if len(prompt) >= limit:
             raise RequestRejected(
-                "context_length_exceeded",
+                ep.RejectCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens, "
                 "including at least one to generate",
             )
         capacity = self.loop.max_seq_tokens
         if len(prompt) + 1 > capacity:
             raise RequestRejected(
-                "capacity_exceeded",
+                ep.RejectCode.CAPACITY_EXCEEDED,
                 f"the prompt has {len(prompt)} tokens; this executor's KV cache holds at most {capacity} "
                 "tokens for one sequence",
             )
@@ -248,6 +248,11 @@ class Engine:
         return list(report.deltas)
 
 
-def _grammar_rejection(error: BaseException) -> tuple[str, str]:
+def _grammar_rejection(error: BaseException) -> tuple[ep.RejectCode, str]:
     """(code, message) of the Rejected for a grammar that did not compile."""
-    return ("invalid_grammar" if isinstance(error, GrammarRejected) else "structured_output_unavailable", str(error))
+    code = (
+        ep.RejectCode.INVALID_GRAMMAR
+        if isinstance(error, GrammarRejected)
+        else ep.RejectCode.STRUCTURED_OUTPUT_UNAVAILABLE
+    )
+    return code, str(error)

@@ -12,6 +12,7 @@ Prompt tokens travel packed (little-endian uint32, `common.tokens.pack_tokens`),
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 import msgspec
@@ -20,6 +21,23 @@ from executor.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
+
+
+class RejectCode(StrEnum):
+    """The stable codes of `Rejected`: gateways branch on them, people read the message."""
+
+    INVALID_REQUEST = "invalid_request"  # undecodable, bad params, empty prompt, token ids out of the vocabulary
+    UNSUPPORTED_VERSION = "unsupported_version"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt leaves no room to generate in max_model_len
+    CAPACITY_EXCEEDED = "capacity_exceeded"  # one sequence of this prompt would not fit this executor's KV cache
+    DUPLICATE_REQUEST = "duplicate_request"
+    QUEUE_FULL = "queue_full"  # past --max-queued-requests
+    NOT_OWNER = "not_owner"  # an Abort from a connection that did not submit the request
+    # Sent a step or more after the submit, once the grammar compiler has answered:
+    INVALID_GRAMMAR = "invalid_grammar"  # the structured-output constraint does not compile
+    STRUCTURED_OUTPUT_UNAVAILABLE = "structured_output_unavailable"  # no tokenizer here, or xgrammar broken
+    FORBIDDEN = "forbidden"  # with keys: the sender's role may not send this message
+
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 
@@ -74,11 +92,7 @@ class Delta(Message, tag="delta"):
 
 class Rejected(Message, tag="rejected"):
     request_id: str
-    # "invalid_request" | "unsupported_version" | "context_length_exceeded" | "capacity_exceeded" |
-    # "duplicate_request" | "queue_full" (past --max-queued-requests) | "not_owner" (an Abort from a connection
-    # that did not submit the request) | "invalid_grammar" (its structured-output constraint does not compile; sent
-    # a step or more after the submit) | "structured_output_unavailable"
-    code: str
+    code: str  # a RejectCode; a plain string on the wire, so a gateway reads codes newer than its own
     message: str
 
 

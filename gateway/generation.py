@@ -27,10 +27,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import Router
 from gateway.text import Detokenizer, StopMatcher, Tokenizer
 
+# The executor's refusals a client caused, as the client's errors; any other code is ours (500).
 _REJECTIONS = {
-    "invalid_request": lambda m: errors.invalid_request(m),
-    "context_length_exceeded": lambda m: errors.context_length_exceeded(m),
-    "capacity_exceeded": lambda m: errors.context_length_exceeded(m),
+    ep.RejectCode.INVALID_REQUEST: lambda m: errors.invalid_request(m),
+    ep.RejectCode.CONTEXT_LENGTH_EXCEEDED: lambda m: errors.context_length_exceeded(m),
+    ep.RejectCode.CAPACITY_EXCEEDED: lambda m: errors.context_length_exceeded(m),
 }
 
 
@@ -137,11 +138,13 @@ class Generation:
                         retry = True
                         break
                     if type(item) is ep.Rejected:
-                        if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
+                        if item.code == ep.RejectCode.CAPACITY_EXCEEDED and len(
+                            self.router.healthy(tried | {self._endpoint})
+                        ):
                             retry = True  # another executor may have a larger cache
                             break
                         self._choices = []  # refused: nothing ran, nothing to count as aborted
-                        if item.code == "invalid_grammar" and self.params.structured is not None:
+                        if item.code == ep.RejectCode.INVALID_GRAMMAR and self.params.structured is not None:
                             raise errors.invalid_request(item.message, param=self.params.structured.param or None)
                         raise _REJECTIONS.get(item.code, errors.internal)(item.message)
                     event = self._on_delta(item)

@@ -1,0 +1,100 @@
+"""The lists in docs/architecture.md that the code defines: error codes, modules, test helpers, console scripts.
+
+Each test reads a list from the docs and the same list from the code, so neither can change alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+from blockd.errors import ErrorCode
+from executor.protocol import RejectCode
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
+
+
+def _span(text: str, start: str, end: str) -> str:
+    """The text between the first `start` and the next `end` after it."""
+    head = text.index(start) + len(start)
+    return text[head : text.index(end, head)]
+
+
+def _without_parentheses(text: str) -> str:
+    """Asides dropped (they name options and messages, not codes), nested ones too."""
+    out, depth = [], 0
+    for ch in text:
+        depth += ch == "("
+        if not depth:
+            out.append(ch)
+        depth -= ch == ")" and depth > 0
+    return "".join(out)
+
+
+def _codes(text: str) -> set[str]:
+    return set(re.findall(r"`([a-z_]+)`", _without_parentheses(text)))
+
+
+def _code_literals(package: str, raisers: set[str]) -> dict[str, str]:
+    """code -> a module using it: every string given as `code=...`, or first to one of `raisers`, in a package."""
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / package).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            values = [k.value for k in node.keywords if k.arg == "code"]
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in raisers and node.args:
+                values.append(node.args[0])
+            for value in values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    found.setdefault(value.value, path.name)
+    return found
+
+
+def _table_names(section: str) -> set[str]:
+    """The `name.py` files named in the first column of the markdown table under a heading."""
+    table = _span(ARCHITECTURE, section, "\n\n")
+    return {name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+\.py)`", row.split("|")[1])}
+
+
+def test_blockd_error_codes_are_the_documented_ones() -> None:
+    documented = _codes(_span(ARCHITECTURE, "Errors carry a stable `code` —", "— and a message"))
+    assert documented == {code.value for code in ErrorCode}
+
+
+def test_executor_rejection_codes_are_the_documented_ones() -> None:
+    documented = _codes(_span(ARCHITECTURE, "`rejected` (request id, stable code:", ", and a message)"))
+    assert documented == {code.value for code in RejectCode}
+
+
+def test_executor_rejects_only_with_its_codes() -> None:
+    used = _code_literals("executor", {"RequestRejected", "Rejected"})
+    assert {code: module for code, module in used.items() if code not in set(RejectCode)} == {}
+
+
+def test_gateway_error_codes_are_the_documented_ones() -> None:
+    documented = _codes(_span(ARCHITECTURE, "with a\nstable `code` where one applies:", "Other\nrefusals"))
+    used = _code_literals("gateway", set())
+    assert documented == set(used), f"in the code: {used}"
+
+
+def test_every_executor_and_gateway_module_is_in_its_table() -> None:
+    for package, heading in (("executor", "| module | job |"), ("gateway", "| module | its one job |")):
+        modules = {p.name for p in (ROOT / package).glob("*.py") if p.name != "__init__.py"}
+        assert _table_names(heading) == modules, package
+
+
+def test_every_test_support_file_is_named() -> None:
+    row = next(line for line in ARCHITECTURE.splitlines() if line.startswith("| `tests/` |"))
+    named = set(re.findall(r"`(\w+\.py)`", _span(row, "`tests/support/` (", "|")))
+    assert named == {p.name for p in (ROOT / "tests" / "support").glob("*.py") if p.name != "__init__.py"}
+
+
+def test_every_console_script_is_named() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    packages = ARCHITECTURE[: ARCHITECTURE.index("## Ownership and truth")]
+    assert {name for name in scripts if f"`{name}`" not in packages} == set()
