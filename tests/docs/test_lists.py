@@ -1,4 +1,5 @@
-"""The lists in docs/architecture.md that the code defines: error codes, modules, test helpers, console scripts.
+"""The lists in the docs that the code defines: error codes, ops, modules, test helpers, console scripts, metrics,
+options and environment variables.
 
 Each test reads a list from the docs and the same list from the code, so neither can change alone.
 """
@@ -6,15 +7,23 @@ Each test reads a list from the docs and the same list from the code, so neither
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import tomllib
 from pathlib import Path
 
+import click
+
+from blockd import protocol
 from blockd.errors import ErrorCode
 from executor.protocol import RejectCode
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
+README = (ROOT / "README.md").read_text()
+SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+# Options of other programs the docs show (kubectl, pip, make's ruff): not ours to check.
+FOREIGN_OPTIONS = {"--from-file", "--no-deps", "--check", "--help"}
 
 
 def _span(text: str, start: str, end: str) -> str:
@@ -94,7 +103,47 @@ def test_every_test_support_file_is_named() -> None:
     assert named == {p.name for p in (ROOT / "tests" / "support").glob("*.py") if p.name != "__init__.py"}
 
 
+def _command(script: str) -> click.Command:
+    module, name = SCRIPTS[script].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _options(command: click.Command, name: str, parent: click.Context | None = None) -> set[str]:
+    """Every option of a command and its subcommands (lazy ones imported)."""
+    ctx = click.Context(command, info_name=name, parent=parent)
+    found = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    if isinstance(command, click.Group):
+        for sub in command.list_commands(ctx):
+            found |= _options(command.get_command(ctx, sub), sub, ctx)  # type: ignore[arg-type]
+    return found
+
+
 def test_every_console_script_is_named() -> None:
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     packages = ARCHITECTURE[: ARCHITECTURE.index("## Ownership and truth")]
-    assert {name for name in scripts if f"`{name}`" not in packages} == set()
+    assert {name for name in SCRIPTS if f"`{name}`" not in packages} == set()
+
+
+def test_every_blockd_op_is_in_the_ops_table() -> None:
+    table = _span(ARCHITECTURE, "| op | what |", "\n\n")
+    documented = {op for row in table.splitlines()[2:] for op in re.findall(r"`(\w+)`", row.split("|")[1])}
+    ops = {cls.__struct_config__.tag for cls in protocol.Request.__subclasses__()}
+    assert documented == ops
+
+
+def test_documented_metrics_are_the_exported_ones() -> None:
+    for module, pattern in (("blockd", r"blockd_\w+"), ("gateway", r"(?:pagedkv_\w+|vllm:\w+)")):
+        source = (ROOT / module / "metrics.py").read_text()
+        exported = set(re.findall(rf'"({pattern})"', source))
+        assert set(re.findall(rf"`({pattern})`", ARCHITECTURE)) == exported, module
+
+
+def test_every_documented_option_is_a_real_one() -> None:
+    real = set().union(*(_options(_command(script), script) for script in SCRIPTS))
+    for text in (ARCHITECTURE, README):
+        named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
+        assert named - real - FOREIGN_OPTIONS == set()
+
+
+def test_blockds_environment_variables_are_the_listed_ones() -> None:
+    listed = set(re.findall(r"`([A-Z_]+)`", _span(README, "where an operator would want one:", ")")))
+    assert listed == {param.envvar for param in _command("blockd").params if param.envvar}
