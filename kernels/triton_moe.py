@@ -41,10 +41,12 @@ class MoeConfig:
 
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype_bytes: int) -> MoeConfig:
-    """Rows per tile near the mean rows per expert (16 in decode, where a tile is mostly padding), 64-wide chunks."""
+    """Rows per tile near the mean rows per expert (16 in decode, where a tile is mostly padding); chunks of 64
+    intermediate columns, 32 when tiles are 16 rows: decode reads each chosen expert once, so more programs per
+    expert spread that read over more SMs, while a chunk's x rows and atomic adds cost little there."""
     mean_rows = max(1, num_pairs // num_experts)
     block_m = min(64, max(16, next_power_of_two(mean_rows)))
-    block_i = min(64, max(16, next_power_of_two(inter)))
+    block_i = min(32 if block_m == 16 else 64, max(16, next_power_of_two(inter)))
     block_k = min(64, max(16, next_power_of_two(hidden)))
     block_n = min(64, max(16, next_power_of_two(hidden)))
     return MoeConfig(block_m, block_i, block_k, block_n, num_warps=4, num_stages=3 if dtype_bytes == 2 else 2)
