@@ -102,7 +102,7 @@ if DEVICE.type == "cuda":  # the interpreter computes bfloat16 wrongly
 
 
 @pytest.mark.parametrize("activation", moe.ACTIVATIONS)
-@pytest.mark.parametrize("shape", [*SHAPES, (14, 40, 40, 24, 4, 3, True)])
+@pytest.mark.parametrize("shape", [*SHAPES, (14, 40, 40, 24, 4, 3, True), (16, 40, 24, 70, 4, 4, False)])
 @pytest.mark.parametrize("dtype, tol", TRITON_DTYPES)
 def test_triton_matches_reference(shape, activation, dtype, tol):
     seed, tokens, hidden, inter, num_experts, top_k, biased = shape
@@ -135,9 +135,9 @@ def test_triton_reads_strided_weights():
 def test_triton_plan_tiles_hold_one_expert_each():
     from kernels import dispatch
 
-    plan = dispatch.triton_module("triton_moe", torch.device("cpu"))._plan
+    plan = dispatch.triton_module("triton_moe", DEVICE)._plan
     ids = torch.tensor([[3, 0], [3, 5], [0, 3], [3, 7], [9, 3]])  # 7 and 9 out of range for 6 experts: dropped
-    pairs, tile_experts = plan(ids, 6, 2)
+    pairs, tile_experts = (t.cpu() for t in plan(ids.to(DEVICE), 6, 2))
     assert pairs.shape[0] == tile_experts.shape[0] * 2
     kept = {p for p in range(10) if 0 <= int(ids.flatten()[p]) < 6}
     assert sorted(p for p in pairs.tolist() if p >= 0) == sorted(kept)
