@@ -72,6 +72,7 @@ def bench_tokens(
     device: torch.device,
     timer: Timer,
     weights: tuple[torch.Tensor, torch.Tensor],
+    paths: Sequence[str],
 ) -> dict[str, Any]:
     """One row: every path on T tokens routed at random (distinct top-k per token, softmaxed weights)."""
     gen = torch.Generator().manual_seed(num_tokens)
@@ -83,7 +84,6 @@ def bench_tokens(
     weight_bytes = active * 3 * hidden_size * inter * w_down.element_size()
     row: dict[str, Any] = {"tokens": num_tokens, "active_experts": active}
     grouped = experts(hidden, ids, routing, w_gate_up, w_down, backend="torch")
-    paths = ["torch", "triton"] if device.type == "cuda" else ["torch"]
     for path in paths:
         got = experts(hidden, ids, routing, w_gate_up, w_down, backend=path)
         row[f"{path}_ms"] = timer(lambda path=path: experts(hidden, ids, routing, w_gate_up, w_down, backend=path))
@@ -107,8 +107,12 @@ def run_benchmarks(
     top_k: int,
     tokens: Sequence[int],
     timer: Timer,
+    paths: Sequence[str] | None = None,
     echo: Callable[[str], None] = click.echo,
 ) -> dict[str, Any]:
+    """Every token count's row, the table echoed; `paths` default: torch, and triton on CUDA."""
+    if paths is None:
+        paths = ("torch", "triton") if device.type == "cuda" else ("torch",)
     gen = torch.Generator().manual_seed(0)
     weights = (
         (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) * hidden_size**-0.5).to(dtype).to(device),
@@ -117,10 +121,10 @@ def run_benchmarks(
     shape = dict(num_experts=num_experts, hidden_size=hidden_size, inter=inter, top_k=top_k)
     rows = []
     for t in tokens:
-        rows.append(bench_tokens(t, **shape, dtype=dtype, device=device, timer=timer, weights=weights))
+        rows.append(bench_tokens(t, **shape, dtype=dtype, device=device, timer=timer, weights=weights, paths=paths))
         echo(f"tokens {t}: done")
     columns = ["tokens", "active_experts", "dense_ms"]
-    for path in ("torch", "triton") if device.type == "cuda" else ("torch",):
+    for path in paths:
         columns += [f"{path}_ms", f"{path}_vs_dense", f"{path}_gbps", f"{path}_err"]
     cells = [[_fmt(r.get(c, "skip")) for c in columns] for r in rows]
     echo(f"\nmoe: E={num_experts} H={hidden_size} I={inter} top-{top_k} {str(dtype).removeprefix('torch.')} {device}")
