@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -141,12 +140,17 @@ def blocks_in_use(stack: LocalStack) -> dict[str, int]:
 
 def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools: set[str] | None = None) -> None:
     """Until no live sequence holds a block (in `pools`, or in any pool)."""
-    deadline = time.monotonic() + timeout_s
-    while (
-        held := {k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)}
-    ) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not held, f"blocks still held by live sequences: {held}"
+    held: dict[str, int] = {}
+
+    def none_held() -> bool:
+        held.clear()
+        held.update({k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)})
+        return not held
+
+    try:
+        wait_for(none_held, timeout_s, 0.2, "no live blocks")
+    except AssertionError:
+        raise AssertionError(f"blocks still held by live sequences: {held}") from None
 
 
 # ---------------------------------------------------------------------------------------------- references
