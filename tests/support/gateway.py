@@ -41,7 +41,7 @@ def local_stack(model_dir: Path, log_dir: Path, **options: Any) -> LocalStack:
 
 
 class GatewayProcess:
-    """A gateway process of its own (`python -m gateway.server`), for instance in front of a stack's executors."""
+    """A gateway process of its own (`python -m gateway.main`), for instance in front of a stack's executors."""
 
     def __init__(
         self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str, keys_dir: Path | None = None
@@ -56,7 +56,7 @@ class GatewayProcess:
             [
                 sys.executable,
                 "-m",
-                "gateway.server",
+                "gateway.main",
                 "--model",
                 str(model_dir),
                 "--executors",
@@ -124,7 +124,7 @@ def stack_env(stack: LocalStack) -> dict[str, str]:
 
 def blockd_stats(stack: LocalStack) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "blockd.cli", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
+        [sys.executable, "-m", "blockd.admin", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
         capture_output=True,
         text=True,
         timeout=30,
