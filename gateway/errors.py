@@ -45,7 +45,8 @@ def not_found(path: str) -> APIError:
 def queue_full(limit: int) -> APIError:
     return APIError(
         429,
-        f"The gateway already has {limit} requests in flight; retry shortly.",
+        f"This request would pass the {limit} generations (prompts x n) the gateway holds in flight "
+        "(--max-queued-sequences); retry shortly.",
         type="rate_limit_error",
         code="queue_full",
     )

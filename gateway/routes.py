@@ -2,9 +2,9 @@
 the error handlers that answer in OpenAI's error shape.
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
-prompts x n against --max-queue), tokenized off the event loop (the gateway's text pool), checked against the
-context length, then handed with its endpoint (gateway.completions, gateway.chat) to `exchange.respond`, which
-runs its generations and answers in the endpoint's shape.
+prompts x n against --max-queued-sequences), tokenized off the event loop (the gateway's text pool), checked
+against the context length, then handed with its endpoint (gateway.completions, gateway.chat) to
+`exchange.respond`, which runs its generations and answers in the endpoint's shape.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The gateway's state: its configuration and what every route shares (the tokenizer, the executor links,
-the router, the metrics, the bound on requests in flight).
+the router, the metrics, the bound on generations in flight).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class GatewayConfig:
     routing: str = "prefix"
     load_slack: int = 8
     served_model_name: str | None = None
-    max_queue: int = 512
+    max_queued_sequences: int = 512  # a request's prompts x n, waiting or generating
     executor_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_threads: int = 2
@@ -68,9 +68,9 @@ class Gateway:
         ]
         self.lookup = PrefixLookup(config.blockd_endpoint, curve=config.curve) if config.routing == "prefix" else None
         self.router = Router(self.links, config.routing, self.lookup, config.load_slack)
-        self.in_flight = 0  # generations admitted (a request's prompts x n), bounded by max_queue
+        self.in_flight = 0  # generations admitted (a request's prompts x n), bounded by max_queued_sequences
         # Tokenizing and chat templating run here, off the event loop: a huge prompt must not stall the links'
-        # health checks or other requests. Admission comes first, so at most max_queue requests wait for it.
+        # health checks or other requests. Admission comes first, so at most max_queued_sequences wait for it.
         self.text_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-text")
         self.tool_call_parser = self._tool_call_parser(config.tool_call_parser)
         self.metrics = GatewayMetrics(self.links, lambda: self.in_flight, self.model_name)
@@ -127,11 +127,11 @@ class Gateway:
     def admitted(self, generations: int = 1) -> Iterator[None]:
         """A place in the queue for a request of `generations` generations (its prompts x n), taken before any
         work is done for it: 429 while the queue is full, 400 if the request alone exceeds it."""
-        limit = self.config.max_queue
+        limit = self.config.max_queued_sequences
         if generations > limit:
             raise errors.invalid_request(
                 f"This request asks for {generations} generations (prompts x n); this gateway holds at most "
-                f"{limit} in flight (--max-queue). Split it into smaller requests.",
+                f"{limit} in flight (--max-queued-sequences). Split it into smaller requests.",
                 param="prompt",
                 code="too_many_generations",
             )

@@ -277,7 +277,7 @@ class LocalStack:
         )
 
         blockd = ["--endpoint", self.blockd_endpoint, "--state-dir", str(self.state_dir / "blockd")]
-        self._spawn("blockd", "blockd.server", blockd if self.persistence else [*blockd, "--no-persistence"])
+        self._spawn("blockd", "blockd.main", blockd if self.persistence else [*blockd, "--no-persistence"])
         for i, endpoint in enumerate(self.executor_endpoints):
             args = [
                 "--model",
@@ -293,7 +293,7 @@ class LocalStack:
             ]
             if self.kv_cache_memory is not None:
                 args += ["--kv-cache-memory", self.kv_cache_memory]
-            self._spawn(f"executor-{i}", "executor.server", [*args, *self.executor_args])
+            self._spawn(f"executor-{i}", "executor.main", [*args, *self.executor_args])
 
         # The gateway starts last, once the executors answer: a failing executor is then reported as itself,
         # not as an unhealthy gateway, and the gateway does not wait on executors still loading.
@@ -317,7 +317,7 @@ class LocalStack:
             self.routing,
             *self.gateway_args,
         ]
-        self._spawn("gateway", "gateway.server", gateway)
+        self._spawn("gateway", "gateway.main", gateway)
         self._wait_ready({"gateway": self._probe_gateway}, deadline)
 
     def _check_cuda(self) -> None:

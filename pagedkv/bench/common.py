@@ -32,7 +32,7 @@ def table_lines(columns: Sequence[str], rows: Sequence[Sequence[str]], *, left: 
 def start_blockd(endpoint: str, flags: Sequence[str], log: Path, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
     """A blockd process at `endpoint` with these flags, its output appended to `log`; returns once it answers."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "blockd.server", "--endpoint", endpoint, "--log-level", "warning", *flags],
+        [sys.executable, "-m", "blockd.main", "--endpoint", endpoint, "--log-level", "warning", *flags],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
     )

@@ -153,13 +153,13 @@ class Stack:
         redis_argv = [find_redis_server(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", ""]
         redis_argv += ["--appendonly", "no", "--dir", str(root / "redis")]
         self._add("redis", redis_argv)
-        blockd_argv = [py, "-m", "blockd.server", "--endpoint", self.blockd, "--log-level", "warning"]
+        blockd_argv = [py, "-m", "blockd.main", "--endpoint", self.blockd, "--log-level", "warning"]
         blockd_argv += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--state-dir", str(root / "blockd")]
         blockd_argv += ["--keys", str(self.keys_dir)]
         self._add("blockd", blockd_argv)
         for i, endpoint in enumerate(self.executors):
             self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
-        gateway_argv = [py, "-m", "gateway.server", "--model", str(model_dir), "--executors", ",".join(self.executors)]
+        gateway_argv = [py, "-m", "gateway.main", "--model", str(model_dir), "--executors", ",".join(self.executors)]
         gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port), "--executor-timeout", "2"]
         gateway_argv += ["--keys", str(self.keys_dir), "--api-key", self.api_key]
         self._add("gateway", [*gateway_argv, "--log-level", "warning"])
@@ -167,7 +167,7 @@ class Stack:
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
 
     def executor_argv(self, endpoint: str, pool_id: str) -> list[str]:
-        argv = [sys.executable, "-m", "executor.server", "--model", str(self.model_dir), "--device", "cpu"]
+        argv = [sys.executable, "-m", "executor.main", "--model", str(self.model_dir), "--device", "cpu"]
         argv += ["--blockd", self.blockd, "--bind", endpoint, "--pool-id", pool_id, "--kv-cache-memory", "8MiB"]
         argv += ["--keys", str(self.keys_dir)]
         return [*argv, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--log-level", "warning"]

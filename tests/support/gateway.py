@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +41,7 @@ def local_stack(model_dir: Path, log_dir: Path, **options: Any) -> LocalStack:
 
 
 class GatewayProcess:
-    """A gateway process of its own (`python -m gateway.server`), for instance in front of a stack's executors."""
+    """A gateway process of its own (`python -m gateway.main`), for instance in front of a stack's executors."""
 
     def __init__(
         self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str, keys_dir: Path | None = None
@@ -57,7 +56,7 @@ class GatewayProcess:
             [
                 sys.executable,
                 "-m",
-                "gateway.server",
+                "gateway.main",
                 "--model",
                 str(model_dir),
                 "--executors",
@@ -125,7 +124,7 @@ def stack_env(stack: LocalStack) -> dict[str, str]:
 
 def blockd_stats(stack: LocalStack) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "blockd.cli", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
+        [sys.executable, "-m", "blockd.admin", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -141,12 +140,17 @@ def blocks_in_use(stack: LocalStack) -> dict[str, int]:
 
 def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools: set[str] | None = None) -> None:
     """Until no live sequence holds a block (in `pools`, or in any pool)."""
-    deadline = time.monotonic() + timeout_s
-    while (
-        held := {k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)}
-    ) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not held, f"blocks still held by live sequences: {held}"
+    held: dict[str, int] = {}
+
+    def none_held() -> bool:
+        held.clear()
+        held.update({k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)})
+        return not held
+
+    try:
+        wait_for(none_held, timeout_s, 0.2, "no live blocks")
+    except AssertionError:
+        raise AssertionError(f"blocks still held by live sequences: {held}") from None
 
 
 # ---------------------------------------------------------------------------------------------- references

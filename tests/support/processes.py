@@ -93,7 +93,7 @@ class BlockdProcess:
     def start(self, timeout_s: float = 20.0) -> None:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "blockd.server", "--endpoint", self.endpoint, *self.args],
+            [sys.executable, "-m", "blockd.main", "--endpoint", self.endpoint, *self.args],
             stdout=log,
             stderr=log,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -131,7 +131,7 @@ class ExecutorProcess:
         command = [
             sys.executable,
             "-m",
-            "executor.server",
+            "executor.main",
             "--model",
             str(model),
             "--blockd",
