@@ -1,13 +1,6 @@
-"""The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER). msgpack via msgspec.
-
-Gateway -> executor: `Submit`, `Abort`, `GetLoad`, `GetInfo`; each carries the protocol version `v`.
-A message over the executor's --max-message-bytes is not read at all: ZeroMQ drops the connection it came on.
-
-Executor -> gateway: for a submitted request, a stream of `Delta`s (new tokens of one choice, incremental; the
-last one of each choice has `finish_reason`), or one `Rejected` if the request is invalid; `LoadReport` and
-`Info` answer their queries. Anything undecodable is answered with `Rejected` (request_id "" when unknown).
-
-Prompt tokens travel packed (little-endian uint32, `common.tokens.pack_tokens`), like blockd's.
+"""The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER): msgpack via msgspec,
+tagged by `type`, each message with the protocol version `v`. The messages and their bounds: docs/architecture.md
+("Gateway protocol").
 """
 
 from __future__ import annotations

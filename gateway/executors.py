@@ -1,13 +1,6 @@
-"""The gateway's connections to its executors: one `ExecutorLink` each, with health and load.
-
-A link owns one DEALER socket and one task. The task reads everything the executor sends (deltas go to the
-stream of their request, load reports and info refresh the link's state) and asks for the executor's load a few
-times a second, which doubles as the health check. An executor is healthy while it answers; it is taken out of
-rotation when its connection drops (a killed process: seen at once through the socket monitor) or when it has
-been silent for `timeout_s` after a question (judged only after reading what already came in, so a busy
-event loop does not pass for a silent executor). Then every request in flight on it gets `ExecutorLost` (the
-generation decides whether to retry elsewhere) and is aborted there, and the socket is replaced, so nothing
-queued for the lost executor reaches a restarted one. It rejoins when it answers again.
+"""The gateway's connections to its executors: one `ExecutorLink` each (a DEALER socket and the task that reads
+it), with health and load. When an executor leaves and rejoins the rotation: docs/architecture.md ("Executor
+health and failover").
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""One prompt's generation: route it, submit it, turn the executor's token deltas into text events.
-
-Each choice has its own detokenizer and stop-string matcher. A stop string ends the choice at once: the text
-before it is the last the client sees, and the executor is told to abort that choice, which frees its blocks.
-
-Failure: if the executor is lost (or rejects the prompt for lack of room) before this generation has yielded
-anything, it is submitted again to another executor. Once something has been yielded, a streamed response
-cannot take it back, so the generation raises `GenerationFailed`; a whole (non-streamed) response has shown the
-client nothing yet, so with `replayable` the generation yields `Restarted` (drop what came so far) and starts
-over elsewhere. Errors before the first event are `APIError`s, so the HTTP
-handler can still answer with a status code. Closing the iterator early (a client that went away) aborts the
-request at the executor.
+"""One prompt's generation: route it, submit it, turn the executor's token deltas into text events (a detokenizer
+and a stop-string matcher per choice), and submit it again elsewhere when its executor is lost before anything was
+shown. What a client sees when: docs/architecture.md ("A request", "Executor health and failover").
 """
 
 from __future__ import annotations
@@ -102,6 +93,8 @@ class Generation:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
+        # A whole (non-streamed) response has shown the client nothing yet: lost mid-way, it yields Restarted and
+        # starts over elsewhere; a stream that has shown something cannot take it back (GenerationFailed).
         self.replayable = replayable
         self.output = output or OutputOptions()
         self.cache_salt = cache_salt
