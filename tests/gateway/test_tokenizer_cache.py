@@ -1,0 +1,63 @@
+"""common.tokenizer_cache: the resolution made once in a child process (transformers there, not here), cached
+by the tokenizer files' fingerprint, made again when they change, and clear errors when transformers fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from common import tokenizer_cache
+from common.tokenizer_cache import TokenizerResolutionError, fingerprint, resolve
+from gateway.text import Tokenizer
+from pagedkv.tools.model_gen.tokenizer import write_family_tokenizer
+
+
+@pytest.fixture
+def qwen(tmp_path: Path) -> Path:
+    """A Qwen2Tokenizer checkpoint whose tokenizer.json alone would tokenize otherwise."""
+    model_dir = write_family_tokenizer(tmp_path / "qwen", "qwen2")
+    (model_dir / "model.safetensors").write_bytes(b"weights are not the tokenizer's")
+    return model_dir
+
+
+def test_resolved_in_a_child_once_then_cached(qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's Tokenizer(model_dir) resolves into $PAGEDKV_HOME/tokenizers, once."""
+    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path / "home"))
+    tokenizer = Tokenizer(qwen)
+    cache = tmp_path / "home" / "tokenizers"
+    assert [p.name for p in cache.iterdir()] == [f"{fingerprint(qwen)}.json"], "one file, no temporaries left"
+    hf = AutoTokenizer.from_pretrained(str(qwen), local_files_only=True)
+    text = "It'S 2024: 日本語 e\u0301  spaced\n\n<|im_start|>x"
+    assert tokenizer.tokenizer_class == "Qwen2Tokenizer" and tokenizer.encode(text) == hf.encode(text)
+    resolution = resolve(qwen, cache)
+
+    monkeypatch.setattr(tokenizer_cache, "RESOLVER_MODULE", "no.such.resolver")  # a second child would fail
+    assert resolve(qwen, cache) == resolution
+    (qwen / "model.safetensors").write_bytes(b"new weights")
+    assert resolve(qwen, cache) == resolution, "the weights are not part of the fingerprint"
+    copy = shutil.copytree(qwen, tmp_path / "copy")
+    assert fingerprint(copy) == fingerprint(qwen), "content, not the path, keys the cache"
+
+    config = json.loads((qwen / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (qwen / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(TokenizerResolutionError, match=r"no\.such\.resolver"):
+        resolve(qwen, cache)  # an edited config is resolved again
+    (cache / f"{fingerprint(copy)}.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(TokenizerResolutionError):
+        resolve(copy, cache)  # an unreadable cached file is made again, not trusted
+
+
+def test_a_tokenizer_transformers_cannot_load_is_a_clear_error(qwen: Path, tmp_path: Path) -> None:
+    (qwen / "tokenizer.json").write_text('{"model": "broken"', encoding="utf-8")
+    with pytest.raises(TokenizerResolutionError) as failure:
+        Tokenizer(qwen, tokenizer_cache.resolve(qwen, tmp_path / "cache"))
+    message = str(failure.value)
+    assert str(qwen) in message and "with transformers: " in message and "\n" not in message
+    assert not list((tmp_path / "cache").iterdir()), "nothing is cached for a failure"
+    with pytest.raises(TokenizerResolutionError, match="no such directory"):
+        resolve(tmp_path / "absent", tmp_path / "cache")
