@@ -195,6 +195,8 @@ def main(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-body-bytes") from None
     configure_logging("gateway", log_level)
+    from common.tokenizer_cache import TokenizerResolutionError
+    from common.tokenizer_cache import resolve as resolve_tokenizer
     from gateway.auth import read_api_keys
     from gateway.state import GatewayConfig
 
@@ -210,6 +212,10 @@ def main(
         from common.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
+    try:  # the tokenizer as transformers resolves it, in a child process, before anything listens
+        resolve_tokenizer(model_dir)
+    except TokenizerResolutionError as exc:
+        raise click.ClickException(str(exc)) from None
     config = GatewayConfig(
         model_dir=model_dir,
         executors=executors,

@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from common import tokenizer_cache
 from common.tokenizer_cache import TokenizerResolutionError, fingerprint, resolve
+from gateway.server import main as gateway_main
 from gateway.text import Tokenizer
 from pagedkv.tools.model_gen.tokenizer import write_family_tokenizer
 
@@ -52,12 +54,17 @@ def test_resolved_in_a_child_once_then_cached(qwen: Path, tmp_path: Path, monkey
         resolve(copy, cache)  # an unreadable cached file is made again, not trusted
 
 
-def test_a_tokenizer_transformers_cannot_load_is_a_clear_error(qwen: Path, tmp_path: Path) -> None:
+def test_a_tokenizer_transformers_cannot_load_stops_the_gateway_with_a_clear_error(
+    qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDKV_HOME", str(tmp_path / "home"))
     (qwen / "tokenizer.json").write_text('{"model": "broken"', encoding="utf-8")
-    with pytest.raises(TokenizerResolutionError) as failure:
-        Tokenizer(qwen, tokenizer_cache.resolve(qwen, tmp_path / "cache"))
-    message = str(failure.value)
-    assert str(qwen) in message and "with transformers: " in message and "\n" not in message
-    assert not list((tmp_path / "cache").iterdir()), "nothing is cached for a failure"
+    args = ["--model", str(qwen), "--executors", "tcp://127.0.0.1:9", "--blockd", "tcp://127.0.0.1:9"]
+    result = CliRunner().invoke(gateway_main, args)
+    assert result.exit_code == 1, result.output
+    message = result.output.strip().splitlines()[-1]  # after the log line that it is resolving
+    assert message.startswith(f"Error: cannot load the tokenizer of {qwen} with transformers: JSONDecodeError")
+    assert "Traceback" not in result.output
+    assert not list((tmp_path / "home" / "tokenizers").iterdir()), "nothing is cached for a failure"
     with pytest.raises(TokenizerResolutionError, match="no such directory"):
         resolve(tmp_path / "absent", tmp_path / "cache")
