@@ -29,7 +29,11 @@ def resolve(model_dir: Path | str) -> dict[str, Any]:
     import transformers
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    # mistral-common's tokenizer (picked for a tekken.json when that package is installed) is no `tokenizers`
+    # pipeline: the checkpoint's Hugging Face files are asked for, as vLLM's `--tokenizer-mode hf` does.
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(model_dir), local_files_only=True, trust_remote_code=False, mistral_format=False
+    )
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"AutoTokenizer loaded {type(tokenizer).__name__}, which has no `tokenizers` backend")

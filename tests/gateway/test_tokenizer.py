@@ -303,6 +303,9 @@ def test_clean_up_applies_to_word_level_tokenizers(tmp_path: Path) -> None:
     assert ids == hf.encode("hello , world . it 's do n't ? ! zzz")
     assert ours.decode(ids) == hf.decode(ids) == clean_up_tokenization("hello , world . it 's do n't ? ! [UNK]")
     assert ours.decode(ids) == "hello, world. it's don't?! [UNK]"
+    detokenizer = ours.detokenizer()
+    streamed = "".join([*(detokenizer.add([i]) for i in ids), detokenizer.flush()])
+    assert streamed == hf.decode(ids, skip_special_tokens=True), "cleaned up as it streams too"
     config["clean_up_tokenization_spaces"] = False
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     assert resolved(tmp_path).decode(ids) == reference(tmp_path).decode(ids) == "hello , world . it 's do n't ? ! [UNK]"
