@@ -9,7 +9,6 @@ must all be transformers'. The resolution is made in this process (the gateway m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +21,15 @@ from gateway.text import Tokenizer
 from pagedkv.tools.model_gen.tokenizer import FAMILY_TOKENIZERS, write_family_tokenizer
 
 # Classes whose AutoTokenizer rebuilds the pipeline, so tokenizer.json read alone tokenizes otherwise.
-REBUILT = {"qwen2", "qwen3", "llama2"}
-BYTE_FALLBACK = {"llama2", "mistral", "phi3", "gemma2", "gemma3"}  # SentencePiece-style <0x00>.. tokens
+REBUILT = {"qwen2", "qwen3", "llama2", "llama2_legacy"}
+BYTE_FALLBACK = {
+    "llama2",
+    "llama2_legacy",
+    "mistral",
+    "phi3",
+    "gemma2",
+    "gemma3",
+}  # SentencePiece-style <0x00>.. tokens
 TEXTS = [
     "",
     "Hello world",
@@ -125,8 +131,11 @@ def test_ids_of_any_text_are_transformers(pair: Pair, data: st.DataObject) -> No
     assert pair.ours.decode(ids, skip_special_tokens=True) == pair.hf.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("messages", CHATS)
-def test_chat_prompts_are_transformers(pair: Pair, messages: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("chat", range(len(CHATS) + 1))
+def test_chat_prompts_are_transformers(pair: Pair, chat: int) -> None:
+    """The template rendered and encoded as transformers does (the last chat has special tokens in its text)."""
+    special = [{"role": "user", "content": f"{pair.special[-1]} in text {pair.special[0]}x"}]
+    messages = [*CHATS, special][chat]
     for add_generation_prompt in (True, False):
         expected = pair.hf.apply_chat_template(
             messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt

@@ -216,6 +216,16 @@ FAMILY_TOKENIZERS: dict[str, FamilyTokenizer] = {
         add_bos=True,
         config=_SPM_CONFIG,
     ),
+    "llama2_legacy": FamilyTokenizer(  # older Llama 2 configs: legacy Metaspace (a ▁ after special tokens too)
+        "LlamaTokenizer",
+        "llama",
+        "metaspace",
+        _LLAMA2_SPECIAL,
+        _LLAMA2_NAMED,
+        _TEMPLATES["llama2"],
+        add_bos=True,
+        config={**_SPM_CONFIG, "legacy": True},
+    ),
     "mistral": FamilyTokenizer(
         "LlamaTokenizer",
         "mistral",
