@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,13 +83,20 @@ def resolve(model_dir: Path | str, cache: Path | None = None) -> dict[str, Any]:
         return cached
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        target = path
-    except OSError as exc:  # a read-only home: resolve for this process only
-        log.warning("tokenizer_cache_unwritable", cache=str(cache), error=str(exc))
+        writable = os.access(cache, os.W_OK)
+    except OSError:
+        writable = False
+    target = path
+    if not writable:  # a read-only home: resolve for this process only
+        log.warning("tokenizer_cache_unwritable", cache=str(cache))
         target = Path(tempfile.mkdtemp(prefix="pagedkv-tokenizer-")) / path.name
     log.info("tokenizer_resolving", model_dir=str(model_dir), cache=str(target))
-    _run_resolver(model_dir, target)
-    resolution = _read(target)
+    try:
+        _run_resolver(model_dir, target)
+        resolution = _read(target)
+    finally:
+        if target != path:
+            shutil.rmtree(target.parent, ignore_errors=True)
     if resolution is None:
         raise TokenizerResolutionError(f"cannot load the tokenizer of {model_dir}: the resolver wrote no resolution")
     return resolution
