@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,14 +45,19 @@ def test_resolved_in_a_child_once_then_cached(qwen: Path, tmp_path: Path, monkey
     copy = shutil.copytree(qwen, tmp_path / "copy")
     assert fingerprint(copy) == fingerprint(qwen), "content, not the path, keys the cache"
 
-    config = json.loads((qwen / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (qwen / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    with pytest.raises(TokenizerResolutionError, match=r"no\.such\.resolver"):
-        resolve(qwen, cache)  # an edited config is resolved again
     (cache / f"{fingerprint(copy)}.json").write_text("{not json", encoding="utf-8")
-    with pytest.raises(TokenizerResolutionError):
+    with pytest.raises(TokenizerResolutionError, match=r"no\.such\.resolver"):
         resolve(copy, cache)  # an unreadable cached file is made again, not trusted
+
+    monkeypatch.undo()
+    config = json.loads((qwen / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["extra_special_tokens"] = ["<|tool|>"]
+    (qwen / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "not-a-directory").write_text("", encoding="utf-8")
+    temporaries = set(Path(tempfile.gettempdir()).glob("pagedkv-tokenizer-*"))
+    edited = resolve(qwen, tmp_path / "not-a-directory" / "cache")  # an edited config is resolved again,
+    assert edited["vocab_size"] == resolution["vocab_size"] + 1  # into a temporary cache here
+    assert set(Path(tempfile.gettempdir()).glob("pagedkv-tokenizer-*")) <= temporaries, "and that is removed"
 
 
 def test_a_tokenizer_transformers_cannot_load_stops_the_gateway_with_a_clear_error(
