@@ -338,3 +338,21 @@ def test_special_tokens_the_config_adds_are_added_as_in_transformers(variant: Ca
     assert ids == hf.encode("a<|tool|>b <|im_end|>") and TINY["vocab_size"] in ids
     for skip in (False, True):
         assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_off_as_in_transformers(variant: Callable[..., Path]) -> None:
+    model_dir = variant()
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 1,
+        "pad_type_id": 0,
+        "pad_token": SPECIAL[1],
+    }
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    text = "a prompt longer than four tokens, shorter than sixty-four"
+    ids = resolved(model_dir).encode(text)
+    assert ids == reference(model_dir).encode(text) and 4 < len(ids) < 64
