@@ -356,3 +356,11 @@ def test_truncation_and_padding_in_tokenizer_json_are_off_as_in_transformers(var
     text = "a prompt longer than four tokens, shorter than sixty-four"
     ids = resolved(model_dir).encode(text)
     assert ids == reference(model_dir).encode(text) and 4 < len(ids) < 64
+
+
+def test_split_special_tokens_spells_them_as_text_as_in_transformers(variant: Callable[..., Path]) -> None:
+    model_dir = variant({"split_special_tokens": True})
+    text = f"{SPECIAL[2]}user\nhi{SPECIAL[3]}"
+    ids = resolved(model_dir).encode(text)
+    assert ids == reference(model_dir).encode(text)
+    assert not set(ids) & {2, 3}, "the markers are spelled as text, not their special ids"
