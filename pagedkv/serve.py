@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -276,6 +277,9 @@ class LocalStack:
             f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; logs in {self.log_dir}"
         )
 
+        # The gateway's tokenizer is resolved (transformers, in a child process) while the executors load.
+        warming = threading.Thread(target=_warm_tokenizer_cache, args=(model_dir,), daemon=True)
+        warming.start()
         blockd = ["--endpoint", self.blockd_endpoint, "--state-dir", str(self.state_dir / "blockd")]
         self._spawn("blockd", "blockd.main", blockd if self.persistence else [*blockd, "--no-persistence"])
         for i, endpoint in enumerate(self.executor_endpoints):
@@ -317,6 +321,7 @@ class LocalStack:
             self.routing,
             *self.gateway_args,
         ]
+        warming.join(max(0.0, deadline - time.monotonic()))
         self._spawn("gateway", "gateway.main", gateway)
         self._wait_ready({"gateway": self._probe_gateway}, deadline)
 
@@ -656,6 +661,13 @@ def serve(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _warm_tokenizer_cache(model_dir: Path) -> None:
+    from common.tokenizer_cache import TokenizerResolutionError, resolve
+
+    with contextlib.suppress(TokenizerResolutionError, OSError):  # a failure is the gateway's to report
+        resolve(model_dir)
 
 
 if __name__ == "__main__":
