@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from common import tokenizer_cache
 from common.tokenizer_cache import TokenizerResolutionError, fingerprint, resolve
-from gateway.server import main as gateway_main
+from gateway.main import main as gateway_main
 from gateway.text import Tokenizer
 from pagedkv.tools.model_gen.tokenizer import write_family_tokenizer
 
