@@ -495,7 +495,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def _special_ids(model_dir: Path, config: Any) -> set[int]:
+def special_ids(model_dir: Path, config: Any) -> set[int]:
     ids = set(config.eos_token_ids)
     if config.bos_token_id is not None:
         ids.add(config.bos_token_id)
@@ -642,7 +642,7 @@ def bench_throughput(
     model_dir, config = bench_model(model_dir)
 
     requests = make_workload(
-        num_requests, prompt_range, output_range, config.vocab_size, _special_ids(model_dir, config), seed
+        num_requests, prompt_range, output_range, config.vocab_size, special_ids(model_dir, config), seed
     )
     max_len = max(len(r.prompt) for r in requests) + max(r.output_len for r in requests)
     if max_len > config.max_model_len:
