@@ -176,8 +176,23 @@ def _signal(process: subprocess.Popen[Any], sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Zombies do not count: a killed child's orphans wait for their
+    reaper (which may be slow to come), holding nothing."""
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    return True
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return True
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if state != "Z" and int(pgrp) == pgid:
+            return True
+    return False
