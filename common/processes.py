@@ -1,6 +1,6 @@
-"""Child processes, one way for every service, tool, benchmark and test: start one in a session of its own with its
-output in a log file, wait until a probe answers, read its log's last lines, stop its process group with one grace
-period."""
+"""Child processes, one way for `pagedkv serve`, the tools, the benchmarks and the tests: start one in a session of
+its own with its output in a log file, wait until a probe answers, read its log's last lines, stop its process group
+with one grace period."""
 
 from __future__ import annotations
 

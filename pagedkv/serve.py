@@ -28,7 +28,7 @@ from blockd.client import BlockdClient, BlockdUnavailable
 from common import net, processes
 from common.auth import ClientCurve, KeySet, generate
 from common.default_model import default_model_dir, ensure_default_model
-from common.processes import STOP_GRACE_S
+from common.processes import STOP_GRACE_S  # by name too: in LocalStack, its `processes` property hides the module
 from executor.client import ExecutorClient, ExecutorUnavailable
 from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS  # the package alone: no torch, so --help stays fast
 
@@ -350,15 +350,18 @@ class LocalStack:
 
     def _probe_blockd(self) -> str | None:
         with BlockdClient(self.blockd_endpoint, timeout_s=_PROBE_TIMEOUT_S, curve=self.operator_keys()) as client:
-            if processes.answer(client.pools, BlockdUnavailable)() is None:
+            try:
+                client.pools()
+            except BlockdUnavailable:
                 return None
         return self.blockd_endpoint
 
     def _probe_executor(self, endpoint: str) -> str | None:
         with ExecutorClient(endpoint, timeout_s=_PROBE_TIMEOUT_S, curve=self.operator_keys()) as client:
-            info = processes.answer(client.info, ExecutorUnavailable)()
-        if info is None:
-            return None
+            try:
+                info = client.info()
+            except ExecutorUnavailable:
+                return None
         return f"{endpoint}, {info.device}, {info.num_blocks} KV blocks of {info.block_size} tokens"
 
     def _probe_gateway(self) -> str | None:
