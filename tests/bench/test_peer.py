@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from pagedkv.bench.peer_rounds import (
 from pagedkv.bench.peer_systems import RunResult
 from pagedkv.bench.peer_workloads import QUICK_WORKLOADS, WORKLOADS, build_workload
 from pagedkv.bench.throughput import BenchRequest, make_workload
+from tests.support.waiting import wait_for
 
 FAKE_DRIVER = Path(__file__).with_name("fake_vllm_driver.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -111,10 +111,10 @@ def test_the_other_systems_processes_are_paused_during_each_run_and_go_on_after(
     a, b = SystemWithAHelper("pagedkv", log), SystemWithAHelper("vllm", log)
     a.other, b.other = b, a
     try:
-        deadline = time.monotonic() + 10
-        while len(tree_pids(a.helper.pid)) < 2 or len(tree_pids(b.helper.pid)) < 2:  # the shells' sleeps
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(
+            lambda: len(tree_pids(a.helper.pid)) >= 2 and len(tree_pids(b.helper.pid)) >= 2,
+            what="each shell's child (its sleep) to start",
+        )
         requests = [BenchRequest("r0", [5, 6], 4)]
         run_rounds("w", requests, [a, b], 2)
         assert a.seen == b.seen == [["T", "T"], ["T", "T"]]  # the other's shell and its child, in every run
@@ -221,12 +221,7 @@ def test_cpu_seconds_of_a_process_tree() -> None:
         stdin=subprocess.PIPE,
     )
     try:
-        import time
-
-        deadline = time.monotonic() + 30
-        while process_cpu_seconds(child.pid) < 0.25 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_cpu_seconds(child.pid) >= 0.25
+        wait_for(lambda: process_cpu_seconds(child.pid) >= 0.25, timeout_s=30, what="the child's 0.3 s of CPU")
         own = process_cpu_seconds(os.getpid())  # read first: it only grows
         assert tree_cpu_seconds(os.getpid()) >= own + 0.25  # the child is counted
     finally:
@@ -346,10 +341,7 @@ def test_noisy_neighbour_rounds_report_each_systems_fall(tiny_models: dict[str, 
 
 def test_the_busy_neighbour_burns_a_core_and_is_gone_after() -> None:
     with busy_neighbour(limit_s=30) as proc:
-        deadline = time.monotonic() + 10
-        while process_cpu_seconds(proc.pid) < 0.3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_cpu_seconds(proc.pid) >= 0.3
+        wait_for(lambda: process_cpu_seconds(proc.pid) >= 0.3, what="the neighbour to burn 0.3 s of CPU")
     assert proc.poll() is not None
 
 
