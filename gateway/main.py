@@ -209,6 +209,8 @@ def main(
             use="--max-queued-sequences (PAGEDKV_GATEWAY_MAX_QUEUED_SEQUENCES)",
         )
         max_queued_sequences = deprecated_max_queue
+    from common.tokenizer_cache import TokenizerResolutionError
+    from common.tokenizer_cache import resolve as resolve_tokenizer
     from gateway.auth import read_api_keys
     from gateway.state import GatewayConfig
 
@@ -224,6 +226,10 @@ def main(
         from common.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
+    try:  # the tokenizer as transformers resolves it, in a child process, before anything listens
+        resolve_tokenizer(model_dir)
+    except TokenizerResolutionError as exc:
+        raise click.ClickException(str(exc)) from None
     config = GatewayConfig(
         model_dir=model_dir,
         executors=executors,

@@ -17,17 +17,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("bench/fake_vllm_cli.py", "do_POST"): "a child program standing in for `vllm serve`: it paces its tokens",
     ("bench/fake_vllm_cli.py", "bench_serve"): "a child program standing in for `vllm bench serve`: request arrivals",
 }
-# tests/bench has another owner: its fixed sleeps, known and to be rewritten there (issue 20). Remove an entry
-# with its sleep; `test_every_allowed_sleep_is_still_there` says when one is gone.
-BENCH_PENDING: dict[tuple[str, str], str] = {
-    (
-        "bench/test_peer.py",
-        "test_the_other_systems_processes_are_paused_during_each_run_and_go_on_after",
-    ): "a poll loop",
-    ("bench/test_peer.py", "test_cpu_seconds_of_a_process_tree"): "a hand-written poll loop",
-    ("bench/test_peer.py", "test_the_busy_neighbour_burns_a_core_and_is_gone_after"): "a hand-written poll loop",
-    ("bench/test_serve_bench.py", "_stream"): "a scripted client pacing its chunks: a clock to inject",
-}
 
 SLEEPERS = {"time": {"sleep"}, "asyncio": {"sleep"}, "trio": {"sleep"}, "anyio": {"sleep"}}
 EVENT_TYPES = {"Event", "Condition", "Barrier"}
@@ -113,7 +102,7 @@ def test_no_test_sleeps_for_a_fixed_time() -> None:
     for path in sorted(TESTS.rglob("*.py")):
         name = path.relative_to(TESTS).as_posix()
         for line, function, what in fixed_sleeps(path.read_text()):
-            if (name, function) not in ALLOWED | BENCH_PENDING:
+            if (name, function) not in ALLOWED:
                 found.append(f"tests/{name}:{line} in {function}: {what}")
     assert not found, "fixed sleeps (poll a condition with tests.support.waiting.wait_for instead):\n" + "\n".join(
         found
@@ -127,7 +116,7 @@ def test_every_allowed_sleep_is_still_there() -> None:
         for path in TESTS.rglob("*.py")
         for _, function, _ in fixed_sleeps(path.read_text())
     }
-    listed = set(ALLOWED) | set(BENCH_PENDING)
+    listed = set(ALLOWED)
     assert listed <= seen, sorted(listed - seen)
 
 

@@ -150,10 +150,11 @@ def _usage_chunk(prompt: int, completion: int, cached: int | None) -> SimpleName
 
 class ScriptedClient:
     """Stands in for AsyncOpenAI: `completions.create` streams the chunks `script(kwargs)` returns (an exception
-    in them is raised there), `delay_s` apart; it records every call and how many streams were open at once."""
+    in them is raised there), yielding to the other streams before each, so streams overlap; it records every
+    call and how many streams were open at once."""
 
-    def __init__(self, script: Any, delay_s: float = 0.0) -> None:
-        self.script, self.delay_s = script, delay_s
+    def __init__(self, script: Any) -> None:
+        self.script = script
         self.calls: list[dict[str, Any]] = []
         self.open = self.most_open = 0
         self.completions = self
@@ -167,7 +168,7 @@ class ScriptedClient:
         self.most_open = max(self.most_open, self.open)
         try:
             for chunk in chunks:
-                await asyncio.sleep(self.delay_s)
+                await asyncio.sleep(0)  # a yield to the other streams, not a wait
                 if isinstance(chunk, BaseException):
                     raise chunk
                 yield chunk
@@ -200,9 +201,7 @@ def test_stream_one_records_failures_instead_of_raising() -> None:
 
 
 def test_run_requests_keeps_order_and_the_concurrency_limit() -> None:
-    client = ScriptedClient(
-        lambda kw: [_chunk("x")] * kw["max_tokens"] + [_usage_chunk(1, kw["max_tokens"], 0)], delay_s=0.002
-    )
+    client = ScriptedClient(lambda kw: [_chunk("x")] * kw["max_tokens"] + [_usage_chunk(1, kw["max_tokens"], 0)])
     requests = [ServeRequest([i + 4], 1 + i % 5) for i in range(20)]
     done: list[int] = []
     results, seconds = asyncio.run(run_requests(client, "m", requests, 3, lambda: done.append(1)))

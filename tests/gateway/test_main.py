@@ -15,8 +15,9 @@ from gateway.state import GatewayConfig
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[GatewayConfig]:
-    """The configs the command would serve (run_gateway replaced: nothing listens)."""
+    """The configs the command would serve (run_gateway replaced: nothing listens; no tokenizer to resolve)."""
     configs: list[GatewayConfig] = []
+    monkeypatch.setattr("common.tokenizer_cache.resolve", lambda model_dir: None)
     monkeypatch.setattr(gateway_main, "run_gateway", lambda config, **_: configs.append(config))
     return configs
 

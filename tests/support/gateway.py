@@ -14,11 +14,12 @@ from typing import Any, TypeVar
 
 import httpx
 
+from common import processes
 from common.net import free_ports
 from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
 from tests.support.models import TINY
-from tests.support.waiting import wait_for
+from tests.support.waiting import wait_for as wait_for  # re-exported: the gateway tests poll with it
 
 T = TypeVar("T")
 
@@ -51,8 +52,8 @@ class GatewayProcess:
             env["PAGEDKV_KEYS"] = str(keys_dir)
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log.open("wb")
-        self.process = subprocess.Popen(
+        self.log = log
+        self.process = processes.start(
             [
                 sys.executable,
                 "-m",
@@ -67,26 +68,25 @@ class GatewayProcess:
                 str(self.port),
                 *extra,
             ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            log,
             env=env,
         )
 
     def wait_listening(self) -> None:
-        def answers() -> bool:
-            assert self.process.poll() is None, "the gateway exited"
+        def alive() -> None:
+            assert self.process.poll() is None, f"the gateway exited:\n{processes.tail(self.log)}"
+
+        def answers() -> bool | None:
             try:
                 httpx.get(f"{self.url}/health", timeout=2)
                 return True
             except httpx.TransportError:
-                return False
+                return None
 
-        wait_for(answers, timeout_s=60, what="the gateway to listen")
+        processes.wait_until(answers, 60, check=alive)
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=15)
-        self.log.close()
+        processes.stop([self.process])
 
 
 # ---------------------------------------------------------------------------------------------- what they report
