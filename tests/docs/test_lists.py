@@ -123,6 +123,24 @@ def test_every_console_script_is_named() -> None:
     assert {name for name in SCRIPTS if f"`{name}`" not in packages} == set()
 
 
+def test_every_benchmark_and_tool_module_is_named() -> None:
+    row = next(line for line in ARCHITECTURE.splitlines() if line.startswith("| `pagedkv/` |"))
+    named = set(re.findall(r"`(\w+)(?:\.py)?`", row))
+    for folder in ("bench", "tools"):
+        modules = {p.stem for p in (ROOT / "pagedkv" / folder).glob("*.py") if p.name != "__init__.py"}
+        assert modules - named == set(), folder
+
+
+def test_every_pagedkv_command_is_in_the_readme() -> None:
+    main = _command("pagedkv")
+    ctx = click.Context(main, info_name="pagedkv")
+    commands = {f"pagedkv {name}" for name in main.list_commands(ctx) if name != "bench"}
+    bench = main.get_command(ctx, "bench")
+    assert isinstance(bench, click.Group)
+    commands |= {f"pagedkv bench {name}" for name in bench.list_commands(click.Context(bench, parent=ctx))}
+    assert {command for command in commands if not re.search(rf"{command}\b", README)} == set()
+
+
 def test_every_blockd_op_is_in_the_ops_table() -> None:
     table = _span(ARCHITECTURE, "| op | what |", "\n\n")
     documented = {op for row in table.splitlines()[2:] for op in re.findall(r"`(\w+)`", row.split("|")[1])}
