@@ -97,6 +97,12 @@ def test_every_executor_and_gateway_module_is_in_its_table() -> None:
         assert _table_names(heading) == modules, package
 
 
+def test_every_blockd_module_is_named_in_its_section() -> None:
+    section = _span(ARCHITECTURE, "\n## blockd\n", "\n## executor\n")
+    modules = {p.name for p in (ROOT / "blockd").glob("*.py") if p.name != "__init__.py"}
+    assert {name for name in modules if f"blockd/{name}" not in section} == set()
+
+
 def test_every_test_support_file_is_named() -> None:
     row = next(line for line in ARCHITECTURE.splitlines() if line.startswith("| `tests/` |"))
     named = set(re.findall(r"`(\w+\.py)`", _span(row, "`tests/support/` (", "|")))
@@ -129,6 +135,12 @@ def test_every_benchmark_and_tool_module_is_named() -> None:
     for folder in ("bench", "tools"):
         modules = {p.stem for p in (ROOT / "pagedkv" / folder).glob("*.py") if p.name != "__init__.py"}
         assert modules - named == set(), folder
+
+
+def test_every_common_module_is_named() -> None:
+    row = next(line for line in ARCHITECTURE.splitlines() if line.startswith("| `common/` |"))
+    modules = {p.stem for p in (ROOT / "common").glob("*.py") if p.name != "__init__.py"}
+    assert modules - set(re.findall(r"`(\w+)`", row)) == set()
 
 
 def test_every_pagedkv_command_is_in_the_readme() -> None:
