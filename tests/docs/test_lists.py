@@ -70,6 +70,21 @@ def _table_names(section: str) -> set[str]:
     return {name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+\.py)`", row.split("|")[1])}
 
 
+def _command(script: str) -> click.Command:
+    module, name = SCRIPTS[script].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _options(command: click.Command, name: str, parent: click.Context | None = None) -> set[str]:
+    """Every option of a command and its subcommands (lazy ones imported)."""
+    ctx = click.Context(command, info_name=name, parent=parent)
+    found = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    if isinstance(command, click.Group):
+        for sub in command.list_commands(ctx):
+            found |= _options(command.get_command(ctx, sub), sub, ctx)
+    return found
+
+
 def test_blockd_error_codes_are_the_documented_ones() -> None:
     documented = _codes(_span(ARCHITECTURE, "Errors carry a stable `code` —", "— and a message"))
     assert documented == {code.value for code in ErrorCode}
@@ -107,21 +122,6 @@ def test_every_test_support_file_is_named() -> None:
     row = next(line for line in ARCHITECTURE.splitlines() if line.startswith("| `tests/` |"))
     named = set(re.findall(r"`(\w+\.py)`", _span(row, "`tests/support/` (", "|")))
     assert named == {p.name for p in (ROOT / "tests" / "support").glob("*.py") if p.name != "__init__.py"}
-
-
-def _command(script: str) -> click.Command:
-    module, name = SCRIPTS[script].split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _options(command: click.Command, name: str, parent: click.Context | None = None) -> set[str]:
-    """Every option of a command and its subcommands (lazy ones imported)."""
-    ctx = click.Context(command, info_name=name, parent=parent)
-    found = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
-    if isinstance(command, click.Group):
-        for sub in command.list_commands(ctx):
-            found |= _options(command.get_command(ctx, sub), sub, ctx)  # type: ignore[arg-type]
-    return found
 
 
 def test_every_console_script_is_named() -> None:
