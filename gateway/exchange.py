@@ -3,7 +3,7 @@ their events merged, and made into the response the endpoint (gateway.endpoint) 
 events) or collected into one body; usage, best_of's ranking and the request metrics.
 
 Nothing is sent to the client before the first event of the generation is in: until then a failure can still be
-answered with a status code (400, 429, 503) in OpenAI's error shape. After it, a stream ends with an error event.
+answered with a status code in OpenAI's error shape (gateway.errors). After it, a stream ends with an error event.
 A client that goes away mid-request aborts its generations, which frees their blocks.
 """
 
