@@ -271,14 +271,16 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------------- clients
 
 
-async def stream_one(client: Any, model: str, request: ServeRequest) -> RequestResult:
-    """One streamed completion (`client` an `openai.AsyncOpenAI`): chunk arrival times and the final usage.
-    A failure is recorded in the result, never raised: the other requests go on."""
+async def stream_one(
+    client: Any, model: str, request: ServeRequest, clock: Callable[[], float] = time.perf_counter
+) -> RequestResult:
+    """One streamed completion (`client` an `openai.AsyncOpenAI`): chunk arrival times (by `clock`) and the final
+    usage. A failure is recorded in the result, never raised: the other requests go on."""
     import openai  # the bench extra's (see _client)
 
     result = RequestResult(request.max_tokens)
     usage = None
-    started = time.perf_counter()
+    started = clock()
     try:
         stream = await client.completions.create(
             model=model,
@@ -291,7 +293,7 @@ async def stream_one(client: Any, model: str, request: ServeRequest) -> RequestR
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
-                result.chunk_times.append(time.perf_counter() - started)
+                result.chunk_times.append(clock() - started)
             usage = chunk.usage or usage  # the last chunk carries it (some servers send it on every chunk)
     except openai.OpenAIError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
