@@ -17,13 +17,13 @@ from click.testing import CliRunner
 
 from common.default_model import ensure_default_model
 from executor.checkpoint import (
-    SUPPORTED_ARCHITECTURES,
     CheckpointError,
     UnsupportedModel,
     iter_weights,
     load_config,
     weight_files,
 )
+from executor.models.families import SUPPORTED_ARCHITECTURES
 from pagedkv.tools.model_gen import write_model
 from pagedkv.tools.model_gen.cli import make_model
 from tests.support.models import TINY_ARCHS
