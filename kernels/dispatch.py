@@ -54,7 +54,7 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
     return choice  # type: ignore[return-value]
 
 
-def triton_module(name: Literal["triton_attention", "triton_cache"], device: torch.device) -> ModuleType:
+def triton_module(name: Literal["triton_attention", "triton_cache", "triton_moe"], device: torch.device) -> ModuleType:
     """Import `kernels.<name>`, under the Triton interpreter when the tensors are on the CPU."""
     full_name = f"kernels.{name}"
     if device.type == "cpu" and "kernels.triton_offsets" not in sys.modules:  # imported first by both
