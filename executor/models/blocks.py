@@ -16,7 +16,7 @@ from torch import nn
 
 from executor.checkpoint import ModelConfig
 from executor.models.rotary import Rotary
-from kernels import dispatch, pointwise
+from kernels import dispatch, moe, pointwise
 
 
 @dataclass
@@ -210,8 +210,6 @@ class SparseMoE(nn.Module):
         return ids, top.to(logits.dtype).float()
 
     def forward(self, x: torch.Tensor, backend: dispatch.Backend) -> torch.Tensor:
-        from kernels import moe
-
         ids, weights = self.route(x)
         return moe.experts(
             x,
