@@ -85,8 +85,6 @@ def _softmax_moe(experts_key: str, size_key: str, sparse_layers: bool) -> Callab
         )
         if not sparse_layers:
             return config, [True] * n
-        if raw.get("shared_expert_intermediate_size"):
-            raise UnsupportedModel(f"{path}: shared experts (shared_expert_intermediate_size) are not supported")
         step = int(raw.get("decoder_sparse_step", 1))
         dense = set(map(int, raw.get("mlp_only_layers") or []))
         return config, [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)]
@@ -295,8 +293,9 @@ def _refuse(raw: dict[str, Any], family: Family, path: Path) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(key) and not family.gemma:
             raise UnsupportedModel(f"{path}: {key} is not supported for {family.name}")
-    if raw.get("moe_layer_freq") not in (None, 1) or raw.get("num_shared_experts"):
-        raise UnsupportedModel(f"{path}: shared experts or sparse-layer frequencies are not supported")
+    for key in ("shared_expert_intermediate_size", "num_shared_experts", "n_shared_experts"):
+        if raw.get(key):
+            raise UnsupportedModel(f"{path}: shared experts ({key}) are not supported")
 
 
 def describe(raw: dict[str, Any], path: Path) -> dict[str, Any]:
