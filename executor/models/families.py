@@ -286,6 +286,9 @@ def _activation(raw: dict[str, Any], family: Family, path: Path) -> str:
 
 def _refuse(raw: dict[str, Any], family: Family, path: Path) -> None:
     """Config fields that change the math and are not implemented."""
+    if raw.get("quantization_config"):
+        method = (raw["quantization_config"] or {}).get("quant_method", "?")
+        raise UnsupportedModel(f"{path}: quantized weights (quantization_config, {method}) are not supported")
     if raw.get("mlp_bias"):
         raise UnsupportedModel(f"{path}: MLP biases (mlp_bias) are not supported")
     if raw.get("use_bidirectional_attention"):

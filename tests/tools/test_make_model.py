@@ -243,6 +243,7 @@ def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Pa
         "proportional": dict(rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0}),
         "partial_rotary_factor": dict(partial_rotary_factor=0.5),
         "mlp_bias": dict(mlp_bias=True),
+        "quantization_config": dict(quantization_config={"quant_method": "mxfp4"}),
         "hidden_act": dict(hidden_act="gelu"),
         "final_logit_softcapping": dict(final_logit_softcapping=30.0),  # a Gemma field on a llama
         "use_bidirectional_attention": dict(use_bidirectional_attention=True),
