@@ -16,7 +16,7 @@ import torch
 
 from kernels import dispatch, reference
 from tests.kernels.attention_options import COMBINATIONS, dense_attention, fresh_seed, random_case
-from tests.kernels.paged_case import float64_oracle, make_batch, poisoned_like
+from tests.kernels.paged_case import TOLERANCES, float64_oracle, make_batch, poisoned_like
 
 
 def _transformers_step(seq: tuple[int, int], window: int, seed: int):
@@ -116,3 +116,43 @@ def test_reference_reads_no_table_entry_before_the_window():
         backend="reference",
     )
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("decode_path", ["native", "torch"])  # decode rows: the C++ kernel, or gather + SDPA
+@pytest.mark.parametrize("features", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])
+def test_cpu_backend_matches_the_float64_reference(features, decode_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", decode_path)
+    for dtype in CPU_DTYPES:
+        case = random_case(fresh_seed(), features, dtype=dtype)
+        out = poisoned_like(case.batch.q)
+        dispatch.paged_attention(*case.batch.args(), case.batch.scale, out=out, backend="torch", **case.options)
+        assert not out.isnan().any(), case.description
+        torch.testing.assert_close(
+            out.double(), float64_oracle(case.batch, **case.options), **TOLERANCES[dtype], msg=case.description
+        )
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_rows_sharing_a_prefix_with_every_option(window, monkeypatch):
+    """Enough decode rows that the native kernel takes whole rows, sharing 3 blocks: without a window they go
+    through its grouped pass (softcap and sinks included); with one, blocks before it are given back."""
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", "native")
+    seed = fresh_seed()
+    lengths = torch.randint(48, 200, (24,), generator=torch.Generator().manual_seed(seed)).tolist()
+    batch = make_batch(
+        [(1, n) for n in lengths],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=seed,
+        shared_prefix_blocks=3,
+        sliding_window=window,
+    )
+    options = dict(sliding_window=window, softcap=3.0, sinks=torch.linspace(-2, 3, 8))
+    got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch", **options)
+    torch.testing.assert_close(got.double(), float64_oracle(batch, **options), atol=1e-5, rtol=1e-5, msg=f"{seed}")
