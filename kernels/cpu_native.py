@@ -221,7 +221,7 @@ def decode_attention(
         head_dim,
         scale,
         torch.get_num_threads(),
-        sliding_window or 0,
+        min(sliding_window or 0, 2**31 - 1),  # a window past any int32 length is no window
         softcap or 0.0,
         None if sinks is None else sinks.data_ptr(),
     )

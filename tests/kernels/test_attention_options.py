@@ -213,3 +213,11 @@ def test_triton_prefill_chunk_longer_than_its_window():
         sliding_window=6,
     )
     _triton(batch, dict(sliding_window=6))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_a_window_past_any_length_is_no_window(backend):
+    batch = make_batch([(4, 37), (1, 20)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32)
+    got = dispatch.paged_attention(*batch.args(), batch.scale, sliding_window=2**40, backend=backend)
+    torch.testing.assert_close(got.double(), float64_oracle(batch), **TOLERANCES[torch.float32])
