@@ -156,6 +156,52 @@ def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], i
         yield f"copy_blocks {dtype}", tc._copy_blocks_kernel, sig, dict(CHUNK=4096), 4, 3
 
 
+def _moe_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    from kernels import triton_moe as tm
+
+    # (dtype, pairs, experts, hidden, inter, biased, activation): decode and prefill of Mixtral/Qwen3-MoE/gpt-oss.
+    for dtype, pairs, experts, hidden, inter, biased, activation in (
+        ("bfloat16", 8, 128, 2048, 768, False, "silu"),
+        ("bfloat16", 512, 32, 2880, 2880, True, "swiglu_oai"),
+        ("float16", 4096, 8, 4096, 14336, False, "gelu_tanh"),
+        ("float32", 300, 16, 96, 40, True, "swiglu_oai"),
+    ):
+        cfg = tm.moe_config(pairs, experts, hidden, inter, _BYTES[dtype])
+        p = _PTR[dtype]
+        sig = dict(
+            hidden_ptr=p,
+            w_gate_up_ptr=p,
+            w_down_ptr=p,
+            b_gate_up_ptr=p,
+            b_down_ptr=p,
+            routing_ptr="*fp32",
+            pairs_ptr="*i32",
+            tile_experts_ptr="*i32",
+            acc_ptr="*fp32",
+            hidden_size="i32",
+            inter_size="i32",
+            num_experts="i32",
+            top_k="i32",
+            alpha="fp32",
+            limit="fp32",
+            **{f"stride_{name}": "i32" for name in ("x_tok", "gu_e", "gu_n", "d_e", "d_n", "bgu_e", "bd_e")},
+        )
+        consts = dict(
+            stride_gu_k=1,  # contiguous weights: the JIT makes a stride of 1 a constant
+            stride_d_k=1,
+            HAS_B_GATE_UP=biased,
+            HAS_B_DOWN=biased,
+            ACTIVATION=tm.ACTIVATION_CODES[activation],
+            IEEE_DOT=dtype == "float32",
+            BLOCK_M=cfg.block_m,
+            BLOCK_I=cfg.block_i,
+            BLOCK_K=cfg.block_k,
+            BLOCK_N=cfg.block_n,
+        )
+        label = f"moe {dtype} pairs={pairs} experts={experts} H={hidden} I={inter} {activation} bias={biased}"
+        yield label, tm._fused_experts_kernel, sig, consts, cfg.num_warps, cfg.num_stages
+
+
 def compile_all(arch: int, echo=click.echo) -> bool:
     """Compile every case for `sm_<arch>`; return whether all compiled."""
     import triton
@@ -164,7 +210,7 @@ def compile_all(arch: int, echo=click.echo) -> bool:
 
     target = GPUTarget("cuda", arch, 32)
     ok = True
-    for label, kernel, sig, consts, num_warps, num_stages in (*_attention_cases(), *_cache_cases()):
+    for label, kernel, sig, consts, num_warps, num_stages in (*_attention_cases(), *_cache_cases(), *_moe_cases()):
         names = kernel.arg_names
         # What the JIT infers at run time for real inputs: aligned pointers, strides divisible by 16.
         hinted = [k for k, t in sig.items() if t.startswith("*") or k.startswith("stride") or k == "block_numel"]
