@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from common.default_model import ensure_default_model
 from executor.checkpoint import (
     CheckpointError,
+    RopeConfig,
     UnsupportedModel,
     iter_weights,
     load_config,
@@ -184,6 +185,10 @@ def test_model_id_is_stable_and_follows_the_weights(
     assert load_config(other).model_id != model_id  # same config and sizes, other weights
 
 
+def small_model() -> dict[str, Any]:
+    return dict(hidden_size=64, heads=2, kv_heads=1, vocab_size=300, max_position=256)
+
+
 def copy_with_config(src: Path, dst: Path, **changes: Any) -> Path:
     """A copy of a checkpoint whose config.json has `changes` applied (None deletes a key)."""
     shutil.copytree(src, dst)
@@ -230,6 +235,22 @@ def test_transformers4_spelling_and_sliding_windows(tiny_models: dict[str, Path]
     assert load_config(qwen).sliding_windows == (None, 128)  # Qwen2 slides from layer max_window_layers on
     unused = copy_with_config(tiny_models["qwen2"], tmp_path / "unused", sliding_window=128)  # layer_types: full
     assert load_config(unused).sliding_windows == (None, None)
+    # Gemma 3 as transformers 4 wrote it: two bases at the top level, a pattern instead of layer_types.
+    gemma3 = write_model(tmp_path / "gemma3", arch="gemma3", quiet=True, layers=4, sliding_window=32, **small_model())
+    old_gemma3 = copy_with_config(
+        gemma3,
+        tmp_path / "old-gemma3",
+        rope_parameters=None,
+        layer_types=None,
+        rope_theta=500000.0,
+        rope_local_base_freq=20000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window_pattern=2,
+    )
+    config = load_config(old_gemma3)
+    assert config.sliding_windows == (32, None, 32, None)
+    assert config.rope("global") == RopeConfig(500000.0, {"rope_type": "linear", "factor": 8.0})
+    assert config.rope("local") == RopeConfig(20000.0)
 
 
 def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Path) -> None:
