@@ -441,3 +441,21 @@ def test_family_options_are_checked(tmp_path: Path) -> None:
             write_model(tmp_path / "never", arch=arch, quiet=True, **{option: value})
         assert caught.value.option == flag, (arch, option)
     assert not (tmp_path / "never").exists()
+
+
+def test_cli_family_options(tmp_path: Path) -> None:
+    runner = CliRunner()
+    small = ["--hidden-size", "64", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--vocab-size", "300"]
+    out = tmp_path / "moe"
+    args = ["--arch", "qwen3_moe", "--out", str(out), *small, "--experts", "3", "--experts-per-token", "2"]
+    result = runner.invoke(make_model, [*args, "--mlp-only-layers", "0,2", "--sliding-window", "24"])
+    assert result.exit_code == 0, result.output
+    assert "3 experts, 2 per token" in result.output and "sliding window 24" in result.output
+    config = load_config(out)
+    assert [config.layer(i).moe for i in range(3)] == [False, True, False] and config.sliding_windows == (24,) * 3
+    result = runner.invoke(make_model, [*args, "--force", "--mlp-only-layers", "first"])
+    assert result.exit_code == 2 and "--mlp-only-layers" in result.output
+    result = runner.invoke(
+        make_model, ["--arch", "gemma3", "--out", str(tmp_path / "g"), *small, "--rope-scaling", "x"]
+    )
+    assert result.exit_code == 2 and "rope-scaling" in result.output
