@@ -25,19 +25,25 @@ _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
     from kernels import triton_attention as ta
 
-    # (dtype, head_dim, group, block_size, num_tokens, num_seqs): decode, prefill, mixed; GQA/MQA/MHA.
-    for dtype, head_dim, group, block_size, num_tokens, num_seqs in (
-        ("bfloat16", 128, 8, 16, 256, 256),
-        ("bfloat16", 128, 8, 16, 8192, 1),
-        ("float16", 128, 1, 16, 8192, 4),
-        ("float16", 64, 4, 8, 100, 10),
-        ("float16", 80, 4, 32, 1, 1),
-        ("float16", 96, 2, 64, 1000, 8),
-        ("bfloat16", 256, 8, 16, 64, 64),
-        ("bfloat16", 256, 4, 16, 4096, 2),
-        ("float32", 128, 8, 16, 64, 64),
-        ("float32", 256, 1, 16, 4096, 2),
-        ("bfloat16", 128, 32, 16, 4096, 4),
+    # (dtype, head_dim, group, block_size, num_tokens, num_seqs, options): decode, prefill, mixed; GQA/MQA/MHA;
+    # options: "" none, or w (sliding window), c (softcap), s (sinks, the given dtype).
+    for dtype, head_dim, group, block_size, num_tokens, num_seqs, options in (
+        ("bfloat16", 128, 8, 16, 256, 256, ""),
+        ("bfloat16", 128, 8, 16, 8192, 1, ""),
+        ("float16", 128, 1, 16, 8192, 4, ""),
+        ("float16", 64, 4, 8, 100, 10, ""),
+        ("float16", 80, 4, 32, 1, 1, ""),
+        ("float16", 96, 2, 64, 1000, 8, ""),
+        ("bfloat16", 256, 8, 16, 64, 64, ""),
+        ("bfloat16", 256, 4, 16, 4096, 2, ""),
+        ("float32", 128, 8, 16, 64, 64, ""),
+        ("float32", 256, 1, 16, 4096, 2, ""),
+        ("bfloat16", 128, 32, 16, 4096, 4, ""),
+        ("bfloat16", 256, 2, 16, 4096, 2, "wc"),  # Gemma 2/3
+        ("bfloat16", 256, 2, 16, 64, 64, "wc"),
+        ("bfloat16", 64, 8, 16, 4096, 4, "ws"),  # gpt-oss
+        ("bfloat16", 64, 8, 16, 256, 256, "ws"),
+        ("float32", 128, 4, 16, 100, 10, "wcs"),
     ):
         cfg = ta.attention_config(num_tokens, num_seqs, group, head_dim, _BYTES[dtype])
         p = _PTR[dtype]
@@ -52,7 +58,11 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
             part_m_ptr="*fp32",
             part_l_ptr="*fp32",
             part_acc_ptr="*fp32",
+            sinks_ptr=_PTR[dtype] if "s" in options else "*fp32",
             qk_scale_log2="fp32",
+            window="i32",
+            cap_pre="fp32",
+            cap_post="fp32",
             num_seqs="i32",
             num_heads="i32",
             search_steps="i32",
@@ -76,23 +86,36 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
             HEAD_DIM=head_dim,
             HEAD_P=cfg.head_p,
             IEEE_DOT=dtype == "float32",
+            SLIDING="w" in options,
+            SOFTCAP="c" in options,
+            SINKS="s" in options,
         )
         label = f"attention {dtype} d={head_dim} group={group} bs={block_size} tokens={num_tokens} seqs={num_seqs}"
+        label += f" options={options}" if options else ""
         yield label, ta._paged_attention_kernel, sig, consts, cfg.num_warps, cfg.num_stages
-    for dtype, head_dim, splits in (("bfloat16", 128, 32), ("float16", 80, 2), ("float32", 256, 64)):
+    for dtype, head_dim, splits, sinks in (
+        ("bfloat16", 128, 32, False),
+        ("float16", 80, 2, False),
+        ("float32", 256, 64, False),
+        ("bfloat16", 64, 16, True),
+    ):
         sig = dict(
             out_ptr=_PTR[dtype],
             part_m_ptr="*fp32",
             part_l_ptr="*fp32",
             part_acc_ptr="*fp32",
             query_start_ptr="*i32",
+            sinks_ptr=_PTR[dtype] if sinks else "*fp32",
             num_heads="i32",
             num_splits="i32",
             stride_o_tok="i32",
             stride_o_head="i32",
         )
-        consts = dict(HEAD_DIM=head_dim, HEAD_P=next_power_of_two(head_dim), SPLITS_P=next_power_of_two(splits))
-        yield f"reduce {dtype} d={head_dim} splits={splits}", ta._reduce_splits_kernel, sig, consts, 4, 3
+        consts = dict(
+            HEAD_DIM=head_dim, HEAD_P=next_power_of_two(head_dim), SPLITS_P=next_power_of_two(splits), SINKS=sinks
+        )
+        label = f"reduce {dtype} d={head_dim} splits={splits}" + (" sinks" if sinks else "")
+        yield label, ta._reduce_splits_kernel, sig, consts, 4, 3
 
 
 def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
