@@ -26,9 +26,9 @@ from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
 from executor import protocol as ep
-from executor.checkpoint import CheckpointError, UnsupportedModel
 from executor.engine import Engine, EngineLimits
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
+from executor.model_config import CheckpointError, UnsupportedModel
 from executor.runner import DTYPES, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced
 

@@ -50,6 +50,7 @@ from common.clicks import unless_given
 from common.cpu import machine_busy_s
 from common.default_model import ensure_default_model
 from common.units import parse_size
+from executor.model_config import CheckpointError, UnsupportedModel
 from executor.params import SamplingParams
 from pagedkv.bench.common import (
     blockd_daemon,
@@ -463,7 +464,7 @@ def _compare_blockd(
 def bench_model(model_dir: Path | None) -> tuple[Path, Any]:
     """The benchmark's checkpoint (the default model, generated on first use, when none is given) and its
     config; a usage error naming --model when it cannot be served."""
-    from executor.checkpoint import CheckpointError, UnsupportedModel, load_config  # torch on use (_synchronize)
+    from executor.checkpoint import load_config  # torch on use (_synchronize)
 
     if model_dir is None:
         click.echo("using the default model (generated on first use)", err=True)
