@@ -434,7 +434,7 @@ class ChatCompletionRequest(GenerationRequest):
         source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         if len(source) > MAX_GRAMMAR_CHARS:
             raise invalid_request(f"the tools' schemas are over {MAX_GRAMMAR_CHARS} characters", param="tools")
-        return GrammarSpec("json", source, param="tool_choice")
+        return GrammarSpec("json", source, any_whitespace=False, param="tool_choice")  # compact: see structured
 
     @property
     def token_limit(self) -> int | None:
