@@ -1,5 +1,6 @@
-"""The gateway's HTTP app: OpenAI's completions, chat completions and models routes, health and metrics, and
-the error handlers that answer in OpenAI's error shape.
+"""The gateway's HTTP app: OpenAI's completions, chat completions and models routes, Anthropic's messages
+(gateway.messages_routes), health and metrics, and the error handlers that answer in OpenAI's error shape
+(Anthropic's on its routes).
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
 prompts x n against --max-queue), tokenized off the event loop (the gateway's text pool), checked against the
@@ -26,6 +27,7 @@ from gateway.chat import ChatCompletions
 from gateway.completions import Completions, echo_only
 from gateway.errors import APIError
 from gateway.exchange import respond
+from gateway.messages_routes import add_messages_routes
 from gateway.state import Gateway, GatewayConfig
 from gateway.text import PromptError
 from gateway.utility import add_utility_routes
@@ -63,7 +65,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path.startswith("/v1/"):
             gateway.metrics.requests.labels(route=route_label(request), status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(errors.error_body(request.url.path, exc), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -71,7 +73,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             error = errors.not_found(request.url.path)
         else:
             error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(errors.error_body(request.url.path, error), status_code=error.status)
 
     def prepare_prompts(body: CompletionRequest, raw: list[str | list[int]]) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt (truncated as asked) and, with echo, the text its choices start with."""
@@ -181,6 +183,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     add_utility_routes(app, gateway)
+    add_messages_routes(app, gateway, config.max_body_bytes)
 
     @app.get("/metrics")
     async def metrics() -> Response:
