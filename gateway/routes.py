@@ -1,6 +1,6 @@
 """The gateway's HTTP app: OpenAI's completions, chat completions and models routes, Anthropic's messages
-(gateway.messages_routes), health and metrics, and the error handlers that answer in OpenAI's error shape
-(Anthropic's on its routes).
+(gateway.messages_routes), OpenAI's responses (gateway.responses_routes), health and metrics, and the error
+handlers that answer in OpenAI's error shape (Anthropic's on its routes).
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
 prompts x n against --max-queue), tokenized off the event loop (the gateway's text pool), checked against the
@@ -28,6 +28,8 @@ from gateway.completions import Completions, echo_only
 from gateway.errors import APIError
 from gateway.exchange import respond
 from gateway.messages_routes import add_messages_routes
+from gateway.response_store import ResponseStore
+from gateway.responses_routes import add_responses_routes
 from gateway.state import Gateway, GatewayConfig
 from gateway.text import PromptError
 from gateway.utility import add_utility_routes
@@ -184,6 +186,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     add_utility_routes(app, gateway)
     add_messages_routes(app, gateway, config.max_body_bytes)
+    app.state.response_store = ResponseStore()
+    add_responses_routes(app, gateway, config.max_body_bytes, app.state.response_store)
 
     @app.get("/metrics")
     async def metrics() -> Response:
