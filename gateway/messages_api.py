@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.api import ChatCompletionRequest, ParamError, validation_message
+from gateway.api import ChatCompletionRequest, ParamError, chat_request
 from gateway.errors import invalid_request
 
 ANTHROPIC_MAX_STOP_SEQUENCES = 16
@@ -168,7 +168,7 @@ class MessagesPrompt(BaseModel):
         tools = self.chat_tools().get("tools")
         if tools:
             fields["tools"] = tools
-        return as_chat(fields)
+        return chat_request(fields)
 
     def chat_tools(self) -> dict[str, Any]:
         """The chat request's tools and tool_choice; `auto` only where a parser can find the calls."""
@@ -220,13 +220,4 @@ class MessagesRequest(MessagesPrompt):
             fields["top_p"] = self.top_p
         if self.top_k is not None:
             fields["top_k"] = self.top_k
-        return as_chat(fields)
-
-
-def as_chat(fields: dict[str, Any]) -> ChatCompletionRequest:
-    """A chat request made from another API's body: what it refuses is a 400 (naming the parameter)."""
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise invalid_request(message, param=param) from None
+        return chat_request(fields)

@@ -16,9 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.api import ChatCompletionRequest, ParamError
+from gateway.api import ChatCompletionRequest, ParamError, chat_request
 from gateway.errors import invalid_request
-from gateway.messages_api import as_chat
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -202,7 +201,7 @@ class ResponsesRequest(BaseModel):
             raise invalid_request("tool_choice 'required' or a function needs tools", param="tool_choice")
         if self.text is not None and self.text.format is not None:
             fields["response_format"] = self.text.format.response_format()
-        return as_chat(fields)
+        return chat_request(fields)
 
     def echo(self) -> dict[str, Any]:
         """The request's settings, as a response repeats them."""
