@@ -221,3 +221,39 @@ def test_x_api_key_and_errors_in_anthropic_shape(stack: LocalStack, client: anth
     again = client.messages.create(**good)
     assert again.usage.output_tokens >= 1
     assert json.loads(again.model_dump_json())["type"] == "message"
+
+
+def test_conversion_and_stream_framing_without_a_stack() -> None:
+    from gateway.errors import APIError, anthropic_body
+    from gateway.generation import ChoiceEvent
+    from gateway.messages import Messages
+    from gateway.messages_api import MessagesRequest
+
+    body = MessagesRequest.model_validate(
+        {"max_tokens": 5, "system": "Be brief.", "messages": HISTORY, "tools": [WEATHER], "stop_sequences": ["x"]}
+    )
+    chat = body.chat("hermes")
+    assert [m.for_template() for m in chat.messages] == [
+        {
+            **m,
+            "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": {"city": "Bern"}}} for c in m["tool_calls"]
+            ],
+        }
+        if "tool_calls" in m
+        else m
+        for m in CHAT_HISTORY
+    ]
+    assert chat.tool_choice == "auto" and chat.stop == ["x"] and body.chat("none").tool_choice == "none"
+    endpoint = Messages(chat, None, "hermes", 7)  # type: ignore[arg-type]  # no logprobs: no tokenizer needed
+    streamed = endpoint.streamed(None, 0, 0)  # type: ignore[arg-type]
+    events = streamed.chunk(ChoiceEvent(0, "hi"), None) + streamed.chunk(  # type: ignore[operator]
+        ChoiceEvent(0, "", finish_reason="stop", stop_string="x"), None
+    )
+    assert [e["type"] for e in events] == ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert endpoint.stream_end == ("stop_sequence", "x")
+    error = endpoint.frame(endpoint.error(APIError(502, "lost", type="server_error")))
+    assert error.startswith("event: error\ndata: ") and json.loads(error.split("data: ")[1]) == anthropic_body(
+        APIError(502, "lost", type="server_error")
+    )
+    assert anthropic_body(APIError(502, "lost", type="server_error"))["error"]["type"] == "api_error"

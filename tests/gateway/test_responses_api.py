@@ -216,3 +216,25 @@ def test_store_is_bounded_by_count_and_bytes_least_recently_used_out() -> None:
     assert len(store) == 1 and store.get("d") is not None and store.bytes <= 400
     assert not store.put({"id": "e", "output": ["x" * 500]}, []) and store.get("d") is not None
     assert store.delete("d") and store.bytes == 0 and not store.delete("d")
+
+
+def test_items_conversion_and_error_event_without_a_stack() -> None:
+    from gateway.errors import APIError
+    from gateway.responses_api import ResponsesRequest
+    from gateway.responses_endpoint import Responses
+
+    body = ResponsesRequest.model_validate({"input": ITEMS, "instructions": "Be brief.", "tools": [WEATHER]})
+    chat = body.chat([], body.input_messages(), "none")
+    assert [m.for_template()["role"] for m in chat.messages] == [m["role"] for m in CHAT_ITEMS]
+    assert chat.messages[2].tool_calls[0].id == "call_1" and chat.tool_choice == "none"
+    endpoint = Responses(chat, None, "none", body, [], ResponseStore())  # type: ignore[arg-type]
+    first, second = (endpoint.frame({"type": "response.in_progress"}) for _ in range(2))
+    assert first.startswith("event: response.in_progress\n") and '"sequence_number":1' in second
+    error = endpoint.frame(endpoint.error(APIError(502, "lost", type="server_error", code="executor_lost")))
+    assert json.loads(error.split("data: ")[1]) == {
+        "type": "error",
+        "code": "executor_lost",
+        "message": "lost",
+        "param": None,
+        "sequence_number": 2,
+    }
