@@ -1,6 +1,6 @@
-"""Running a chat request that another API's body was made into (gateway.messages_api, gateway.responses_api): its
-place in the queue, its prompt rendered off the event loop and checked against the context, then the exchange
-with the endpoint that shapes the answer in that API's form."""
+"""Running a chat request (the chat endpoint's, or one another API's body was made into: gateway.messages_api,
+gateway.responses_api): its place in the queue, its prompt rendered off the event loop and checked against the
+context, then the exchange with the endpoint that shapes the answer in that API's form."""
 
 from __future__ import annotations
 

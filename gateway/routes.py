@@ -21,9 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from gateway import errors
-from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
+from gateway.api import ChatCompletionRequest, CompletionRequest
 from gateway.auth import install_api_keys
 from gateway.chat import ChatCompletions
+from gateway.chat_run import run_chat
 from gateway.completions import Completions, echo_only
 from gateway.errors import APIError
 from gateway.exchange import respond
@@ -31,7 +32,6 @@ from gateway.messages_routes import add_messages_routes
 from gateway.response_store import ResponseStore
 from gateway.responses_routes import add_responses_routes
 from gateway.state import Gateway, GatewayConfig
-from gateway.text import PromptError
 from gateway.utility import add_utility_routes
 from gateway.validation import check_stop_token_ids, check_token_ids, parse_body, token_limit
 
@@ -92,15 +92,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prompts.append(kept)
         return prompts, echo
 
-    def encode_chat(body: ChatCompletionRequest) -> list[int]:
-        prompt = gateway.tokenizer.encode_chat(
-            [m.for_template() for m in body.messages],
-            body.add_generation_prompt,
-            tools=chat_tools(body.tools),
-            add_special_tokens=body.add_special_tokens,
-        )
-        return body.truncate(prompt, gateway.max_model_len)
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await parse_body(request, CompletionRequest, config.max_body_bytes)
@@ -135,19 +126,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "tool_choice 'none'",
                 param="tool_choice",
             )
-        admission = contextlib.ExitStack()
-        admission.enter_context(gateway.admitted(body.n))
-        try:
-            prompt = await gateway.off_loop(encode_chat, body)
-            limit = token_limit(gateway, prompt, body.token_limit, "messages")
-        except PromptError as exc:
-            admission.close()
-            raise errors.invalid_request(str(exc), param="messages") from None
-        except BaseException:
-            admission.close()
-            raise
         endpoint = ChatCompletions(body, gateway.tokenizer, gateway.tool_call_parser)
-        return await respond(gateway, request, endpoint, [prompt], [limit], admission)
+        return await run_chat(gateway, request, body, lambda _prompt: endpoint, "messages")
 
     def model_card() -> dict[str, Any]:
         return {
