@@ -17,6 +17,7 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 class Stored:
     response: dict[str, Any]  # the response body, as retrieval answers it
     conversation: list[dict[str, Any]]  # chat messages: the history before it, its input and its output
+    input_items: list[dict[str, Any]]  # its own input, as items with ids (GET /v1/responses/{id}/input_items)
     size: int
 
 
@@ -30,14 +31,16 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+    def put(
+        self, response: dict[str, Any], conversation: list[dict[str, Any]], input_items: list[dict[str, Any]]
+    ) -> bool:
         """Keep `response` (by its id), evicting the least recently used to make room; False if it alone is
         over the byte bound (it is not kept)."""
-        size = len(json.dumps([response, conversation], ensure_ascii=False))
+        size = len(json.dumps([response, conversation, input_items], ensure_ascii=False))
         if size > self.max_bytes:
             return False
         self.delete(response["id"])
-        self._entries[response["id"]] = Stored(response, conversation, size)
+        self._entries[response["id"]] = Stored(response, conversation, input_items, size)
         self.bytes += size
         while len(self._entries) > self.max_responses or self.bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)

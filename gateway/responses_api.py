@@ -12,6 +12,7 @@ Function tools (name, description, parameters), `tool_choice` (none / auto / req
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -172,6 +173,22 @@ class ResponsesRequest(BaseModel):
         if not self.input:
             raise invalid_request("input must not be empty", param="input")
         return chat_messages(self.input)
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """This request's input as the items retrieval lists: each with an id and a status, a message's content
+        as parts."""
+        given = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        items = []
+        for item in given:
+            kind = item.get("type", "message")
+            item = {**item, "type": kind, "status": item.get("status", "completed")}
+            if kind == "message" and isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+            item.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
+            items.append(item)
+        return items
 
     def chat(
         self, history: list[dict[str, Any]], new: list[dict[str, Any]], tool_call_parser: str

@@ -131,7 +131,7 @@ class Responses(Endpoint[ChatCompletionRequest, CollectedChoice]):
     def finished(self, envelope: Envelope, output: list[dict[str, Any]], finish: str | None, usage: Usage) -> Any:
         body = self.response(envelope, output, finish, usage)
         if self.request.store:
-            self.store.put(body, [*self.conversation, as_chat_message(output)])
+            self.store.put(body, [*self.conversation, as_chat_message(output)], self.request.input_items())
         return body
 
     def opening(self, envelope: Envelope, index: int, usage: Usage | None) -> Chunks:

@@ -1,5 +1,6 @@
 """OpenAI's Responses API routes: POST /v1/responses (gateway.responses_api's body, answered by
-gateway.responses_endpoint), GET and DELETE /v1/responses/{id} on the gateway's bounded store
+gateway.responses_endpoint), GET and DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (a page:
+`order` desc (default) or asc, `limit` 1 to 100 (20), `after` an item id) on the gateway's bounded store
 (gateway.response_store). Errors are in OpenAI's shape."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from gateway.chat_run import run_chat
-from gateway.errors import APIError
+from gateway.errors import APIError, invalid_request
 from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesRequest
 from gateway.responses_endpoint import Responses
@@ -53,6 +54,33 @@ def add_responses_routes(app: FastAPI, gateway: Gateway, max_body_bytes: int, st
         if stored is None:
             raise _not_found(response_id)
         return stored.response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict[str, Any]:
+        stored = store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            raise invalid_request(
+                "order must be asc or desc and limit in [1, 100]",
+                param="order" if order not in ("asc", "desc") else "limit",
+            )
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise invalid_request(f"after names no input item of {response_id!r}", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict[str, Any]:

@@ -125,6 +125,8 @@ def test_function_tools(client: openai.OpenAI, tool_choice: object) -> None:
     events = list(client.responses.create(**asked, max_output_tokens=120, stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [call.arguments]
+    items = client.responses.input_items.list(response.id)
+    assert [item.type for item in items.data] == ["message"] and items.data[0].content[0].text == "Weather in Bern?"
     if isinstance(tool_choice, dict):  # a named function's arguments stream as they are written
         deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
         assert deltas == call.arguments
@@ -177,6 +179,8 @@ def test_previous_response_store_retrieval_and_deletion(client: openai.OpenAI) -
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model="tiny", previous_response_id=first.id, input="x", max_output_tokens=2)
     assert info.value.body["param"] == "previous_response_id"
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [(item.type, item.role, item.content[0].text) for item in listed.data] == [("message", "user", "And then?")]
     unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -207,14 +211,14 @@ def test_bad_requests_are_400_in_openai_shape_and_change_nothing(stack: LocalSta
 def test_store_is_bounded_by_count_and_bytes_least_recently_used_out() -> None:
     store = ResponseStore(max_responses=2, max_bytes=400)
     for name in ("a", "b"):
-        assert store.put({"id": name, "output": []}, [])
+        assert store.put({"id": name, "output": []}, [], [])
     assert store.get("a") is not None  # a is now the most recently used
-    store.put({"id": "c", "output": []}, [])
+    store.put({"id": "c", "output": []}, [], [])
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
     big = {"id": "d", "output": ["x" * 360]}  # with either of the others, over 400 bytes
-    assert store.put(big, [])
+    assert store.put(big, [], [])
     assert len(store) == 1 and store.get("d") is not None and store.bytes <= 400
-    assert not store.put({"id": "e", "output": ["x" * 500]}, []) and store.get("d") is not None
+    assert not store.put({"id": "e", "output": ["x" * 500]}, [], []) and store.get("d") is not None
     assert store.delete("d") and store.bytes == 0 and not store.delete("d")
 
 
