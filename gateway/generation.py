@@ -36,6 +36,7 @@ class ChoiceEvent:
     text: str
     logprobs: list[ep.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop"), if one did
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ class Generation:
                 self._finish(now)
         if not released and not delta.logprobs and finish_reason is None:
             return None
-        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason)
+        stop_string = choice.stop.stop_string if choice.stop.stopped else None
+        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason, stop_string)
 
     def _count_tokens(self, choice: _Choice, count: int, now: float) -> None:
         if self.first_token_at is None:
