@@ -6,6 +6,8 @@ A message over the executor's --max-message-bytes is not read at all: ZeroMQ dro
 Executor -> gateway: for a submitted request, a stream of `Delta`s (new tokens of one choice, incremental; the
 last one of each choice has `finish_reason`), or one `Rejected` if the request is invalid; `LoadReport` and
 `Info` answer their queries. Anything undecodable is answered with `Rejected` (request_id "" when unknown).
+Unasked, every `ALIVE_INTERVAL_S`, `Alive` to every gateway heard from: sent by a thread of its own, it keeps
+coming while a long step runs (the step's progress is `LoadReport.steps`, answered between steps).
 
 Prompt tokens travel packed (little-endian uint32, `common.tokens.pack_tokens`), like blockd's.
 """
@@ -20,6 +22,7 @@ from executor.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
+ALIVE_INTERVAL_S = 0.25  # how often an executor says it is alive; a gateway's lease is several of these
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 
@@ -92,6 +95,19 @@ class LoadReport(Message, tag="load"):
     preemptions: int
     steps: int
     blockd_reachable: bool = True  # False while blockd is away: generation waits, nothing is lost
+    # Measured throughput, since the executor started: seconds spent in forward passes, and the tokens they
+    # computed (prefill and decode). A gateway estimates from them how long queued work will take.
+    busy_s: float = 0.0
+    computed_tokens: int = 0
+    step_token_budget: int = 0  # the token budget of the next step (--max-step-ms sizes it; 0: not reported)
+
+
+class Alive(Message, tag="alive"):
+    """The executor's process is alive: sent by its liveness thread, whatever its step loop is doing."""
+
+    pool_id: str
+    steps: int  # steps that ran a forward pass so far: unchanged for long while one long step runs
+    step_s: float = 0.0  # how long the step in progress has run (0: between steps)
 
 
 class Info(Message, tag="info"):
@@ -106,7 +122,7 @@ class Info(Message, tag="info"):
     eos_token_ids: list[int]
 
 
-Outbound = Delta | Rejected | LoadReport | Info
+Outbound = Delta | Rejected | LoadReport | Info | Alive
 
 _encoder = msgspec.msgpack.Encoder()
 _inbound = msgspec.msgpack.Decoder(Inbound)
