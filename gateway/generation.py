@@ -3,13 +3,14 @@
 Each choice has its own detokenizer and stop-string matcher. A stop string ends the choice at once: the text
 before it is the last the client sees, and the executor is told to abort that choice, which frees its blocks.
 
-Failure: if the executor is lost (or rejects the prompt for lack of room) before this generation has yielded
-anything, it is submitted again to another executor. Once something has been yielded, a streamed response
-cannot take it back, so the generation raises `GenerationFailed`; a whole (non-streamed) response has shown the
-client nothing yet, so with `replayable` the generation yields `Restarted` (drop what came so far) and starts
-over elsewhere. Errors before the first event are `APIError`s, so the HTTP
-handler can still answer with a status code. Closing the iterator early (a client that went away) aborts the
-request at the executor.
+Failure: an executor is lost only when it is not alive (gateway/executors.py: a long step is not silence), so
+a stream never fails for being slow. If the executor is lost (or rejects the prompt for lack of room, or its
+queue is full) before this generation has yielded anything, it is submitted again to another executor. Once
+something has been yielded, a streamed response cannot take it back, so the generation raises
+`GenerationFailed`; a whole (non-streamed) response has shown the client nothing yet, so with `replayable` the
+generation yields `Restarted` (drop what came so far) and starts over elsewhere. Errors before the first event
+are `APIError`s, so the HTTP handler can still answer with a status code. Closing the iterator early (a client
+that went away) aborts the request at the executor.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _REJECTIONS = {
     "invalid_request": lambda m: errors.invalid_request(m),
     "context_length_exceeded": lambda m: errors.context_length_exceeded(m),
     "capacity_exceeded": lambda m: errors.context_length_exceeded(m),
+    # The executor holds --max-queued-requests already: refused before anything ran, as the door would have.
+    "queue_full": lambda m: errors.APIError(429, m, type="rate_limit_error", code="queue_full"),
 }
 
 
@@ -137,8 +140,9 @@ class Generation:
                         retry = True
                         break
                     if type(item) is ep.Rejected:
-                        if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
-                            retry = True  # another executor may have a larger cache
+                        retryable = item.code in ("capacity_exceeded", "queue_full")
+                        if retryable and len(self.router.healthy(tried | {self._endpoint})):
+                            retry = True  # another executor may have a larger cache, or room in its queue
                             break
                         self._choices = []  # refused: nothing ran, nothing to count as aborted
                         if item.code == "invalid_grammar" and self.params.structured is not None:
