@@ -100,6 +100,8 @@ class LoadReport(Message, tag="load"):
     busy_s: float = 0.0
     computed_tokens: int = 0
     step_token_budget: int = 0  # the token budget of the next step (--max-step-ms sizes it; 0: not reported)
+    # Tokens its requests (from every gateway) may still need computed: prompts' rest, choices' max_tokens left.
+    queued_tokens: int = 0
 
 
 class Alive(Message, tag="alive"):

@@ -286,9 +286,22 @@ class ExecutorServer:
                 return
             self._send(self.engine.abort(message.request_id, message.index))
         elif type(message) is ep.GetLoad:
-            self._reply(identity, self.engine.load())
+            self._reply(identity, msgspec.structs.replace(self.engine.load(), queued_tokens=self._queued_tokens()))
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
+
+    def _queued_tokens(self) -> int:
+        """What the requests here may still need computed, in tokens: an upper bound (a choice may stop before its
+        max_tokens), which gateways turn into a wait at this executor's measured throughput (gateway/admission.py)."""
+        total = 0
+        for request in self.engine.requests.values():
+            params, started = request.params, request.sequences
+            total += max(0, len(request.prompt) - max((s.num_computed for s in started), default=0))
+            total += sum(
+                max(0, params.max_tokens - s.num_generated) for s in started if s.status is not Status.FINISHED
+            )
+            total += (params.n - len(started)) * params.max_tokens  # choices not forked yet
+        return total
 
     def _check_submit(self, message: ep.Submit) -> None:
         """What can be refused before the prompt is unpacked: the queue is full, or the prompt is malformed or

@@ -2,8 +2,9 @@
 when the work already queued would keep it waiting past the bound; once accepted, it is served however long
 that takes (completed, or cancelled by its client), never failed for being slow.
 
-The wait is estimated per executor in rotation: the tokens its requests in flight may still need computed
-(prompts not started, choices' max_tokens left; `ExecutorLink.queued_tokens`), over the tokens per second its
+The wait is estimated per executor in rotation: the tokens its requests may still need computed (prompts not
+started, choices' max_tokens left; `ExecutorLink.queued_tokens`: the executor's count, for every gateway, or this
+gateway's own, if more), over the tokens per second its
 steps measured (`ExecutorLink.tokens_per_s`, from its load reports). A request is refused only when every
 executor in rotation has a measure and all of them are past the bound (the router picks the least loaded); an
 executor not yet measured could take it, so it is admitted. The counts are an upper bound (a choice may stop

@@ -123,8 +123,10 @@ class ExecutorLink:
 
     def queued_tokens(self) -> int:
         """Tokens the requests in flight here may still need computed (prompts not started, choices' max_tokens
-        left): an upper bound, as a choice may stop early."""
-        return sum(w.remaining() for w in self.work.values())
+        left): an upper bound, as a choice may stop early. What the executor reports for all its gateways' requests,
+        or what this gateway counts of its own, if more (it is up to date between load reports)."""
+        reported = self.load.queued_tokens if self.load else 0
+        return max(reported, sum(w.remaining() for w in self.work.values()))
 
     def drain_s(self) -> float | None:
         """Seconds of work queued here at the measured throughput; None until a throughput is measured."""

@@ -16,10 +16,10 @@ from gateway.executors import ExecutorLink, _Work
 INFO = dict(model_id="m", model_dir="/m", max_model_len=4096, vocab_size=100, block_size=16, num_blocks=64)
 
 
-def load(pool_id: str, busy_s: float, tokens: int) -> bytes:
+def load(pool_id: str, busy_s: float, tokens: int, queued: int = 0) -> bytes:
     report = ep.LoadReport(
         pool_id=pool_id, running=0, waiting=0, free_blocks=64, num_blocks=64, kv_utilization=0.0, preemptions=0,
-        steps=1, busy_s=busy_s, computed_tokens=tokens,
+        steps=1, busy_s=busy_s, computed_tokens=tokens, queued_tokens=queued,
     )  # fmt: skip
     return ep.encode(report)
 
@@ -82,3 +82,13 @@ def test_the_door_refuses_only_when_every_executor_is_measured_and_past_the_boun
     assert Door(lambda: [a, b, unmeasured], max_queue_delay_s=10.0).check() is None  # c could take it
     b.release("r2")
     assert door.check() is None
+
+
+def test_work_other_gateways_queued_counts_as_the_executor_reports_it(context) -> None:
+    made = link(context, "a", 100.0)
+    door = Door(lambda: [made], max_queue_delay_s=10.0)
+    queue(made, "mine", prompt=100, max_tokens=0)
+    assert door.check() is None  # 1 s of this gateway's own
+    made._on_frame(load("a", 10.0, 1000, queued=2500))  # the executor's whole queue: 25 s
+    refusal = door.check()
+    assert refusal is not None and refusal.retry_after_s == 15
