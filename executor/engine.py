@@ -45,6 +45,7 @@ class RequestRejected(ValueError):
 class EngineLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
 
 
 class Engine:
@@ -80,6 +81,7 @@ class Engine:
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             blocks=pool,
+            max_step_ms=limits.max_step_ms,
         )
         self.loop = StepLoop(
             scheduler,
@@ -231,6 +233,9 @@ class Engine:
             preemptions=s.num_preemptions,
             steps=self.loop.steps,
             blockd_reachable=self.loop.blockd_reachable,
+            busy_s=round(s.step_budget.busy_s, 4),
+            computed_tokens=s.step_budget.computed_tokens,
+            step_token_budget=s.step_budget.tokens(),
         )
 
     # ------------------------------------------------------------------------------------------ the step

@@ -30,7 +30,8 @@ from executor.engine import Engine, EngineLimits
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
 from executor.runner import DTYPES, load_model
-from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced
+from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
+from executor.step_budget import DEFAULT_MAX_STEP_MS
 
 log = structlog.get_logger("executor")
 
@@ -111,6 +112,16 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     help="Token budget of one step (decode tokens plus prefill chunks).",
 )
 @click.option(
+    "--max-step-ms",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_MAX_STEP_MS,
+    help="Target duration of one step, in milliseconds: each step's token budget is sized from the measured cost "
+    "of the steps before it so that a step lasts about this long (--max-num-batched-tokens stays the cap, and "
+    "every running sequence still gets its decode token). It bounds the wait of streams already decoding while a "
+    "burst of long prompts is prefilled, and keeps any step from running for seconds on a slow device or a busy "
+    "host. 0: no time bound, the token budget alone.",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["auto", *DTYPES]),
     default="auto",
@@ -168,6 +179,13 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "pool's executor key (pool-POOL, else executor).",
 )
 @insecure_option("Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).")
+@click.option(
+    "--fault-stall-step",
+    "stall_spec",
+    default=None,
+    hidden=True,
+    help="TEST ONLY, fault injection: N:SECONDS makes step N (counted from 1) last SECONDS longer.",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     model_dir,
@@ -180,6 +198,7 @@ def main(
     kv_cache_memory,
     max_num_seqs,
     max_num_batched_tokens,
+    max_step_ms,
     dtype,
     kernels,
     seed,
@@ -191,6 +210,7 @@ def main(
     max_queued_requests,
     keys_dir,
     insecure,
+    stall_spec,
     log_level,
 ) -> None:
     """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
@@ -205,6 +225,7 @@ def main(
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
+    stall = _stall(stall_spec) if stall_spec else None
     try:
         message_limit = parse_size(max_message_bytes)
     except ValueError as exc:
@@ -237,7 +258,7 @@ def main(
         pool_id=pool_id,
         num_blocks=blocks,
         block_size=block_size_int,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None),
         backend=kernels,
         seed=seed,
         retry_for_s=2.0,
@@ -266,7 +287,13 @@ def main(
         except KeysError as exc:
             raise click.ClickException(str(exc)) from None
     server = ExecutorServer(
-        engine, bind, info, max_message_bytes=message_limit, max_queued_requests=max_queued_requests, auth=auth
+        engine,
+        bind,
+        info,
+        max_message_bytes=message_limit,
+        max_queued_requests=max_queued_requests,
+        auth=auth,
+        stall=stall,
     )
     log.info(
         "executor_ready",
@@ -282,6 +309,7 @@ def main(
         kv_tokens=blocks * block_size_int,
         kv_bytes=runner.kv_cache_bytes,
         kernels=kernels,
+        max_step_ms=max_step_ms or None,
         bind=bind,
         pool_id=pool_id,
         epoch=engine.pool.epoch_fingerprint,
@@ -301,6 +329,18 @@ def main(
         click.echo(f"error: pool {pool_id} is not this executor's any more: {exc}", err=True)
         sys.exit(EX_FENCED)
     log.info("executor_stopped", pool_id=pool_id)
+
+
+def _stall(spec: str) -> StepStall:
+    step, _, seconds = spec.partition(":")
+    try:
+        stall = StepStall(int(step), float(seconds))
+    except ValueError:
+        raise click.BadParameter(f"{spec!r} is not N:SECONDS", param_hint="--fault-stall-step") from None
+    if stall.step < 1 or stall.seconds < 0:
+        raise click.BadParameter("N is at least 1 and SECONDS at least 0", param_hint="--fault-stall-step")
+    log.warning("fault_injection_armed", option="--fault-stall-step", step=stall.step, seconds=stall.seconds)
+    return stall
 
 
 def _register(pool: PoolClient, endpoint: str, wait_s: float, pool_wait_s: float) -> None:

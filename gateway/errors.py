@@ -8,9 +8,17 @@ from typing import Any
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, *, type: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers  # sent with the response (Retry-After)
         self.status = status
         self.message = message
         self.type = type
@@ -50,6 +58,17 @@ def queue_full(limit: int) -> APIError:
         "(--max-queued-sequences); retry shortly.",
         type="rate_limit_error",
         code="queue_full",
+    )
+
+
+def overloaded(wait_s: float, bound_s: float, retry_after_s: int) -> APIError:
+    return APIError(
+        429,
+        f"The server is overloaded: a request now would wait about {wait_s:.0f} s for the work queued before it, "
+        f"past the {bound_s:g} s bound (--max-queue-delay); retry after {retry_after_s} s.",
+        type="rate_limit_error",
+        code="overloaded",
+        headers={"Retry-After": str(retry_after_s)},
     )
 
 

@@ -67,7 +67,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path.startswith("/v1/"):
             gateway.metrics.requests.labels(route=route_label(request), status=str(exc.status)).inc()
-        return JSONResponse(errors.error_body(request.url.path, exc), status_code=exc.status)
+        return JSONResponse(errors.error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
