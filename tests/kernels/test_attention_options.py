@@ -215,3 +215,22 @@ def test_a_window_past_any_length_is_no_window(backend):
     batch = make_batch([(4, 37), (1, 20)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32)
     got = dispatch.paged_attention(*batch.args(), batch.scale, sliding_window=2**40, backend=backend)
     torch.testing.assert_close(got.double(), float64_oracle(batch), **TOLERANCES[torch.float32])
+
+
+def test_a_long_chunk_with_softcap_goes_in_query_slices_and_stays_exact(monkeypatch):
+    from kernels import torch_batched
+
+    monkeypatch.setattr(torch_batched, "EXPLICIT_SCORES", 4 * 100 * 7)  # 7 queries a slice over 100 keys, 4 heads
+    batch = make_batch(
+        [(30, 100), (1, 64)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=fresh_seed(),
+        sliding_window=50,
+    )
+    options = dict(sliding_window=50, softcap=2.0, sinks=torch.tensor([1.0, -1.0, 0.0, 2.0], device=DEVICE))
+    got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch", **options)
+    torch.testing.assert_close(got.double(), float64_oracle(batch, **options), atol=1e-5, rtol=1e-5)
