@@ -30,7 +30,9 @@ from blockd.client import BlockdUnavailable, PoolFenced
 from common.auth import Principal, Role, ServerAuth
 from common.tokens import TOKEN_BYTES, unpack_tokens
 from executor import protocol as ep
+from executor.embedding import embed_request
 from executor.engine import Engine, RequestRejected
+from executor.pooling import Embedder
 from executor.sequence import Status
 
 log = structlog.get_logger("executor")
@@ -54,8 +56,10 @@ class ExecutorServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         auth: ServerAuth | None = None,
+        embedder: Embedder | None = None,
     ) -> None:
         self.engine = engine
+        self.embedder = embedder  # --task embed: Embed requests are served, Submit ones refused
         self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
         self.info = info
         self.max_queued_requests = max_queued_requests
@@ -190,8 +194,12 @@ class ExecutorServer:
                 ),
             )
             return
-        if type(message) is ep.Submit:
+        if type(message) is ep.Embed:
+            self._reply(identity, embed_request(self.embedder, message, self.engine.config))
+        elif type(message) is ep.Submit:
             try:
+                if self.embedder is not None:
+                    raise RequestRejected(ep.RejectCode.WRONG_TASK, "this executor serves embeddings (--task embed)")
                 self._check_submit(message)
                 self.engine.add_request(
                     message.request_id, unpack_tokens(message.prompt), message.params, message.cache_salt

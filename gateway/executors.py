@@ -33,7 +33,7 @@ class ExecutorLost:
     reason: str
 
 
-StreamItem = ep.Delta | ep.Rejected | ExecutorLost
+StreamItem = ep.Delta | ep.Rejected | ep.Embedded | ExecutorLost
 
 
 class ExecutorUnavailable(ConnectionError):
@@ -105,13 +105,16 @@ class ExecutorLink:
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str | None = None
     ) -> asyncio.Queue[StreamItem]:
         """Send a request; its deltas arrive on the returned queue. Raises ExecutorUnavailable."""
+        message = ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
+        return self.request(request_id, message)
+
+    def request(self, request_id: str, message: ep.Submit | ep.Embed) -> asyncio.Queue[StreamItem]:
+        """Send a request message; what answers it arrives on the returned queue. Raises ExecutorUnavailable."""
         if not self.healthy or self._sync is None:
             raise ExecutorUnavailable(f"executor {self.endpoint} is out of rotation")
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.streams[request_id] = queue
-        frame = ep.encode(
-            ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
-        )
+        frame = ep.encode(message)
         try:
             self._sync.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -227,7 +230,7 @@ class ExecutorLink:
         self.last_heard = time.monotonic()
         self._unanswered_since = None
         kind = type(message)
-        if kind is ep.Delta or kind is ep.Rejected:
+        if kind is ep.Delta or kind is ep.Rejected or kind is ep.Embedded:
             stream = self.streams.get(message.request_id)
             if stream is not None:
                 stream.put_nowait(message)

@@ -24,6 +24,8 @@ from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
 from gateway.auth import install_api_keys
 from gateway.chat import ChatCompletions
 from gateway.completions import Completions, echo_only
+from gateway.embedding_request import EmbeddingRequest
+from gateway.embeddings import embed, require_task, tokenize
 from gateway.errors import APIError
 from gateway.exchange import respond
 from gateway.state import Gateway, GatewayConfig
@@ -101,6 +103,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await parse_body(request, CompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
+        require_task(gateway, "generate")
         check_stop_token_ids(gateway, body)
         raw_prompts = body.prompts()
         if not raw_prompts:
@@ -123,6 +126,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
+        require_task(gateway, "generate")
         check_stop_token_ids(gateway, body)
         if body.parses_tool_calls and gateway.tool_call_parser == "none":
             raise errors.invalid_request(
@@ -144,6 +148,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise
         endpoint = ChatCompletions(body, gateway.tokenizer, gateway.tool_call_parser)
         return await respond(gateway, request, endpoint, [prompt], [limit], admission)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        body: EmbeddingRequest = await parse_body(request, EmbeddingRequest, config.max_body_bytes)
+        gateway.check_model(body.model)
+        require_task(gateway, "embed")
+        with gateway.admitted(1):  # one pass at one executor, whatever the inputs; the body size bounds them
+            prompts = await gateway.off_loop(tokenize, gateway, body)
+            return await embed(gateway, body, prompts)
 
     def model_card() -> dict[str, Any]:
         return {
