@@ -25,11 +25,10 @@ _ENDPOINTS = {"generate": "/v1/completions and /v1/chat/completions", "embed": R
 
 
 def require_task(gateway: Gateway, task: str) -> None:
-    """400 unless an executor in rotation serves `task` ("generate" or "embed"); 503 if none is in rotation."""
+    """400 when the executors in rotation serve only another task than `task` ("generate" or "embed"). With none
+    in rotation it says nothing: the route's own checks come first, and its routing answers 503."""
     tasks = {link.info.task for link in gateway.links if link.healthy and link.info}
-    if not tasks:
-        raise errors.no_executor(gateway.why_unavailable())
-    if task not in tasks:
+    if tasks and task not in tasks:
         served = "an embedding model" if "embed" in tasks else "a generative model"
         raise errors.invalid_request(
             f"This server serves {served} ({gateway.model_name}): use {' or '.join(_ENDPOINTS[t] for t in tasks)}.",
