@@ -1,15 +1,42 @@
-"""One `Embed` request, checked and answered: `Embedded` with a float32 vector per prompt, or `Rejected` (with a
-stable code, nothing else changed) for a request this executor cannot serve."""
+"""`Embed` requests, checked and answered a pass at a time: `start_embedding` checks one (prompts, context,
+`dimensions`) and gives an `EmbedJob`, or the `Rejected` (stable code, nothing else changed); the server runs one
+pass of the job at the head of its queue per turn of its loop, so a request of many inputs never keeps it from
+answering `get_load` for longer than one pass (a gateway would take a silent executor for a hung one)."""
 
 from __future__ import annotations
+
+import torch
 
 from common.tokens import TOKEN_BYTES, unpack_tokens
 from executor import protocol as ep
 from executor.model_config import ModelConfig
-from executor.pooling import Embedder
+from executor.pooling import Embedder, finish
 
 
-def embed_request(embedder: Embedder | None, message: ep.Embed, config: ModelConfig) -> ep.Embedded | ep.Rejected:
+class EmbedJob:
+    def __init__(self, embedder: Embedder, message: ep.Embed, prompts: list[list[int]], normalize: bool) -> None:
+        self.embedder = embedder
+        self.request_id = message.request_id
+        self.dimensions = message.dimensions
+        self.normalize = normalize
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self._batches = embedder.batches(prompts)
+        self._done: list[torch.Tensor] = []
+
+    def step(self) -> ep.Embedded | None:
+        """Run the next pass; the answer once the last one is done."""
+        self._done.append(self.embedder.run(self._batches[len(self._done)]))
+        if len(self._done) < len(self._batches):
+            return None
+        vectors = finish(torch.cat(self._done), self.dimensions, self.normalize).cpu()
+        return ep.Embedded(
+            request_id=self.request_id,
+            embeddings=[row.numpy().astype("<f4").tobytes() for row in vectors],
+            prompt_tokens=self.prompt_tokens,
+        )
+
+
+def start_embedding(embedder: Embedder | None, message: ep.Embed, config: ModelConfig) -> EmbedJob | ep.Rejected:
     def reject(code: ep.RejectCode, text: str) -> ep.Rejected:
         return ep.Rejected(request_id=message.request_id, code=code, message=text)
 
@@ -39,14 +66,8 @@ def embed_request(embedder: Embedder | None, message: ep.Embed, config: ModelCon
     problem = dimensions_problem(embedder, message.dimensions)
     if problem:
         return reject(ep.RejectCode.INVALID_REQUEST, problem)
-    pooling = embedder.pooling
-    normalize = pooling.normalize if message.normalize is None else message.normalize
-    vectors = embedder.embed(prompts, message.dimensions, normalize).cpu().contiguous()
-    return ep.Embedded(
-        request_id=message.request_id,
-        embeddings=[row.numpy().astype("<f4").tobytes() for row in vectors],
-        prompt_tokens=sum(len(p) for p in prompts),
-    )
+    normalize = embedder.pooling.normalize if message.normalize is None else message.normalize
+    return EmbedJob(embedder, message, prompts, normalize)
 
 
 def dimensions_problem(embedder: Embedder, dimensions: int | None) -> str | None:

@@ -164,24 +164,27 @@ class Embedder:
         self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
         self.num_blocks = blocks
 
-    def embed(self, prompts: list[list[int]], dimensions: int | None, normalize: bool) -> torch.Tensor:
-        """Float32 `[len(prompts), dimensions or hidden]`, row i prompt i's embedding."""
-        out: list[torch.Tensor] = []
-        batch: list[list[int]] = []
+    def batches(self, prompts: list[list[int]]) -> list[list[list[int]]]:
+        """The prompts in order, cut into the batches one pass each takes (`run`)."""
+        out: list[list[list[int]]] = [[]]
         tokens = blocks = 0
         for prompt in prompts:
             need = -(-len(prompt) // self.block_size)
-            if batch and (tokens + len(prompt) > self.max_batch_tokens or blocks + need > self.num_blocks):
-                out.append(self._run(batch))
-                batch, tokens, blocks = [], 0, 0
-            batch.append(prompt)
+            if out[-1] and (tokens + len(prompt) > self.max_batch_tokens or blocks + need > self.num_blocks):
+                out.append([])
+                tokens = blocks = 0
+            out[-1].append(prompt)
             tokens += len(prompt)
             blocks += need
-        if batch:
-            out.append(self._run(batch))
-        return finish(torch.cat(out), dimensions, normalize)
+        return out if out[-1] else []
 
-    def _run(self, prompts: list[list[int]]) -> torch.Tensor:
+    def embed(self, prompts: list[list[int]], dimensions: int | None, normalize: bool) -> torch.Tensor:
+        """Float32 `[len(prompts), dimensions or hidden]`, row i prompt i's embedding."""
+        pooled = torch.cat([self.run(batch) for batch in self.batches(prompts)])
+        return finish(pooled, dimensions, normalize)
+
+    def run(self, prompts: list[list[int]]) -> torch.Tensor:
+        """One pass: the pooled (not yet truncated or normalised) float32 states of a batch that fits."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 
 import msgspec
 import structlog
@@ -30,7 +31,7 @@ from blockd.client import BlockdUnavailable, PoolFenced
 from common.auth import Principal, Role, ServerAuth
 from common.tokens import TOKEN_BYTES, unpack_tokens
 from executor import protocol as ep
-from executor.embedding import embed_request
+from executor.embedding import EmbedJob, start_embedding
 from executor.engine import Engine, RequestRejected
 from executor.pooling import Embedder
 from executor.sequence import Status
@@ -60,6 +61,7 @@ class ExecutorServer:
     ) -> None:
         self.engine = engine
         self.embedder = embedder  # --task embed: Embed requests are served, Submit ones refused
+        self.embeds: deque[tuple[bytes, EmbedJob]] = deque()  # (the gateway connection, its job), first come first
         self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
         self.info = info
         self.max_queued_requests = max_queued_requests
@@ -98,10 +100,12 @@ class ExecutorServer:
         while not self.stopping:
             if pool.fenced:
                 raise Fenced(pool.fenced)
-            busy = engine.has_work()
+            busy = engine.has_work() or bool(self.embeds)
             events = dict(poller.poll(0 if busy else 50))
             if events:
                 self._drain()
+            if self.embeds:
+                self._embed_pass()
             if engine.has_work():
                 try:
                     self._send(engine.step())
@@ -195,7 +199,7 @@ class ExecutorServer:
             )
             return
         if type(message) is ep.Embed:
-            self._reply(identity, embed_request(self.embedder, message, self.engine.config))
+            self._queue_embedding(identity, message)
         elif type(message) is ep.Submit:
             try:
                 if self.embedder is not None:
@@ -227,6 +231,30 @@ class ExecutorServer:
             self._reply(identity, self.engine.load())
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
+
+    def _queue_embedding(self, identity: bytes, message: ep.Embed) -> None:
+        if len(self.embeds) >= self.max_queued_requests:
+            rejected = ep.Rejected(
+                request_id=message.request_id,
+                code=ep.RejectCode.QUEUE_FULL,
+                message=f"this executor holds {self.max_queued_requests} embedding requests already "
+                "(--max-queued-requests): try again later or another executor",
+            )
+            self._reply(identity, rejected)
+            return
+        job = start_embedding(self.embedder, message, self.engine.config)
+        if type(job) is ep.Rejected:
+            self._reply(identity, job)
+        else:
+            self.embeds.append((identity, job))
+
+    def _embed_pass(self) -> None:
+        """One forward pass of the oldest embedding request; its answer once its last pass is done."""
+        identity, job = self.embeds[0]
+        answer = job.step()
+        if answer is not None:
+            self.embeds.popleft()
+            self._reply(identity, answer)
 
     def _check_submit(self, message: ep.Submit) -> None:
         """What can be refused before the prompt is unpacked: the queue is full, or the prompt is malformed or

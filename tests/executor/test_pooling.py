@@ -5,15 +5,16 @@ sentence-transformers' files."""
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from common.tokens import pack_tokens
+from common.tokens import pack_tokens, unpack_tokens
 from executor import protocol as ep
-from executor.embedding import embed_request
+from executor.embedding import EmbedJob, start_embedding
 from executor.pooling import (
     Embedder,
     PoolingConfig,
@@ -82,11 +83,22 @@ def test_embed_request_answers_and_refuses(checkpoint) -> None:
     config = e.config
 
     def ask(prompts: list[bytes], **fields) -> ep.Embedded | ep.Rejected:
-        return embed_request(e, ep.Embed(request_id="r", prompts=prompts, **fields), config)
+        job = start_embedding(e, ep.Embed(request_id="r", prompts=prompts, **fields), config)
+        if not isinstance(job, EmbedJob):
+            return job
+        passes = 1
+        while (answer := job.step()) is None:
+            passes += 1
+        assert passes == len(e.batches([unpack_tokens(p) for p in prompts]))
+        return answer
 
-    answer = ask([pack_tokens(p) for p in PROMPTS[:2]])
-    assert type(answer) is ep.Embedded and len(answer.embeddings) == 2
-    assert answer.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+    answer = ask([pack_tokens(p) for p in PROMPTS])  # in two passes (max_batch_tokens 64)
+    assert type(answer) is ep.Embedded and len(answer.embeddings) == len(PROMPTS)
+    assert answer.prompt_tokens == sum(map(len, PROMPTS))
+    whole = e.embed(PROMPTS, None, normalize=True)
+    last = array("f")
+    last.frombytes(answer.embeddings[3])
+    torch.testing.assert_close(torch.tensor(last.tolist()), whole[3])
     assert len(answer.embeddings[0]) == 4 * config.hidden_size
     codes = {
         "empty list": ask([]).code,
@@ -104,7 +116,7 @@ def test_embed_request_answers_and_refuses(checkpoint) -> None:
         "too long": "context_length_exceeded",
         "dimensions without matryoshka": "invalid_request",
     }
-    assert embed_request(None, ep.Embed(request_id="r", prompts=[pack_tokens([1])]), config).code == "wrong_task"
+    assert start_embedding(None, ep.Embed(request_id="r", prompts=[pack_tokens([1])]), config).code == "wrong_task"
 
 
 def test_pooling_config_from_sentence_transformers(tmp_path) -> None:
