@@ -70,21 +70,22 @@ def read_pooling_config(
     (`modules.json` naming a Pooling module and, if present, a Normalize one), else last-token and normalised
     (decoder embedding models). Matryoshka support from config.json's `is_matryoshka` / `matryoshka_dimensions`
     (vLLM's keys), or everywhere with `allow_any_dimensions`."""
-    kind, normalize = PoolingType.LAST, True
-    raw: dict = {}
+    kind = PoolingType.LAST if pooling is None else pooling_type(pooling)
+    normalize = True
+    raw: object = {}
     if model_dir is not None:
         modules = _json(model_dir / "modules.json")
         if isinstance(modules, list):
-            types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
-            normalize = any(t.endswith("Normalize") for t in types)
+            modules = [m for m in modules if isinstance(m, dict)]
+            normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
             for module in modules:
-                if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+                if pooling is None and str(module.get("type", "")).endswith("Pooling"):
                     kind = _sentence_transformers_pooling(model_dir / str(module.get("path", "")) / "config.json")
         raw = _json(model_dir / "config.json") or {}
-    if pooling is not None:
-        kind = pooling_type(pooling)
-    dims = raw.get("matryoshka_dimensions") if isinstance(raw, dict) else None
-    dimensions = tuple(int(d) for d in dims) if isinstance(dims, list) and dims else None
+    raw = raw if isinstance(raw, dict) else {}
+    dims = raw.get("matryoshka_dimensions")
+    sizes = tuple(d for d in dims if isinstance(d, int) and d > 0) if isinstance(dims, list) else ()
+    dimensions = sizes or None
     matryoshka = allow_any_dimensions or bool(raw.get("is_matryoshka")) or dimensions is not None
     return PoolingConfig(kind, normalize, matryoshka, None if allow_any_dimensions else dimensions)
 
@@ -93,15 +94,13 @@ def _sentence_transformers_pooling(path: Path) -> PoolingType:
     config = _json(path)
     if not isinstance(config, dict):
         raise PoolingConfigError(f"{path}: the Pooling module's config is missing or not a JSON object")
-    chosen = [kind for flag, kind in _ST_FLAGS.items() if config.get(flag)]
-    if len(chosen) != 1:
-        other = [k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in _ST_FLAGS]
+    asked = [flag for flag, on in config.items() if flag.startswith("pooling_mode") and on]
+    if len(asked) != 1 or asked[0] not in _ST_FLAGS:
         raise PoolingConfigError(
-            f"{path}: pagedkv pools by exactly one of last token, mean or CLS; this config asks for "
-            f"{', '.join(k for k, v in config.items() if k.startswith('pooling_mode') and v) or 'none'}"
-            + (f" ({', '.join(other)} unsupported)" if other else "")
+            f"{path}: pagedkv pools by exactly one of {', '.join(_ST_FLAGS)}; this config asks for "
+            f"{', '.join(asked) or 'none'} (--pooling-type overrides it)"
         )
-    return chosen[0]
+    return _ST_FLAGS[asked[0]]
 
 
 def _json(path: Path) -> object:

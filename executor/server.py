@@ -228,7 +228,10 @@ class ExecutorServer:
                 return
             self._send(self.engine.abort(message.request_id, message.index))
         elif type(message) is ep.GetLoad:
-            self._reply(identity, self.engine.load())
+            load = self.engine.load()
+            if self.embeds:  # an embedding executor's load: the request in its pass, those queued behind it
+                load = msgspec.structs.replace(load, running=1, waiting=len(self.embeds) - 1)
+            self._reply(identity, load)
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
 

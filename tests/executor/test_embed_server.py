@@ -43,6 +43,15 @@ def test_embed_executor_serves_embed_and_refuses_submit(tiny_models, blockd, sta
             rows.append(values.tolist())
         got = torch.tensor(rows)
         torch.testing.assert_close(got, torch.nn.functional.normalize(expected, dim=-1), atol=1e-4, rtol=1e-4)
+        # Three prompts of 300 tokens: three passes of at most the context (512) each. The load asked for right
+        # after is answered between passes, before the vectors, and counts the request.
+        long = [[(7 * i + j) % 500 + 1 for j in range(300)] for i in range(3)]
+        client.send_raw(ep.encode(ep.Embed(request_id="long", prompts=[pack_tokens(p) for p in long])))
+        client.send_raw(ep.encode(ep.GetLoad()))
+        first = client.receive()
+        assert type(first) is ep.LoadReport and first.running == 1, first
+        answer = _reply(client, "long")
+        assert type(answer) is ep.Embedded and len(answer.embeddings) == 3
         client.submit("g", [1, 2, 3], SamplingParams(max_tokens=2))
         refused = _reply(client, "g")
         assert type(refused) is ep.Rejected and refused.code == "wrong_task"

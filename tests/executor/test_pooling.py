@@ -138,4 +138,5 @@ def test_pooling_config_from_sentence_transformers(tmp_path) -> None:
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(PoolingConfigError, match="pooling_mode_max_tokens"):
         read_pooling_config(tmp_path)
+    assert read_pooling_config(tmp_path, "last").type is PoolingType.LAST  # an override needs no readable config
     assert read_pooling_config(tmp_path / "absent") == PoolingConfig()  # no files: last token, normalised
