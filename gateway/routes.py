@@ -1,5 +1,5 @@
-"""The gateway's HTTP app: OpenAI's completions, chat completions and models routes, health and metrics, and
-the error handlers that answer in OpenAI's error shape.
+"""The gateway's HTTP app: OpenAI's completions, chat completions, embeddings (gateway.embeddings) and models
+routes, health and metrics, and the error handlers that answer in OpenAI's error shape.
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
 prompts x n against --max-queued-sequences), tokenized off the event loop (the gateway's text pool), checked
