@@ -29,6 +29,7 @@ from executor import protocol as ep
 from executor.engine import Engine, EngineLimits
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
+from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
@@ -174,6 +175,33 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     default=DEFAULT_MAX_QUEUED_REQUESTS,
     help="Requests held at once (running or waiting); more are rejected with queue_full.",
 )
+@click.option(
+    "--task",
+    type=click.Choice(["generate", "embed"]),
+    default=None,
+    help="generate: completions and chat; embed: serve the checkpoint as an embedding model (/v1/embeddings: "
+    "prefill-only passes, hidden states after the final norm pooled per prompt). Default: generate.",
+)
+@click.option(
+    "--runner",
+    type=click.Choice(["generate", "pooling"]),
+    default=None,
+    help="vLLM's spelling of --task: pooling = embed.",
+)
+@click.option(
+    "--pooling-type",
+    type=click.Choice(["last", "mean", "cls"], case_sensitive=False),
+    default=None,
+    help="With --task embed: how a prompt's hidden states become one vector. Default: the checkpoint's "
+    "sentence-transformers config (modules.json, 1_Pooling/config.json), else last (decoder embedding models).",
+)
+@click.option(
+    "--allow-any-dimensions",
+    is_flag=True,
+    default=False,
+    help="With --task embed: accept `dimensions` (truncate, then normalise) even when config.json does not say the "
+    "model was trained for it (is_matryoshka, matryoshka_dimensions).",
+)
 @keys_option(
     "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
     "pool's executor key (pool-POOL, else executor).",
@@ -208,6 +236,10 @@ def main(
     pool_wait,
     max_message_bytes,
     max_queued_requests,
+    task,
+    runner,
+    pooling_type,
+    allow_any_dimensions,
     keys_dir,
     insecure,
     stall_spec,
@@ -222,6 +254,9 @@ def main(
     if refusal:
         raise click.UsageError(refusal)
     device = _device(device_spec)
+    embed = _embedding_task(task, runner)
+    if not embed and (pooling_type or allow_any_dimensions):
+        raise click.UsageError("--pooling-type and --allow-any-dimensions apply to --task embed only")
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
@@ -241,8 +276,25 @@ def main(
         loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
+    embedder = None
+    if embed:  # its own scratch cache per pass (executor.pooling); the pool at blockd holds one block, unused
+        try:
+            pooling = read_pooling_config(loaded.model_dir, pooling_type, allow_any_dimensions)
+        except PoolingConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        embedder = Embedder(
+            loaded.model,
+            loaded.config,
+            pooling,
+            device=device,
+            dtype=loaded.dtype,
+            block_size=int(block_size),
+            max_batch_tokens=max_num_batched_tokens,
+            backend=kernels,
+        )
+        log.info("embedding_model", pooling=pooling.type.value, normalize=pooling.normalize)
     block_size_int = int(block_size)
-    blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    blocks = 1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
     pool_id = pool_id or _default_pool_id(bind, device)
     keys = curve = None
     if keys_dir is not None:
@@ -279,6 +331,7 @@ def main(
         num_blocks=blocks,
         device=str(device),
         eos_token_ids=list(loaded.config.eos_token_ids),
+        task="embed" if embed else "generate",
     )
     auth = None
     if keys is not None:
@@ -294,6 +347,7 @@ def main(
         max_queued_requests=max_queued_requests,
         auth=auth,
         stall=stall,
+        embedder=embedder,
     )
     log.info(
         "executor_ready",
@@ -341,6 +395,15 @@ def _stall(spec: str) -> StepStall:
         raise click.BadParameter("N is at least 1 and SECONDS at least 0", param_hint="--fault-stall-step")
     log.warning("fault_injection_armed", option="--fault-stall-step", step=stall.step, seconds=stall.seconds)
     return stall
+
+
+def _embedding_task(task: str | None, runner: str | None) -> bool:
+    """Whether --task / --runner ask for an embedding model; they must agree when both are given."""
+    from_runner = None if runner is None else runner == "pooling"
+    from_task = None if task is None else task == "embed"
+    if from_runner is not None and from_task is not None and from_runner != from_task:
+        raise click.UsageError(f"--task {task} and --runner {runner} disagree")
+    return bool(from_task or from_runner)
 
 
 def _register(pool: PoolClient, endpoint: str, wait_s: float, pool_wait_s: float) -> None:

@@ -32,6 +32,7 @@ class RejectCode(StrEnum):
     INVALID_GRAMMAR = "invalid_grammar"  # the structured-output constraint does not compile
     STRUCTURED_OUTPUT_UNAVAILABLE = "structured_output_unavailable"  # no tokenizer here, or xgrammar broken
     FORBIDDEN = "forbidden"  # with keys: the sender's role may not send this message
+    WRONG_TASK = "wrong_task"  # a submit to an embedding executor, or an embed to a generating one
 
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
@@ -61,7 +62,18 @@ class GetInfo(Message, tag="get_info"):
     pass
 
 
-Inbound = Submit | Abort | GetLoad | GetInfo
+class Embed(Message, tag="embed"):
+    """Pooled embeddings of prompts (an executor started with --task embed): answered by one `Embedded`."""
+
+    request_id: RequestId
+    prompts: list[bytes]  # packed token ids, one entry per input
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = (
+        None  # Matryoshka: keep the first `dimensions` (then normalise, if asked)
+    )
+    normalize: bool | None = None  # None: the model's own (its sentence-transformers Normalize module)
+
+
+Inbound = Submit | Abort | GetLoad | GetInfo | Embed
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -128,9 +140,16 @@ class Info(Message, tag="info"):
     num_blocks: int
     device: str
     eos_token_ids: list[int]
+    task: str = "generate"  # "generate" | "embed" (--task): which requests this executor serves
 
 
-Outbound = Delta | Rejected | LoadReport | Info | Alive
+class Embedded(Message, tag="embedded"):
+    request_id: str
+    embeddings: list[bytes]  # one per prompt, in order: little-endian float32
+    prompt_tokens: int
+
+
+Outbound = Delta | Rejected | LoadReport | Info | Embedded | Alive
 
 _encoder = msgspec.msgpack.Encoder()
 _inbound = msgspec.msgpack.Decoder(Inbound)

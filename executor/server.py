@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -36,8 +37,10 @@ from blockd.client import BlockdUnavailable, PoolFenced
 from common.auth import Principal, Role, ServerAuth
 from common.tokens import TOKEN_BYTES, unpack_tokens
 from executor import protocol as ep
+from executor.embedding import EmbedJob, start_embedding
 from executor.engine import Engine, RequestRejected
 from executor.liveness import LivenessBeacon
+from executor.pooling import Embedder
 from executor.sequence import Status
 
 log = structlog.get_logger("executor")
@@ -79,9 +82,12 @@ class ExecutorServer:
         auth: ServerAuth | None = None,
         stall: StepStall | None = None,
         alive_interval_s: float = ep.ALIVE_INTERVAL_S,
+        embedder: Embedder | None = None,
     ) -> None:
         self.engine = engine
         self.stall = stall
+        self.embedder = embedder  # --task embed: Embed requests are served, Submit ones refused
+        self.embeds: deque[tuple[bytes, EmbedJob]] = deque()  # (the gateway connection, its job), first come first
         self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
         self.info = info
         self.max_queued_requests = max_queued_requests
@@ -148,12 +154,14 @@ class ExecutorServer:
         while not self.stopping:
             if pool.fenced:
                 raise Fenced(pool.fenced)
-            busy = engine.has_work()
+            busy = engine.has_work() or bool(self.embeds)
             with self.lock:
                 events = dict(poller.poll(0 if busy else 50))
                 if events:
                     self._drain()
                     self._forget_quiet_peers()
+            if self.embeds:
+                self._embed_pass()  # outside the lock: a forward pass, like a step
             if engine.has_work():
                 self.step_started = time.monotonic()
                 try:
@@ -260,8 +268,12 @@ class ExecutorServer:
                 ),
             )
             return
-        if type(message) is ep.Submit:
+        if type(message) is ep.Embed:
+            self._queue_embedding(identity, message)
+        elif type(message) is ep.Submit:
             try:
+                if self.embedder is not None:
+                    raise RequestRejected(ep.RejectCode.WRONG_TASK, "this executor serves embeddings (--task embed)")
                 self._check_submit(message)
                 self.engine.add_request(
                     message.request_id, unpack_tokens(message.prompt), message.params, message.cache_salt
@@ -286,7 +298,10 @@ class ExecutorServer:
                 return
             self._send(self.engine.abort(message.request_id, message.index))
         elif type(message) is ep.GetLoad:
-            self._reply(identity, msgspec.structs.replace(self.engine.load(), queued_tokens=self._queued_tokens()))
+            load = msgspec.structs.replace(self.engine.load(), queued_tokens=self._queued_tokens())
+            if self.embeds:  # an embedding executor's load: the request in its pass, those queued behind it
+                load = msgspec.structs.replace(load, running=1, waiting=len(self.embeds) - 1)
+            self._reply(identity, load)
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
 
@@ -302,6 +317,30 @@ class ExecutorServer:
             )
             total += (params.n - len(started)) * params.max_tokens  # choices not forked yet
         return total
+
+    def _queue_embedding(self, identity: bytes, message: ep.Embed) -> None:
+        if len(self.embeds) >= self.max_queued_requests:
+            rejected = ep.Rejected(
+                request_id=message.request_id,
+                code=ep.RejectCode.QUEUE_FULL,
+                message=f"this executor holds {self.max_queued_requests} embedding requests already "
+                "(--max-queued-requests): try again later or another executor",
+            )
+            self._reply(identity, rejected)
+            return
+        job = start_embedding(self.embedder, message, self.engine.config)
+        if type(job) is ep.Rejected:
+            self._reply(identity, job)
+        else:
+            self.embeds.append((identity, job))
+
+    def _embed_pass(self) -> None:
+        """One forward pass of the oldest embedding request; its answer once its last pass is done."""
+        identity, job = self.embeds[0]
+        answer = job.step()
+        if answer is not None:
+            self.embeds.popleft()
+            self._reply(identity, answer)
 
     def _check_submit(self, message: ep.Submit) -> None:
         """What can be refused before the prompt is unpacked: the queue is full, or the prompt is malformed or

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from gateway import errors
 from gateway.api import ChatCompletionRequest, chat_tools
+from gateway.embeddings import require_task
 from gateway.exchange import AnyEndpoint, respond
 from gateway.state import Gateway
 from gateway.text import PromptError
@@ -45,6 +46,7 @@ async def run_chat(
 ) -> Response:
     """Answer `chat` with the endpoint made for its prompt; `param` names the field a bad prompt came from."""
     gateway.check_model(chat.model)
+    require_task(gateway, "generate")  # an embedding server refuses every generating API alike
     admission = contextlib.ExitStack()
     admission.enter_context(gateway.admitted(chat.n))
     try:

@@ -40,7 +40,7 @@ class ExecutorLost:
     reason: str
 
 
-StreamItem = ep.Delta | ep.Rejected | ExecutorLost
+StreamItem = ep.Delta | ep.Rejected | ep.Embedded | ExecutorLost
 
 
 class ExecutorUnavailable(ConnectionError):
@@ -151,19 +151,22 @@ class ExecutorLink:
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str | None = None
     ) -> asyncio.Queue[StreamItem]:
         """Send a request; its deltas arrive on the returned queue. Raises ExecutorUnavailable."""
+        message = ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
+        queue = self.request(request_id, message)
+        self.work[request_id] = _Work(len(prompt), [params.max_tokens] * params.n)  # what the door weighs
+        return queue
+
+    def request(self, request_id: str, message: ep.Submit | ep.Embed) -> asyncio.Queue[StreamItem]:
+        """Send a request message; what answers it arrives on the returned queue. Raises ExecutorUnavailable."""
         if not self.healthy or self._sync is None:
             raise ExecutorUnavailable(f"executor {self.endpoint} is out of rotation")
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.streams[request_id] = queue
-        self.work[request_id] = _Work(len(prompt), [params.max_tokens] * params.n)
-        frame = ep.encode(
-            ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
-        )
+        frame = ep.encode(message)
         try:
             self._sync.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             del self.streams[request_id]
-            del self.work[request_id]
             raise ExecutorUnavailable(f"executor {self.endpoint} is not connected") from None
         return queue
 
@@ -280,7 +283,7 @@ class ExecutorLink:
         kind = type(message)
         if kind is ep.Alive:
             self._on_alive(message)
-        elif kind is ep.Delta or kind is ep.Rejected:
+        elif kind is ep.Delta or kind is ep.Rejected or kind is ep.Embedded:
             stream = self.streams.get(message.request_id)
             if stream is not None:
                 stream.put_nowait(message)

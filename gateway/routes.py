@@ -1,6 +1,6 @@
-"""The gateway's HTTP app: OpenAI's completions, chat completions and models routes, Anthropic's messages
-(gateway.messages_routes), OpenAI's responses (gateway.responses_routes), health and metrics, and the error
-handlers that answer in OpenAI's error shape (Anthropic's on its routes).
+"""The gateway's HTTP app: OpenAI's completions, chat completions, embeddings (gateway.embeddings) and models
+routes, Anthropic's messages (gateway.messages_routes), OpenAI's responses (gateway.responses_routes), health and
+metrics, and the error handlers that answer in OpenAI's error shape (Anthropic's on its routes).
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
 prompts x n against --max-queued-sequences), tokenized off the event loop (the gateway's text pool), checked
@@ -26,6 +26,8 @@ from gateway.auth import install_api_keys
 from gateway.chat import ChatCompletions
 from gateway.chat_run import run_chat
 from gateway.completions import Completions, echo_only
+from gateway.embedding_request import EmbeddingRequest
+from gateway.embeddings import embed, require_task, tokenize
 from gateway.errors import APIError
 from gateway.exchange import respond
 from gateway.messages_routes import add_messages_routes
@@ -96,6 +98,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await parse_body(request, CompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
+        require_task(gateway, "generate")
         check_stop_token_ids(gateway, body)
         raw_prompts = body.prompts()
         if not raw_prompts:
@@ -118,6 +121,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
+        require_task(gateway, "generate")
         check_stop_token_ids(gateway, body)
         if body.parses_tool_calls and gateway.tool_call_parser == "none":
             raise errors.invalid_request(
@@ -128,6 +132,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
             )
         endpoint = ChatCompletions(body, gateway.tokenizer, gateway.tool_call_parser)
         return await run_chat(gateway, request, body, lambda _prompt: endpoint, "messages")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        body: EmbeddingRequest = await parse_body(request, EmbeddingRequest, config.max_body_bytes)
+        gateway.check_model(body.model)
+        require_task(gateway, "embed")
+        with gateway.admitted(1):  # one pass at one executor, whatever the inputs; the body size bounds them
+            prompts = await gateway.off_loop(tokenize, gateway, body)
+            return await embed(gateway, body, prompts)
 
     def model_card() -> dict[str, Any]:
         return {
