@@ -1,0 +1,127 @@
+"""A pool with a sliding window: `slide` hands a live sequence's dead leading blocks back, leaving holes."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockd.errors import ErrorCode
+from blockd.pool import HOLE, BlockPool, PoolSpec
+from tests.blockd.pool_state import pool_state
+from tests.blockd.test_pool import expect_error
+
+
+def window_pool(num_blocks: int = 16, block_size: int = 4, window: int | None = 6) -> BlockPool:
+    return BlockPool(PoolSpec("p", num_blocks, block_size, "m", 1, window))
+
+
+def test_slide_hands_back_the_blocks_past_every_querys_window() -> None:
+    pool = window_pool()  # blocks of 4, window 6
+    pool.admit("a", list(range(14)))  # blocks 0-3
+    pool.commit("a", 14)
+    assert pool.slide("a", 6) == 0  # the query at 6 reads 1..6: block 0 is still read
+    assert pool.slide("a", 9) == 1  # the query at 9 reads 4..9
+    assert pool.seqs["a"].table == [HOLE, 1, 2, 3]
+    assert pool.slide("a", 9) == 0  # idempotent
+    assert pool.slide("a", 14) == 1  # reads 9..14
+    assert pool.seqs["a"].table == [HOLE, HOLE, 2, 3]
+    assert pool.refcount[:4] == [0, 0, 1, 1]
+    assert pool.stats().blocks_in_use == 2
+    assert pool.check() == []
+    # Handed back with their hashes, they stay prefix hits until evicted.
+    assert pool.lookup([*range(14), 99]) == 12
+    assert pool.free("a") == 2  # the holes are not freed again
+    assert pool.check() == []
+
+
+def test_slid_blocks_are_freed_like_a_free_and_stay_hits_until_evicted() -> None:
+    pool = window_pool(num_blocks=6)
+    pool.admit("a", list(range(16)))  # blocks 0-3
+    pool.commit("a", 16)
+    pool.slide("a", 16)  # the query at 16 reads 11..16: blocks 0 and 1 are dead
+    assert list(pool.free_queue) == [4, 5, 1, 0]  # uncached first, then tail first (as a free releases)
+    r = pool.admit("b", [*range(16), 7])  # the whole chain is a hit, slid blocks reclaimed
+    assert r.num_cached_tokens == 16 and r.blocks[:4] == [0, 1, 2, 3]
+    assert pool.check() == []
+
+
+def test_commit_skips_holes_and_still_hashes_from_tokens() -> None:
+    pool = window_pool(window=2)
+    pool.admit("a", list(range(12)))
+    pool.slide("a", 9)  # never committed: the released blocks hold no prefix
+    assert pool.seqs["a"].table[:2] == [HOLE, HOLE]
+    assert pool.commit("a", 12) == 1  # only block 2 enters the index, hashed from the tokens
+    assert pool.lookup([*range(12), 5]) == 0  # its chain's head is gone
+    assert pool.check() == []
+
+
+def test_fork_copies_holes_as_holes() -> None:
+    pool = window_pool()
+    pool.admit("a", list(range(14)))
+    pool.commit("a", 14)
+    pool.slide("a", 14)
+    pool.fork("a", "b")
+    assert pool.seqs["b"].table == [HOLE, HOLE, 2, 3]
+    assert pool.refcount[2:4] == [2, 2]
+    pool.append("b", [1])  # a write into the shared open block copies it
+    assert pool.check() == []
+    assert pool.free("a") == 2 and pool.free("b") == 2
+    assert pool.check() == [] and pool.stats().blocks_in_use == 0
+
+
+def test_restore_sequence_takes_leading_holes_a_query_no_longer_reads() -> None:
+    pool = window_pool()
+    pool.restore_sequence("a", list(range(14)), [HOLE, HOLE, 5, 6], 14)
+    assert pool.seqs["a"].holes == 2 and pool.refcount[5:7] == [1, 1]
+    assert pool.check() == []
+    assert pool.free("a") == 2
+
+
+@pytest.mark.parametrize(
+    ("table", "computed"),
+    [
+        ([HOLE, HOLE, HOLE, 6], 14),  # block 2 is still read by the query at 14
+        ([HOLE, HOLE, 5, 6], 10),  # block 1 is still read by the query at 10
+        ([5, HOLE, 6, 7], 14),  # a hole that is not leading
+        ([HOLE, HOLE, 5, 5], 14),  # a block named twice
+    ],
+)
+def test_restore_sequence_refuses_holes_where_a_token_is_still_read(table: list[int], computed: int) -> None:
+    pool = window_pool()
+    pool.admit("x", [1, 2])
+    before = pool_state(pool)
+    expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "a", list(range(14)), table, computed)
+    assert pool_state(pool) == before
+
+
+def test_restore_sequence_refuses_holes_in_a_pool_without_a_window() -> None:
+    pool = window_pool(window=None)
+    expect_error(ErrorCode.INVALID_REQUEST, pool.restore_sequence, "a", list(range(14)), [HOLE, 1, 2, 3], 14)
+    assert pool.seqs == {}
+
+
+def test_bad_slides_are_refused_and_change_nothing() -> None:
+    pool = window_pool()
+    pool.admit("a", list(range(10)))
+    before = pool_state(pool)
+    expect_error(ErrorCode.INVALID_REQUEST, pool.slide, "a", 11)  # tokens blockd has not heard of
+    expect_error(ErrorCode.INVALID_REQUEST, pool.slide, "a", -1)
+    expect_error(ErrorCode.UNKNOWN_SEQUENCE, pool.slide, "nobody", 4)
+    assert pool_state(pool) == before
+    plain = window_pool(window=None)
+    plain.admit("a", list(range(10)))
+    before = pool_state(plain)
+    expect_error(ErrorCode.INVALID_REQUEST, plain.slide, "a", 10)  # no window: every block is read
+    assert pool_state(plain) == before
+
+
+def test_check_names_holes_where_a_query_still_reads() -> None:
+    pool = window_pool()
+    pool.admit("a", list(range(10)))
+    seq = pool.seqs["a"]
+    pool.refcount[seq.table[1]] = 0  # tampered: block 1 made a hole, as no slide could
+    pool.free_queue[seq.table[1]] = None
+    seq.table[0] = seq.table[1] = HOLE
+    pool.refcount[0] = 0
+    pool.free_queue[0] = None
+    seq.holes = 2
+    assert any("I4" in line and "leading holes" in line for line in pool.check())
