@@ -1,9 +1,10 @@
 """Reading a Hugging Face-style checkpoint directory: config.json, generation_config.json and safetensors weights.
 
 No transformers model classes are used here: the executor runs its own model code and only needs the shapes,
-the rope settings, the stop tokens and the tensors by name. Both config spellings are read: transformers 5
-writes `rope_parameters` (with `rope_theta` inside) and `dtype`; transformers 4 wrote `rope_theta` and
-`rope_scaling` at the top level and `torch_dtype`.
+the per-layer attention options, the rope settings, the stop tokens and the tensors by name. Each family's
+config is read by its description in `executor.models.families` into one normalised `ModelConfig`. Both config
+spellings are read: transformers 5 writes `rope_parameters` (with `rope_theta` inside) and `dtype`;
+transformers 4 wrote `rope_theta` and `rope_scaling` at the top level and `torch_dtype`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Bytes sampled per weight file for the model id: enough to tell two checkpoints of one shape apart (random
@@ -35,10 +34,43 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """What the executor needs to know about a decoder-only checkpoint, normalised across config spellings."""
+class RopeConfig:
+    """One rotary table: its base and its scaling, normalised (`rope_type` and that type's parameters)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    theta: float
+    scaling: dict[str, Any] | None = None  # None: plain rotary
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """What differs between the layers of one model."""
+
+    sliding_window: int | None = None  # keys at most this many positions back (transformers' semantics)
+    rope: str = "global"  # which of ModelConfig.ropes rotates this layer's q and k
+    moe: bool = False  # a sparse mixture-of-experts MLP, not the dense one
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str  # "softmax_topk" (Mixtral, Qwen3-MoE) | "topk_softmax" (gpt-oss: softmax over the top-k logits)
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (softmax_topk only)
+    router_bias: bool
+    expert_bias: bool
+    activation: str  # "silu" | "swiglu_oai"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the executor needs to know about a decoder-only checkpoint, normalised across families and spellings.
+
+    The defaults are the Llama family's: a model built from them is the plain pre-norm decoder."""
+
+    architecture: str  # the family's short name: "llama", "qwen3", "gemma3", ... (executor.models.families)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,15 +79,43 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "llama3", "factor", "low_freq_factor", ...}
-    max_model_len: int  # capped by an active sliding window, so attention within it is exact full attention
+    rope_theta: float  # the global layers' rope (= ropes["global"]), kept for callers that read it
+    rope_scaling: dict[str, Any] | None
+    max_model_len: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on the q/k/v projections
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     model_id: str  # "{dir name}-{fingerprint}": the same files give the same id (prefix-cache key)
+    layers: tuple[LayerConfig, ...] = ()  # one per layer; () means every layer LayerConfig()
+    ropes: tuple[tuple[str, RopeConfig], ...] = ()  # rotary tables by name; () means global only
+    output_bias: bool = False  # bias on o_proj
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotary embedding (Qwen3, Gemma 3)
+    norm_offset: bool = False  # RMSNorm scales by (1 + w), in float32 (Gemma)
+    sandwich_norms: bool = False  # norms after attention and around the MLP as well (Gemma 2/3)
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: bool = False  # embeddings x sqrt(hidden), rounded to the model dtype (Gemma)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax (gpt-oss)
+    moe: MoEConfig | None = None
+
+    def layer(self, index: int) -> LayerConfig:
+        return self.layers[index] if self.layers else LayerConfig()
+
+    def rope(self, name: str = "global") -> RopeConfig:
+        tables = dict(self.ropes) or {"global": RopeConfig(self.rope_theta, self.rope_scaling)}
+        return tables[name]
+
+    @property
+    def rope_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.ropes) or ("global",)
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer(i).sliding_window for i in range(self.num_layers))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -68,80 +128,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data
-
-
-def _architecture(raw: dict[str, Any], path: Path) -> str:
-    """Our short name for the checkpoint's architecture, or UnsupportedModel naming what is supported."""
-    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-    found = raw.get("architectures") or []
-    if isinstance(found, list) and found:
-        for name in found:
-            if name in SUPPORTED_ARCHITECTURES:
-                return SUPPORTED_ARCHITECTURES[name]
-        raise UnsupportedModel(
-            f"{path}: architecture {', '.join(map(str, found))} is not supported; supported: {supported}"
-        )
-    # Some configs carry only model_type; accept it when it names a supported family.
-    model_type = raw.get("model_type")
-    if model_type in SUPPORTED_ARCHITECTURES.values():
-        return str(model_type)
-    raise UnsupportedModel(
-        f"{path}: no supported architecture (architectures={found!r}, model_type={model_type!r}); "
-        f"supported: {supported}"
-    )
-
-
-def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalised rope_scaling) from either the transformers 5 or the transformers 4 spelling."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        # transformers 5 keys rope parameters by layer type when layers differ; ours must all agree.
-        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
-        if len(distinct) != 1:
-            raise UnsupportedModel(f"{path}: rope parameters differ between layer types: {params}")
-        params = next(iter(params.values()))
-    if isinstance(params, dict):
-        scaling: dict[str, Any] = dict(params)
-        theta = scaling.pop("rope_theta", raw.get("rope_theta", 10000.0))
-    else:
-        scaling = dict(raw.get("rope_scaling") or {})
-        theta = raw.get("rope_theta", 10000.0)
-    if float(raw.get("partial_rotary_factor", scaling.pop("partial_rotary_factor", 1.0))) != 1.0:
-        raise UnsupportedModel(f"{path}: partial rotary embeddings are not supported")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModel(
-            f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return float(theta), None
-    try:
-        normalised = {
-            "rope_type": "llama3",
-            "factor": float(scaling["factor"]),
-            "low_freq_factor": float(scaling["low_freq_factor"]),
-            "high_freq_factor": float(scaling["high_freq_factor"]),
-            "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: llama3 rope scaling lacks or misstates {exc}") from None
-    return float(theta), normalised
-
-
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    """The sliding window some layer actually uses, or None when every layer attends to everything."""
-    window = raw.get("sliding_window")
-    if not window:
-        return None
-    layer_types = raw.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        return int(window) if "sliding_attention" in layer_types else None
-    if arch == "mistral":  # Mistral has no switch: a window in the config is a window in use
-        return int(window)
-    if arch == "qwen2" and raw.get("use_sliding_window"):
-        # Qwen2 slides only from layer max_window_layers on.
-        return int(window) if int(raw.get("max_window_layers", 0)) < int(raw["num_hidden_layers"]) else None
-    return None
 
 
 def _token_ids(value: Any) -> list[int]:
@@ -172,56 +158,23 @@ def _fingerprint(model_dir: Path, files: list[Path]) -> str:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read and check config.json (and generation_config.json's stop tokens) of a checkpoint directory."""
+    from executor.models.families import describe  # the families import this module's types
+
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     raw = _read_json(path)
-    arch = _architecture(raw, path)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"{path}: activation {raw['hidden_act']!r} is not supported; supported: silu")
-    if raw.get("mlp_bias"):
-        raise UnsupportedModel(f"{path}: MLP biases are not supported")
-    try:
-        hidden_size = int(raw["hidden_size"])
-        num_heads = int(raw["num_attention_heads"])
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
-        max_model_len = int(raw["max_position_embeddings"])
-        fields = dict(
-            vocab_size=int(raw["vocab_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: missing or malformed field {exc}") from None
-    if num_heads % num_kv_heads:
-        raise CheckpointError(f"{path}: {num_heads} attention heads do not divide into {num_kv_heads} kv heads")
-    window = _sliding_window(raw, arch)
-    if window is not None:
-        max_model_len = min(max_model_len, window)
-    rope_theta, rope_scaling = _rope(raw, path)
-
+    fields = describe(raw, path)
     eos = _token_ids(raw.get("eos_token_id"))
     generation = model_dir / "generation_config.json"
     if generation.is_file():
         eos += _token_ids(_read_json(generation).get("eos_token_id"))
     files = weight_files(model_dir)
     return ModelConfig(
-        architecture=arch,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_model_len=max_model_len,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=True if arch == "qwen2" else bool(raw.get("attention_bias", False)),
+        **fields,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         model_id=f"{model_dir.resolve().name}-{_fingerprint(model_dir, files)}",
-        **fields,
     )
 
 

@@ -54,7 +54,7 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
     return choice  # type: ignore[return-value]
 
 
-def triton_module(name: Literal["triton_attention", "triton_cache"], device: torch.device) -> ModuleType:
+def triton_module(name: Literal["triton_attention", "triton_cache", "triton_moe"], device: torch.device) -> ModuleType:
     """Import `kernels.<name>`, under the Triton interpreter when the tensors are on the CPU."""
     full_name = f"kernels.{name}"
     if device.type == "cpu" and "kernels.triton_offsets" not in sys.modules:  # imported first by both
@@ -131,6 +131,9 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: Backend = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -151,14 +154,27 @@ def paged_attention(
         out: optional preallocated `[num_tokens, num_heads, head_dim]` output of q's dtype.
         num_splits: Triton only: force the number of KV splits for decode tokens (1 = no
             flash-decoding split); None lets `choose_num_splits` decide. Ignored by the reference.
+        sliding_window: a query at position p sees key position k only if p - k < sliding_window (and k <= p),
+            as transformers' sliding-window mask. No backend reads a block that lies wholly before the window of
+            every query of its sequence, so such blocks may be freed and their table entries reused.
+        softcap: logit softcapping (Gemma 2): scores = softcap * tanh(scores * scale / softcap), then the mask.
+        sinks: `[num_heads]` float, one learned logit per query head that joins the softmax denominator and
+            carries no value (gpt-oss attention sinks).
         backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
         check: validate the inputs (see `write_kv`).
 
     Returns:
         The attention output (`out` if given).
     """
+    options = None
+    if sliding_window is not None or softcap is not None or sinks is not None:  # kept off the default path
+        options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     if check:
-        validate.check_paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+        validate.check_paged_attention(
+            q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, **(options or {})
+        )
+    elif options is not None:  # per layer: a step's first layer checking its options checks no other's
+        validate.check_attention_options(sliding_window, softcap, sinks, q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -170,16 +186,13 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     chosen = resolve_backend(backend, q.device)
+    args = (q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out)
     if chosen == "reference":
-        return reference.paged_attention(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out)
+        return reference.paged_attention(*args, **(options or {}))
     if chosen == "torch":
-        return torch_batched.paged_attention(
-            q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out
-        )
+        return torch_batched.paged_attention(*args, **(options or {}))
     module = triton_module("triton_attention", q.device)
-    return module.paged_attention(
-        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out, num_splits
-    )
+    return module.paged_attention(*args, num_splits, **(options or {}))
 
 
 def copy_blocks(

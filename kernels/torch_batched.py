@@ -43,7 +43,25 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if sliding_window is not None or softcap is not None or sinks is not None:  # interim: the batched forms follow
+        return reference.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]

@@ -335,8 +335,28 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     num_splits: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch paged attention (inputs already validated); writes into and returns `out`."""
+    if sliding_window is not None or softcap is not None or sinks is not None:  # interim: the kernel forms follow
+        from kernels import reference
+
+        return reference.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = key_cache.shape

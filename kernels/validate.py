@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.limits import SUPPORTED_BLOCK_SIZES
+from kernels.reference import first_visible
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -154,8 +155,15 @@ def check_paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor | None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionGeometry:
-    """Validate one varlen paged-attention call and return its geometry."""
+    """Validate one varlen paged-attention call, its options included, and return its geometry.
+
+    With a sliding window only the block-table entries from each sequence's first visible block on must name
+    blocks of the cache: the earlier ones are never read (they may have been freed)."""
     cache = check_cache_pair(key_cache, value_cache)
     _require_tensor(q, "q")
     _require_ndim(q, 3, "q", "[num_tokens, num_heads, head_dim]")
@@ -196,14 +204,41 @@ def check_paged_attention(
         _require_device(out, cache.device, "out", "key_cache")
         _require_unit_last_stride(out, "out")
 
+    check_attention_options(sliding_window, softcap, sinks, q)
     geometry = AttentionGeometry(cache, num_tokens, num_heads, num_seqs, block_tables.shape[1])
     if cache.device.type == "cpu":
-        _check_attention_values(geometry, block_tables, query_start_loc, seq_lens)
+        _check_attention_values(geometry, block_tables, query_start_loc, seq_lens, sliding_window)
     return geometry
 
 
+def check_attention_options(
+    sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None, q: torch.Tensor
+) -> None:
+    """Validate paged attention's optional features, given a validated q (`sinks`: no value read, no sync)."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
+    ):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    if sinks is not None:
+        _require_tensor(sinks, "sinks")
+        _require_ndim(sinks, 1, "sinks", "[num_heads]")
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks has {sinks.shape[0]} entries but q has {q.shape[1]} heads; one per query head")
+        _require_dtype(sinks, SUPPORTED_DTYPES, "sinks")
+        _require_device(sinks, q.device, "sinks", "q")
+        _require_contiguous(sinks, "sinks")
+
+
 def _check_attention_values(
-    g: AttentionGeometry, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+    g: AttentionGeometry,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
 ) -> None:
     """Host-side checks of the metadata values (CPU tensors only): whole-tensor tests, so a step of hundreds of
     sequences costs a few tensor ops; the per-sequence loop runs only to name the first bad one."""
@@ -214,15 +249,23 @@ def _check_attention_values(
     q_lens, kv_lens = starts[1:] - starts[:-1], seq_lens.to(torch.int64)
     capacity = g.max_blocks_per_seq * g.cache.block_size
     used_blocks = (kv_lens + g.cache.block_size - 1) // g.cache.block_size
-    in_use = torch.arange(g.max_blocks_per_seq)[None, :] < used_blocks[:, None]
+    columns = torch.arange(g.max_blocks_per_seq)[None, :]
+    in_use = columns < used_blocks[:, None]
+    if sliding_window is not None:  # entries before the first visible block are never read
+        in_use &= columns >= (kv_lens - q_lens - sliding_window + 1).clamp(min=0)[:, None] // g.cache.block_size
     used = block_tables[in_use]
     bad_block = bool(used.numel()) and (int(used.min()) < 0 or int(used.max()) >= g.cache.num_blocks)
     if bad_block or bool((q_lens < 1).any()) or bool((kv_lens < q_lens).any()) or bool((kv_lens > capacity).any()):
-        _name_bad_sequence(g, block_tables, q_lens.tolist(), kv_lens.tolist(), capacity)
+        _name_bad_sequence(g, block_tables, q_lens.tolist(), kv_lens.tolist(), capacity, sliding_window)
 
 
 def _name_bad_sequence(
-    g: AttentionGeometry, block_tables: torch.Tensor, q_lens: list[int], kv_lens: list[int], capacity: int
+    g: AttentionGeometry,
+    block_tables: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    capacity: int,
+    sliding_window: int | None,
 ) -> None:
     for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
         if q_len < 1:
@@ -233,7 +276,8 @@ def _name_bad_sequence(
             )
         if kv_len > capacity:
             raise ValueError(f"sequence {i}: seq_lens {kv_len} exceeds its block table capacity {capacity}")
-        used = block_tables[i, : math.ceil(kv_len / g.cache.block_size)]
+        first = first_visible(kv_len, q_len, sliding_window) // g.cache.block_size
+        used = block_tables[i, first : math.ceil(kv_len / g.cache.block_size)]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= g.cache.num_blocks):
             raise ValueError(f"sequence {i}: block ids must lie in [0, {g.cache.num_blocks}); got {used.tolist()}")
 

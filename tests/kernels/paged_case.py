@@ -66,12 +66,16 @@ def make_batch(
     shared_prefix_blocks: int = 0,
     spare_blocks: int = 3,
     strided_q: bool = False,
+    sliding_window: int | None = None,
     device: torch.device = DEVICE,
 ) -> PagedBatch:
     """A batch of sequences given as (q_len, kv_len) pairs; the last q_len of each kv_len tokens are new.
 
     With `shared_prefix_blocks=n`, every sequence's first n blocks are sequence 0's physical blocks
-    (and hold the same K/V), as after a fork or a prefix-cache hit.
+    (and hold the same K/V), as after a fork or a prefix-cache hit. With `sliding_window`, the blocks wholly
+    before the window of every query of their sequence are given back, as a serving engine does: their table
+    entries name the NaN spare block, and a block no sequence still sees is NaN too (`keys`/`values` keep the
+    true contiguous K/V).
     """
     gen = torch.Generator().manual_seed(seed)
     n_blocks = [math.ceil(kv / block_size) for _, kv in seqs]
@@ -104,6 +108,8 @@ def make_batch(
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = keys[s]
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = values[s]
 
+    if sliding_window is not None:
+        _give_back_blocks(tables, seqs, block_size, sliding_window, poison_block, key_cache, value_cache)
     q_lens = [q for q, _ in seqs]
     num_tokens = sum(q_lens)
     if strided_q:  # q as a slice of a fused qkv projection: rows are not dense
@@ -127,6 +133,16 @@ def make_batch(
     )
 
 
+def _give_back_blocks(tables, seqs, block_size, window, poison_block, key_cache, value_cache) -> None:
+    """Table entries before each sequence's first visible block name `poison_block`; blocks left unnamed, NaN."""
+    named_before = {int(b) for b in tables.flatten().tolist()}
+    for s, (q_len, kv_len) in enumerate(seqs):
+        tables[s, : reference.first_visible(kv_len, q_len, window) // block_size] = poison_block
+    for block in named_before - {int(b) for b in tables.flatten().tolist()}:
+        key_cache[block] = float("nan")
+        value_cache[block] = float("nan")
+
+
 def slots_of(table_row: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
     """Flat slot ids of a sequence's first kv_len tokens."""
     n = math.ceil(kv_len / block_size)
@@ -134,9 +150,12 @@ def slots_of(table_row: torch.Tensor, kv_len: int, block_size: int) -> torch.Ten
     return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:kv_len]
 
 
-def float64_oracle(batch: PagedBatch) -> torch.Tensor:
-    """The paged reference evaluated in float64 on the batch's (already rounded) inputs."""
+def float64_oracle(batch: PagedBatch, **options) -> torch.Tensor:
+    """The paged reference evaluated in float64 on the batch's (already rounded) inputs; `options` are
+    paged_attention's (sliding_window, softcap, sinks)."""
     out = torch.empty(batch.q.shape, dtype=torch.float64, device=batch.q.device)
+    if options.get("sinks") is not None:
+        options = {**options, "sinks": options["sinks"].double()}
     return reference.paged_attention(
         batch.q.double(),
         batch.key_cache.double(),
@@ -146,6 +165,7 @@ def float64_oracle(batch: PagedBatch) -> torch.Tensor:
         batch.seq_lens,
         batch.scale,
         out,
+        **options,
     )
 
 

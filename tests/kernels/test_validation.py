@@ -146,6 +146,26 @@ ATTENTION_ERRORS = {
     "not a tensor": (lambda kw: dict(seq_lens=[20, 9]), TypeError, "seq_lens must be a torch.Tensor"),
     "bad scale": (lambda kw: dict(scale="0.1"), TypeError, "scale must be a finite float"),
     "bad num_splits": (lambda kw: dict(num_splits=0), ValueError, "num_splits must be"),
+    "window 0": (lambda kw: dict(sliding_window=0), ValueError, "sliding_window must be an int >= 1"),
+    "window float": (lambda kw: dict(sliding_window=4.0), ValueError, "sliding_window must be an int >= 1"),
+    "window bool": (lambda kw: dict(sliding_window=True), ValueError, "sliding_window must be an int >= 1"),
+    "softcap 0": (lambda kw: dict(softcap=0.0), ValueError, "softcap must be a finite float > 0"),
+    "softcap negative": (lambda kw: dict(softcap=-30.0), ValueError, "softcap must be a finite float > 0"),
+    "softcap inf": (lambda kw: dict(softcap=float("inf")), ValueError, "softcap must be a finite float > 0"),
+    "softcap nan": (lambda kw: dict(softcap=float("nan")), ValueError, "softcap must be a finite float > 0"),
+    "softcap string": (lambda kw: dict(softcap="50"), ValueError, "softcap must be a finite float > 0"),
+    "sinks not a tensor": (lambda kw: dict(sinks=[0.0] * 4), TypeError, "sinks must be a torch.Tensor"),
+    "sinks per kv head": (lambda kw: dict(sinks=torch.zeros(2)), ValueError, "sinks has 2 entries but q has 4"),
+    "sinks rank": (lambda kw: dict(sinks=torch.zeros(1, 4)), ValueError, "sinks must be 1-D"),
+    "sinks dtype": (lambda kw: dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, "sinks has dtype"),
+    "sinks float64": (lambda kw: dict(sinks=torch.zeros(4, dtype=torch.float64)), TypeError, "sinks has dtype"),
+    "sinks device": (lambda kw: dict(sinks=torch.zeros(4, device="meta")), ValueError, "sinks is on meta"),
+    "sinks strided": (lambda kw: dict(sinks=torch.zeros(8)[::2]), ValueError, "sinks must be contiguous"),
+    "window: a visible block out of range": (
+        lambda kw: dict(block_tables=kw["block_tables"].index_fill(1, torch.tensor([2]), 99), sliding_window=5),
+        ValueError,
+        "sequence 0: block ids must lie in",
+    ),
 }
 
 
@@ -165,6 +185,19 @@ def test_valid_attention_baseline_runs_and_is_right(backend):
     out = paged_attention(**attention_kwargs(), backend=backend)
     assert out.shape == (4, 4, 64) and out.dtype == torch.float16
     torch.testing.assert_close(out.double(), float64_oracle(attention_batch()), **TOLERANCES[torch.float16])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_ignores_table_entries_before_it(backend):
+    """Entries of blocks before every query's window may name no block at all (given back): not an error."""
+    kwargs = attention_kwargs()
+    kwargs["block_tables"] = kwargs["block_tables"].clone()
+    kwargs["block_tables"][0, :1] = -1  # sequence 0 (3 queries at 17..19, window 8) sees positions 10.. only
+    out = paged_attention(**kwargs, sliding_window=8, backend=backend)
+    torch.testing.assert_close(
+        out.double(), float64_oracle(attention_batch(), sliding_window=8), **TOLERANCES[torch.float16]
+    )
 
 
 def write_kwargs(**overrides):
@@ -266,3 +299,11 @@ def test_bad_backend_name():
         paged_attention(**attention_kwargs(), backend="cuda")
     with pytest.raises(ValueError, match="backend must be one of"):
         copy_blocks([_cache()], [_cache()], ([0], [1]), backend="cuda")
+
+
+def test_options_are_checked_even_when_the_call_skips_its_checks():
+    # A model's later layers skip the step's metadata checks, but their options are their own.
+    with pytest.raises(ValueError, match="softcap must be"):
+        paged_attention(**attention_kwargs(), softcap=-1.0, check=False, backend="reference")
+    with pytest.raises(ValueError, match="sinks has 3 entries"):
+        paged_attention(**attention_kwargs(), sinks=torch.zeros(3), check=False, backend="reference")

@@ -17,14 +17,14 @@ from click.testing import CliRunner
 
 from common.default_model import ensure_default_model
 from executor.checkpoint import (
-    SUPPORTED_ARCHITECTURES,
     CheckpointError,
     UnsupportedModel,
     iter_weights,
     load_config,
     weight_files,
 )
-from pagedkv.tools.model_gen import write_model
+from executor.models.families import SUPPORTED_ARCHITECTURES
+from pagedkv.tools.model_gen import ModelSpecError, write_model
 from pagedkv.tools.model_gen.cli import make_model
 from tests.support.models import TINY_ARCHS
 
@@ -216,8 +216,9 @@ def test_transformers4_spelling_and_sliding_windows(tiny_models: dict[str, Path]
     config = load_config(old)
     assert (config.rope_theta, config.torch_dtype) == (500000.0, "bfloat16")
     assert config.rope_scaling is not None and config.rope_scaling["original_max_position_embeddings"] == 8192
-    windowed = copy_with_config(tiny_models["mistral"], tmp_path / "windowed", sliding_window=128)
-    assert load_config(windowed).max_model_len == 128
+    # A window is each layer's own and no longer caps the context: the model runs to its full length.
+    windowed = load_config(copy_with_config(tiny_models["mistral"], tmp_path / "windowed", sliding_window=128))
+    assert (windowed.max_model_len, windowed.sliding_windows) == (512, (128, 128))
     qwen = copy_with_config(
         tiny_models["qwen2"],
         tmp_path / "qwen",
@@ -226,9 +227,9 @@ def test_transformers4_spelling_and_sliding_windows(tiny_models: dict[str, Path]
         use_sliding_window=True,
         max_window_layers=1,
     )
-    assert load_config(qwen).max_model_len == 128
+    assert load_config(qwen).sliding_windows == (None, 128)  # Qwen2 slides from layer max_window_layers on
     unused = copy_with_config(tiny_models["qwen2"], tmp_path / "unused", sliding_window=128)  # layer_types: full
-    assert load_config(unused).max_model_len == 512
+    assert load_config(unused).sliding_windows == (None, None)
 
 
 def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -238,13 +239,23 @@ def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Pa
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel") as caught:
         load_config(gpt2)
     assert all(name in str(caught.value) for name in SUPPORTED_ARCHITECTURES)
-    yarn = copy_with_config(
-        tiny_models["llama"],
-        tmp_path / "yarn",
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
-    )
-    with pytest.raises(UnsupportedModel, match="yarn"):
-        load_config(yarn)
+    refused = {
+        "proportional": dict(rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0}),
+        "partial_rotary_factor": dict(partial_rotary_factor=0.5),
+        "mlp_bias": dict(mlp_bias=True),
+        "hidden_act": dict(hidden_act="gelu"),
+        "final_logit_softcapping": dict(final_logit_softcapping=30.0),  # a Gemma field on a llama
+        "use_bidirectional_attention": dict(use_bidirectional_attention=True),
+        "shared_expert": dict(architectures=["Qwen3MoeForCausalLM"], shared_expert_intermediate_size=64),
+    }
+    for word, changes in refused.items():
+        with pytest.raises(UnsupportedModel, match=word):
+            load_config(copy_with_config(tiny_models["llama"], tmp_path / word, **changes))
+    layer_types = copy_with_config(tiny_models["llama"], tmp_path / "layer-types", architectures=["Gemma2ForCausalLM"])
+    config = json.loads((layer_types / "config.json").read_text())
+    (layer_types / "config.json").write_text(json.dumps({**config, "layer_types": ["chunked_attention"] * 2}))
+    with pytest.raises(UnsupportedModel, match="layer_types"):
+        load_config(layer_types)
 
 
 def test_missing_or_broken_files_raise_checkpoint_error(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -343,3 +354,68 @@ def test_default_model_is_generated_once(tmp_path: Path, monkeypatch: pytest.Mon
     (broken / "config.json").write_text("{}")
     with pytest.raises(RuntimeError, match="no complete model"):
         ensure_default_model(broken)
+
+
+# ---------------------------------------------------------------------------------------------- the families
+
+
+def test_every_family_is_written_and_read_with_its_options(tmp_path: Path) -> None:
+    small = dict(hidden_size=64, layers=2, heads=2, kv_heads=1, vocab_size=300, max_position=256, quiet=True)
+    configs = {
+        arch: load_config(write_model(tmp_path / arch, arch=arch, **{**small, **extra}))
+        for arch, extra in {
+            "qwen3": dict(head_dim=64, tie_embeddings=True),
+            "qwen3_moe": dict(experts=4, experts_per_token=2, mlp_only_layers=(0,), norm_topk_prob=False),
+            "mixtral": dict(experts=3, experts_per_token=1, sliding_window=40),
+            "gemma2": dict(sliding_window=32),
+            "gemma3": dict(layers=3, sliding_window=16, sliding_pattern=3),
+            "phi3": dict(rope_scaling="longrope"),
+            "gpt_oss": dict(sliding_window=8, rope_scaling="yarn"),
+        }.items()
+    }
+    assert set(SUPPORTED_ARCHITECTURES.values()) >= set(configs) | set(TINY_ARCHS)
+    qwen3 = configs["qwen3"]
+    assert qwen3.qk_norm and qwen3.tie_word_embeddings and qwen3.head_dim == 64  # heads x head_dim != hidden
+    moe = configs["qwen3_moe"]
+    assert moe.moe is not None and (moe.moe.num_experts, moe.moe.top_k, moe.moe.norm_topk_prob) == (4, 2, False)
+    assert [moe.layer(i).moe for i in range(2)] == [False, True]  # mlp_only_layers keeps layer 0 dense
+    mixtral = configs["mixtral"]
+    assert mixtral.moe is not None and mixtral.moe.norm_topk_prob and mixtral.sliding_windows == (40, 40)
+    gemma2 = configs["gemma2"]
+    assert (gemma2.sliding_windows, gemma2.attn_softcap, gemma2.final_softcap) == ((32, None), 50.0, 30.0)
+    assert gemma2.norm_offset and gemma2.sandwich_norms and gemma2.embed_scale and gemma2.hidden_act == "gelu_tanh"
+    assert gemma2.attention_scale == 256**-0.5 and gemma2.tie_word_embeddings
+    gemma3 = configs["gemma3"]
+    assert gemma3.sliding_windows == (16, 16, None) and [gemma3.layer(i).rope for i in range(3)] == [
+        "local",
+        "local",
+        "global",
+    ]
+    assert (gemma3.rope("local").theta, gemma3.rope("global").theta) == (10000.0, 1000000.0)
+    phi3 = configs["phi3"]
+    assert phi3.rope_scaling is not None and phi3.rope_scaling["rope_type"] == "longrope"
+    assert len(phi3.rope_scaling["short_factor"]) == phi3.head_dim // 2
+    oss = configs["gpt_oss"]
+    assert oss.attention_sinks and oss.attention_bias and oss.output_bias and oss.sliding_windows == (8, None)
+    assert oss.moe is not None and (oss.moe.router, oss.moe.activation, oss.moe.expert_bias) == (
+        "topk_softmax",
+        "swiglu_oai",
+        True,
+    )
+    assert oss.rope_scaling is not None and oss.rope_scaling["rope_type"] == "yarn"
+    assert all(c.max_model_len == 256 for c in configs.values())  # no window caps the context
+
+
+def test_family_options_are_checked(tmp_path: Path) -> None:
+    bad = {
+        ("llama", "sliding_window", 16): "--sliding-window",
+        ("mistral", "sliding_pattern", 2): "--sliding-pattern",
+        ("mixtral", "experts_per_token", 5): "--experts-per-token",
+        ("qwen3_moe", "mlp_only_layers", (7,)): "--mlp-only-layers",
+        ("phi3", "rope_scaling", "yarn"): "--rope-scaling",
+    }
+    for (arch, option, value), flag in bad.items():
+        with pytest.raises(ModelSpecError) as caught:
+            write_model(tmp_path / "never", arch=arch, quiet=True, **{option: value})
+        assert caught.value.option == flag, (arch, option)
+    assert not (tmp_path / "never").exists()

@@ -73,16 +73,59 @@ from pagedkv.tools.model_gen.writer import write_model
 @click.option(
     "--rope-theta",
     type=click.FloatRange(min=0, min_open=True),
-    default=10000.0,
-    show_default=True,
-    help="Rotary embedding base.",
+    default=None,
+    help="Rotary embedding base; default 10000 (Gemma 3's global layers 1e6, gpt-oss 150000).",
 )
 @click.option(
     "--rope-scaling",
     type=click.Choice(ROPE_SCALINGS),
     default="none",
     show_default=True,
-    help="llama3: Llama 3.1 frequency scaling (factor 8, original context max-position / 8).",
+    help="llama3: Llama 3.1's (factor 8, original context max-position / 8); linear, dynamic: factor 2; "
+    "yarn: factor 4, original context max-position / 4 (gpt-oss's betas); longrope: rising short and long "
+    "factors, original context max-position / 4.",
+)
+@click.option(
+    "--sliding-window",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sliding-window attention of this many positions (default: none; Gemma 4096, gpt-oss 128).",
+)
+@click.option(
+    "--sliding-pattern",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Every k-th layer attends globally, the others slide (qwen2/qwen3: default all slide; gemma2 and "
+    "gpt_oss: 2; gemma3: 6). Written as layer_types.",
+)
+@click.option("--experts", type=click.IntRange(min=1), default=4, show_default=True, help="MoE: experts per layer.")
+@click.option(
+    "--experts-per-token", type=click.IntRange(min=1), default=2, show_default=True, help="MoE: experts routed to."
+)
+@click.option(
+    "--moe-intermediate-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="qwen3_moe: width of each expert (default about half --intermediate-size); mixtral and gpt_oss use "
+    "--intermediate-size.",
+)
+@click.option(
+    "--norm-topk-prob/--no-norm-topk-prob",
+    default=True,
+    show_default=True,
+    help="qwen3_moe: renormalise the chosen experts' probabilities.",
+)
+@click.option(
+    "--decoder-sparse-step",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="qwen3_moe: every k-th layer is sparse.",
+)
+@click.option(
+    "--mlp-only-layers",
+    default="",
+    help="qwen3_moe: comma-separated layer indices that keep a dense MLP.",
 )
 @click.option(
     "--tie-embeddings/--no-tie-embeddings",
@@ -116,6 +159,11 @@ def make_model(out: Path, force: bool, **options: Any) -> None:
     executor load it as they would a real one; nothing is downloaded.
     """
     try:
+        text = options.pop("mlp_only_layers").strip()
+        try:
+            options["mlp_only_layers"] = tuple(int(i) for i in text.split(",")) if text else ()
+        except ValueError:
+            raise ModelSpecError("--mlp-only-layers", f"--mlp-only-layers {text!r} is not a list of layers") from None
         write_model(out, force=force, **options)
     except ModelSpecError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from None

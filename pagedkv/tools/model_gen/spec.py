@@ -5,9 +5,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
+# Families whose config says per layer which slide (layer_types), with their default pattern: every k-th global.
+LAYER_PATTERNS = {"qwen2": None, "qwen3": None, "gemma2": 2, "gemma3": 6, "gpt_oss": 2}
+# Families that always slide (the window, when given, is every layer's) and those that must have one.
+ALL_LAYERS_SLIDE = ("mistral", "mixtral", "phi3", "qwen3_moe")
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3": 4096, "gpt_oss": 128}
+DEFAULT_THETAS = {"gemma3": 1000000.0, "gpt_oss": 150000.0}
 DTYPES = ("float32", "float16", "bfloat16")
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic", "yarn", "longrope")
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)  # trained first, so their ids are 0..3
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte must be a token, so any text encodes
@@ -75,12 +93,44 @@ class ModelSpec:
     head_dim: int | None = None
     vocab_size: int = 4096
     max_position: int = 4096
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None  # None: the family's (10000; Gemma 3's global layers 1e6; gpt-oss 150000)
     rope_scaling: str = "none"
     tie_embeddings: bool | None = None
     dtype: str = "float32"
     seed: int = 0
     initializer_range: float | None = None
+    sliding_window: int | None = None  # None: none, or the family's own (Gemma 4096, gpt-oss 128)
+    sliding_pattern: int | None = None  # every k-th layer attends globally (layer_types); None: the family's
+    experts: int = 4
+    experts_per_token: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def resolved_rope_theta(self) -> float:
+        return self.rope_theta or DEFAULT_THETAS.get(self.arch, 10000.0)
+
+    @property
+    def resolved_window(self) -> int | None:
+        return self.sliding_window or DEFAULT_WINDOWS.get(self.arch)
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        """Which layers slide, for the families that say so per layer; None for the others."""
+        if self.arch not in LAYER_PATTERNS:
+            return None
+        if self.resolved_window is None:
+            return ["full_attention"] * self.layers
+        pattern = self.sliding_pattern or LAYER_PATTERNS[self.arch]
+        if pattern is None:  # Qwen: every layer slides unless a pattern says otherwise
+            return ["sliding_attention"] * self.layers
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.layers)]
+
+    @property
+    def resolved_moe_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or 16 * math.ceil(self.resolved_intermediate_size / 32)
 
     @property
     def resolved_intermediate_size(self) -> int:
@@ -93,7 +143,7 @@ class ModelSpec:
 
     @property
     def tied(self) -> bool:
-        return self.tie_embeddings if self.tie_embeddings is not None else self.arch == "qwen2"
+        return self.tie_embeddings if self.tie_embeddings is not None else self.arch in ("qwen2", "gemma2", "gemma3")
 
     @property
     def resolved_initializer_range(self) -> float:
@@ -142,7 +192,39 @@ class ModelSpec:
             raise ModelSpecError("--rope-scaling", f"unknown rope scaling {self.rope_scaling!r}")
         if self.rope_scaling == "llama3" and self.max_position < 16:
             raise ModelSpecError("--max-position", "llama3 rope scaling needs --max-position of at least 16")
-        if self.rope_theta <= 0:
+        if self.resolved_rope_theta <= 0:
             raise ModelSpecError("--rope-theta", "--rope-theta must be positive")
+        if self.rope_scaling in ("yarn", "longrope") and self.max_position < 16:
+            raise ModelSpecError("--max-position", f"{self.rope_scaling} rope scaling needs --max-position >= 16")
+        if self.arch == "phi3" and self.rope_scaling not in ("none", "longrope"):
+            raise ModelSpecError("--rope-scaling", "phi3 takes only longrope scaling")
+        self._validate_windows()
+        self._validate_moe()
         if self.dtype not in DTYPES:
             raise ModelSpecError("--dtype", f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
+
+    def _validate_windows(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelSpecError("--sliding-window", "--sliding-window must be at least 1")
+        if self.sliding_window is not None and self.arch == "llama":
+            raise ModelSpecError("--sliding-window", "llama has no sliding window")
+        if self.sliding_pattern is not None:
+            if self.arch not in LAYER_PATTERNS:
+                raise ModelSpecError("--sliding-pattern", f"{self.arch} slides every layer or none")
+            if self.sliding_pattern < 1:
+                raise ModelSpecError("--sliding-pattern", "--sliding-pattern must be at least 1")
+
+    def _validate_moe(self) -> None:
+        if self.arch not in MOE_ARCHS:
+            return
+        if self.experts < 1:
+            raise ModelSpecError("--experts", "--experts must be at least 1")
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise ModelSpecError(
+                "--experts-per-token",
+                f"--experts-per-token must be in [1, {self.experts}], not {self.experts_per_token}",
+            )
+        if self.decoder_sparse_step < 1:
+            raise ModelSpecError("--decoder-sparse-step", "--decoder-sparse-step must be at least 1")
+        if any(not 0 <= i < self.layers for i in self.mlp_only_layers):
+            raise ModelSpecError("--mlp-only-layers", f"--mlp-only-layers must name layers in [0, {self.layers})")

@@ -21,6 +21,7 @@ from pagedkv.tools.model_gen.spec import (
 # transformers 5 loads any qwen2 checkpoint's tokenizer through Qwen2Tokenizer, which rebuilds the pipeline
 # as NFC + this split + ByteLevel whatever tokenizer.json says; qwen2 models get that pipeline in
 # tokenizer.json too, so every reader of the file tokenizes as transformers does.
+QWEN_TOKENIZER = ("qwen2", "qwen3", "qwen3_moe")  # the families transformers tokenizes with Qwen2Tokenizer
 QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
@@ -37,7 +38,7 @@ def train_tokenizer(vocab_size: int, seed: int, *, arch: str = "llama") -> Any:
     """
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size, seed, arch == "qwen2"))
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size, seed, arch in QWEN_TOKENIZER))
 
 
 @functools.lru_cache(maxsize=8)

@@ -8,7 +8,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -20,6 +22,7 @@ from pagedkv.tools.model_gen.spec import (
     EOS,
     IM_END,
     IM_START,
+    MOE_ARCHS,
     ModelSpec,
     ModelSpecError,
 )
@@ -69,48 +72,28 @@ def _human(nbytes: int) -> str:
 def write_model(
     out: str | Path,
     *,
-    arch: str = "llama",
-    hidden_size: int = 256,
-    intermediate_size: int | None = None,
-    layers: int = 4,
-    heads: int = 8,
-    kv_heads: int = 4,
-    head_dim: int | None = None,
-    vocab_size: int = 4096,
-    max_position: int = 4096,
-    rope_theta: float = 10000.0,
-    rope_scaling: str = "none",
-    tie_embeddings: bool | None = None,
-    dtype: str = "float32",
-    seed: int = 0,
     max_shard_size: int | str | None = None,
-    initializer_range: float | None = None,
     force: bool = False,
     quiet: bool = False,
+    **options: Any,
 ) -> Path:
     """Write a random-weight checkpoint into `out` and return it; ModelSpecError for bad options.
 
-    The files are written into a temporary sibling directory and renamed into place, so `out` never holds
-    a half-written model. `tie_embeddings=None` ties for qwen2 only; `initializer_range=None` aims the
-    logits at a std of ~4 (see TARGET_LOGIT_STD); `max_shard_size` ("1MiB", bytes) shards the weights.
+    `options` are ModelSpec's fields (arch, hidden_size, layers, heads, kv_heads, head_dim, sliding_window,
+    experts, ...; see ModelSpec). The files are written into a temporary sibling directory and renamed into
+    place, so `out` never holds a half-written model. `tie_embeddings=None` ties for qwen2 and Gemma only;
+    `initializer_range=None` aims the logits at a std of ~4 (see TARGET_LOGIT_STD); `max_shard_size` ("1MiB",
+    bytes) shards the weights.
     """
-    spec = ModelSpec(
-        arch=arch,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        max_position=max_position,
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        tie_embeddings=tie_embeddings,
-        dtype=dtype,
-        seed=seed,
-        initializer_range=initializer_range,
-    )
+    known = {f.name for f in fields(ModelSpec)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"write_model got unknown options {unknown}; ModelSpec has {sorted(known)}")
+    if options.get("rope_theta") is not None:
+        options["rope_theta"] = float(options["rope_theta"])
+    if "mlp_only_layers" in options:
+        options["mlp_only_layers"] = tuple(options["mlp_only_layers"])
+    spec = ModelSpec(**options)
     spec.validate()
     shard_bytes = None
     if max_shard_size is not None:
@@ -152,8 +135,12 @@ def write_model(
         say(
             f"  {spec.layers} layers, hidden {spec.hidden_size}, intermediate {spec.resolved_intermediate_size}, "
             f"{spec.heads} heads / {spec.kv_heads} kv heads of {spec.resolved_head_dim}, "
-            f"rope {spec.rope_scaling} theta {spec.rope_theta:g}, max position {spec.max_position}"
+            f"rope {spec.rope_scaling} theta {spec.resolved_rope_theta:g}, max position {spec.max_position}"
         )
+        if spec.resolved_window:
+            say(f"  sliding window {spec.resolved_window}, layers {spec.layer_types or 'all sliding'}")
+        if spec.arch in MOE_ARCHS:
+            say(f"  {spec.experts} experts, {spec.experts_per_token} per token")
         say(
             f"  vocab {spec.vocab_size}: bos {ids[BOS]}, eos {ids[EOS]}, im_start {ids[IM_START]}, im_end {ids[IM_END]}"
         )

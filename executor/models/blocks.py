@@ -1,0 +1,224 @@
+"""The building blocks every family is assembled from: linear layers without random init, RMSNorm (plain or
+Gemma's (1 + w)), attention over the paged cache with its per-layer options, the dense MLP and the sparse MoE.
+
+The arithmetic follows transformers' order (norms in float32, residual adds in the model dtype), so greedy outputs
+match it token for token in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.checkpoint import ModelConfig
+from executor.models.rotary import Rotary
+from kernels import dispatch, moe, pointwise
+
+
+@dataclass
+class ForwardBatch:
+    """The tensors of one step, all on the model's device. Row order: sequences back to back."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 absolute positions
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each token's K/V
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32 KV length after this step
+    logits_indices: torch.Tensor  # [L] int64 rows whose next-token logits are wanted
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without its random initialisation: every parameter is loaded from the checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without its random initialisation (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. `offset`: Gemma's form, x_norm * (1 + w) in float32, then cast."""
+
+    def __init__(self, size: int, eps: float, offset: bool = False, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, **factory))
+        self.eps = eps
+        self.offset = offset
+        self.scale: torch.Tensor | None = None  # (1 + w) in float32, once loaded (`prepare`)
+
+    def prepare(self) -> None:
+        if self.offset:
+            self.scale = 1.0 + self.weight.detach().float()
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual add fused with the norm that follows it (in place on CPU)."""
+        if not self.offset:
+            return pointwise.add_rms_norm(x, delta, self.weight, self.eps)
+        assert self.scale is not None, "RMSNorm.prepare() runs after the weights are loaded"
+        if x.dtype == torch.float32:  # x_norm * (1 + w) in float32 is exactly the plain form with weight 1 + w
+            return pointwise.add_rms_norm(x, delta, self.scale, self.eps)
+        if delta is not None:
+            x = x + delta
+        x32 = x.float()
+        return x, (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)[1]
+
+
+class Attention(nn.Module):
+    """q/k/v in one matmul, optional per-head q/k norms, rotary + KV write, paged attention with this layer's
+    window, softcap, sinks and scale."""
+
+    def __init__(self, config: ModelConfig, index: int, **factory: Any) -> None:
+        super().__init__()
+        layer = config.layer(index)
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = d = config.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias, **factory)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.output_bias, **factory)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, **factory)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, **factory)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if config.attention_sinks else None
+        self.scale = config.attention_scale if config.attention_scale is not None else d**-0.5
+        self.rope = layer.rope
+        # Passed only when set, so the default path calls the kernels exactly as before.
+        self.options: dict[str, Any] = {}
+        if layer.sliding_window is not None:
+            self.options["sliding_window"] = layer.sliding_window
+        if config.attn_softcap is not None:
+            self.options["softcap"] = config.attn_softcap
+
+    def prepare(self) -> None:
+        if self.sinks is not None:
+            self.options["sinks"] = self.sinks.detach().float()
+
+    def _normed_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        assert self.q_norm is not None and self.k_norm is not None
+        tokens, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = self.q_norm.norm(q.reshape(-1, d)).view(tokens, -1)
+        k = self.k_norm.norm(k.reshape(-1, d)).view(tokens, -1)
+        return torch.cat((q, k, v), dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: Rotary,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: dispatch.Backend,
+        check: bool,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        key_cache, value_cache = kv_cache
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._normed_qkv(qkv)
+        q = pointwise.rope_write_kv(
+            qkv,
+            batch.positions,
+            rotary.cos,
+            rotary.sin,
+            batch.slot_mapping,
+            key_cache,
+            value_cache,
+            self.num_heads,
+            backend=backend,
+            check=check,
+        )
+        out = dispatch.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.seq_lens,
+            self.scale,
+            backend=backend,
+            check=check,
+            **self.options,
+        )
+        return self.o_proj(out.view(tokens, -1))
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class MLP(nn.Module):
+    """gate and up in one matmul, act(gate) * up, down."""
+
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, **factory)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
+        self.act = pointwise.silu_mul if config.hidden_act == "silu" else gelu_tanh_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """A router choosing top_k of num_experts per token, the chosen experts' outputs weighted and summed.
+
+    Expert weights are stacked: experts_gate_up [E, 2I, H] (gate rows, then up rows), experts_down [E, H, I]."""
+
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.moe = moe
+        e, h, i = moe.num_experts, config.hidden_size, moe.intermediate_size
+        self.gate = Linear(h, e, bias=moe.router_bias, **factory)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, **factory))
+        self.experts_down = nn.Parameter(torch.empty(e, h, i, **factory))
+        self.experts_gate_up_bias = self.experts_down_bias = None
+        if moe.expert_bias:
+            self.experts_gate_up_bias = nn.Parameter(torch.empty(e, 2 * i, **factory))
+            self.experts_down_bias = nn.Parameter(torch.empty(e, h, **factory))
+        self.options: dict[str, Any] = {"activation": moe.activation}
+        if moe.activation == "swiglu_oai":
+            self.options |= {"alpha": moe.swiglu_alpha, "limit": moe.swiglu_limit}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their float32 weights [T, k]), as transformers' routers compute them."""
+        logits = self.gate(x)
+        if self.moe.router == "topk_softmax":
+            top, ids = torch.topk(logits, self.moe.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1).float()
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return ids, top.to(logits.dtype).float()
+
+    def forward(self, x: torch.Tensor, backend: dispatch.Backend) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return moe.experts(
+            x,
+            ids,
+            weights,
+            self.experts_gate_up,
+            self.experts_down,
+            b_gate_up=self.experts_gate_up_bias,
+            b_down=self.experts_down_bias,
+            backend=backend,
+            **self.options,
+        )
