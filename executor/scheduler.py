@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd import protocol as p
-from blockd.block_rule import growth, reservable, shared_blocks, to_block_end
+from blockd.block_rule import dead_blocks, growth, reservable, shared_blocks, to_block_end
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
+from blockd.pool import HOLE
 from common.tokens import TOKEN_BYTES, pack_tokens
 from executor.sequence import Sequence, Status
 
@@ -63,6 +64,7 @@ class Purpose(enum.Enum):
     """What a planned op is for; `Scheduler.apply` takes in its answer by this."""
 
     COMMIT = "commit"  # computed full blocks into the prefix index
+    SLIDE = "slide"  # blocks past every query's sliding window go back
     FORK = "fork"  # a new choice starts sharing its parent's blocks
     FREE = "free"  # finished or aborted: its blocks go back
     PREEMPT = "preempt"  # its blocks go back; it is already queued again, to be recomputed
@@ -108,6 +110,13 @@ class StepOutcome:
 QUIET_STEPS = 16
 
 
+def window_blocks(block_size: int, window: int) -> int:
+    """Most blocks one decoding sequence of a sliding-window pool holds: its window's, the block its slides lag
+    by (they count committed tokens, a commit is due a block at a time and may wait QUIET_STEPS steps), and its
+    open block's room reserved past it (blockd.block_rule.reservable)."""
+    return -(-(window + QUIET_STEPS) // block_size) + 4
+
+
 class Scheduler:
     """The waiting queue, the running batch and each step's plan. `blocks` (the pool client's mirror) changes
     only when a step's answers arrive, before `apply`."""
@@ -121,8 +130,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         blocks: BlockView,
         watermark_blocks: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's (the pool's): blocks no query reads any more go back
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -194,6 +205,21 @@ class Scheduler:
             plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, done))
             seq.committed_tokens = done
 
+    def _slide(self, plan: StepPlan, seq: Sequence) -> int:
+        """After its commit: hand back the blocks no query of the sequence reads any more; returns how many go
+        back to the pool. Counted from its committed tokens (computed and registered), so every block handed back
+        is in the prefix index first."""
+        done = seq.committed_tokens
+        mirrored = self.blocks.seqs[seq.seq_id]
+        dead = dead_blocks(self.block_size, self.sliding_window, done)
+        if dead <= mirrored.holes:
+            return 0
+        plan.add(Purpose.SLIDE, seq, p.Slide(seq.seq_id, done))
+        if any(child.fork_parent == seq.seq_id for child in self.to_fork):
+            return 0  # a choice forked from it first (forks go first) holds them on
+        refcount = self.blocks.refcount
+        return sum(1 for b in mirrored.blocks[mirrored.holes : dead] if refcount[b] == 1)
+
     def _register_computed(self, plan: StepPlan, seq: Sequence) -> None:
         """Before a sequence's blocks go back: register its computed tokens that fill a block, and commit, so
         that its full blocks stay prefix hits. They lie in its reserved slots: no block is taken."""
@@ -261,14 +287,17 @@ class Scheduler:
             plan.add(Purpose.FORK, child, p.Fork(child.fork_parent, child.seq_id))
         while self.to_preempt:
             self._preempt(plan, self.to_preempt.pop())
+        slid = 0
         for seq in self.running:
             if seq.fork_parent is None:
                 self._commit(plan, seq)
+                if self.sliding_window is not None:
+                    slid += self._slide(plan, seq)
         for seq in self.to_free:
             self._register_computed(plan, seq)
         for seq in self.to_free:
             plan.add(Purpose.FREE, seq, p.Free(seq.seq_id))
-        free = self.blocks.free_blocks + sum(self._releases(s) for s in self.to_free)
+        free = self.blocks.free_blocks + slid + sum(self._releases(s) for s in self.to_free)
 
         forking = {child.fork_parent for child in self.to_fork if child.fork_parent is not None}
         wide = True
@@ -414,7 +443,7 @@ class Scheduler:
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it in the same step (forks go first) holds every block it had
         refcount = self.blocks.refcount
-        return sum(1 for b in self.blocks.seqs[seq.seq_id].blocks if refcount[b] == 1)
+        return sum(1 for b in self.blocks.seqs[seq.seq_id].blocks if b != HOLE and refcount[b] == 1)
 
     def _victim(self) -> Sequence:
         return max(self.running, key=lambda s: s.admitted_order)
@@ -466,7 +495,7 @@ class Scheduler:
                 case Purpose.FREE:
                     if seq in self.to_free:
                         self.to_free.remove(seq)
-                case Purpose.COMMIT | Purpose.PREEMPT:
+                case Purpose.COMMIT | Purpose.SLIDE | Purpose.PREEMPT:
                     pass  # nothing to take in: the sequence's state already moved when it was planned
         for seq, _error in outcome.failed:
             self.finish(seq, "error")

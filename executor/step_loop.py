@@ -16,7 +16,7 @@ import structlog
 from blockd import protocol as p
 from blockd.client import BlockdUnavailable, PoolClient
 from executor import protocol as ep
-from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan
+from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, window_blocks
 from executor.sequence import Request, Sequence, Status
 
 log = structlog.get_logger("executor")
@@ -78,8 +78,14 @@ class StepLoop:
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.plan_ahead = plan_ahead  # False: every step planned after sampling and sent synchronously
-        # The longest a sequence can grow, alone in the cache above the admission watermark.
-        self.max_seq_tokens = (scheduler.num_blocks - scheduler.watermark) * scheduler.block_size
+        # The longest prompt admitted (an admit holds all of it), alone in the cache above the admission watermark;
+        # and the longest a sequence can grow: as much, or, with a sliding window, as long as the model allows
+        # if its window's blocks fit (the blocks behind the window go back as it runs).
+        room = scheduler.num_blocks - scheduler.watermark
+        self.max_prompt_tokens = room * scheduler.block_size
+        window = scheduler.sliding_window
+        slides = window is not None and window_blocks(scheduler.block_size, window) <= room
+        self.max_seq_tokens = max(max_model_len, self.max_prompt_tokens) if slides else self.max_prompt_tokens
         self.requests: dict[str, Request] = {}  # in progress, by id
         self.steps = 0  # steps that ran a forward pass
         self.blockd_reachable = True
