@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from blockd.errors import ErrorCode
+from blockd import protocol as p
+from blockd.client import PoolClient
+from blockd.errors import BlockdError, ErrorCode
+from blockd.inprocess import InProcessBlockd
+from blockd.manager import BlockManager
 from blockd.pool import HOLE, BlockPool, PoolSpec
 from tests.blockd.pool_state import pool_state
 from tests.blockd.test_pool import expect_error
@@ -125,3 +130,37 @@ def test_check_names_holes_where_a_query_still_reads() -> None:
     pool.free_queue[0] = None
     seq.holes = 2
     assert any("I4" in line and "leading holes" in line for line in pool.check())
+
+
+def test_a_pool_client_mirrors_slides_and_resyncs_the_holes() -> None:
+    client = InProcessBlockd()
+    pool = PoolClient(
+        client, pool_id="w", num_blocks=8, block_size=4, model_id="m", epoch=3, retry_for_s=1.0, sliding_window=6
+    )
+    pool.register()
+    pool.admit("a", list(range(14)))
+    pool.commit("a", 14)
+    (outcome,) = pool.step([p.Slide("a", 14)])
+    assert outcome == p.SlideResult(released=2)
+    mirrored = pool.seqs["a"]
+    assert mirrored.blocks[:2] == [HOLE, HOLE] and mirrored.holes == 2 and pool.free_blocks == 6
+    assert client.manager.pool("w").seqs["a"].table == mirrored.blocks
+    pool.fork("a", "b")
+    assert pool.seqs["b"].holes == 2 and pool.refcount[mirrored.blocks[2]] == 2
+    client.manager.unregister("w", pool.epoch)  # as after an expired lease
+    pool.heartbeat()  # re-registers the window and both tables, holes and all
+    restored = client.manager.pool("w")
+    assert restored.spec.sliding_window == 6 and restored.check() == []
+    assert restored.seqs["b"].table == pool.seqs["b"].blocks
+    assert client.manager.sequence("a", "w").refcounts[:2] == [0, 0]
+    assert pool.free("a") == 2 and pool.free("b") == 2 and pool.free_blocks == 8  # references dropped, holes skipped
+    assert restored.check() == [] and restored.stats().blocks_in_use == 0
+
+
+def test_a_window_changes_the_pool_a_resync_finds() -> None:
+    manager = BlockManager()
+    register = p.Register(v=1, id=1, pool_id="w", num_blocks=8, block_size=4, model_id="m", epoch=3, sliding_window=6)
+    manager.register(register)
+    with pytest.raises(BlockdError) as raised:
+        manager.register(msgspec.structs.replace(register, sliding_window=None))
+    assert raised.value.code == ErrorCode.POOL_MISMATCH and "sliding window 6" in raised.value.message
