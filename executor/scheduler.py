@@ -148,6 +148,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.arrived = False  # a sequence was added since admissions were last planned
         self.quiet_steps = 0  # steps planned in a row without a round trip
+        self._computed: dict[int, int] = {}  # while a plan is made ahead: tokens computed once the step running ends
+        self._slid: dict[str, int] = {}  # sequences this plan slides -> the leading blocks they hand back
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -215,6 +217,7 @@ class Scheduler:
         if dead <= mirrored.holes:
             return 0
         plan.add(Purpose.SLIDE, seq, p.Slide(seq.seq_id, done))
+        self._slid[seq.seq_id] = dead
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it first (forks go first) holds them on
         refcount = self.blocks.refcount
@@ -230,11 +233,27 @@ class Scheduler:
             registered = seq.num_computed
         self._commit(plan, seq, registered)
 
+    def _held(self, seq: Sequence) -> int:
+        """Token slots blockd holds for the sequence: registered or reserved."""
+        return self.registered(seq) + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
+
+    def _hold_end(self, seq: Sequence) -> int:
+        """How far an append holds the sequence's tokens: every token known; with a sliding window, a prompt only
+        through what the next step can compute of it, so that its later blocks are taken as its prefill reaches
+        them while the earlier ones slide out."""
+        if self.sliding_window is None:
+            return len(seq.tokens)
+        reach = self._computed.get(id(seq), seq.num_computed) + self.max_num_batched_tokens
+        return max(min(len(seq.tokens), reach), self.registered(seq))
+
     def _room_left(self, seq: Sequence, sampling: set[int]) -> int:
         """Token slots blockd holds for the sequence (registered or reserved) past its known tokens and the one it
-        is sampling: below 0, the next step's tokens do not fit."""
-        held = self.registered(seq) + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
-        return held - len(seq.tokens) - (id(seq) in sampling)
+        is sampling (a prompt held in part: past what the next step can compute of it): below 0, the next step's
+        tokens do not fit."""
+        end = self._hold_end(seq)
+        if end < len(seq.tokens):
+            return self._held(seq) - end
+        return self._held(seq) - len(seq.tokens) - (id(seq) in sampling)
 
     def _append_need(self, seq: Sequence, reserve: int, forking: set[str]) -> int:
         """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token known
@@ -248,12 +267,15 @@ class Scheduler:
             table, reserved = len(mirrored.blocks), mirrored.reserved
             shared = n % bs != 0 and (self.blocks.refcount[mirrored.blocks[n // bs]] > 1 or seq.seq_id in forking)
         return growth(
-            bs, n, len(seq.tokens) - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve
+            bs, n, self._hold_end(seq) - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve
         ).blocks
 
     def _reserve(self, seq: Sequence, wide: bool) -> int:
         """Slots an append keeps reserved past the sequence's known tokens: to the end of the block after the
-        next token's (`wide`), or only to the end of the next token's block when blocks run short."""
+        next token's (`wide`), or only to the end of the next token's block when blocks run short; none for a
+        prompt held in part."""
+        if self._hold_end(seq) < len(seq.tokens):
+            return 0
         return (reservable if wide else to_block_end)(self.block_size, len(seq.tokens))
 
     def plan(self) -> StepPlan:
@@ -274,6 +296,9 @@ class Scheduler:
         # A sequence sampling in the step now running (a plan made ahead) needs room for one more token, not
         # known yet.
         sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
+        computed = {} if ahead is None else {id(c.seq): c.start + len(c.token_ids) for c in ahead}
+        self._computed = computed  # (tokens computed once the step now running ends, where it runs them)
+        self._slid = {}
         # Room for every token the next step computes. Most decode steps fit in the slots reserved before; where
         # they do not, an append registers the tokens known and reserves room past them.
         growing = [s for s in self.running if self._needs_room(s, sampling)]
@@ -319,7 +344,6 @@ class Scheduler:
         free -= need
 
         # The token budget left once the running sequences have what they still need after this step.
-        computed = {} if ahead is None else {id(c.seq): c.start + len(c.token_ids) for c in ahead}
         budget = self.max_num_batched_tokens
         for seq in self.running:
             left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
@@ -352,7 +376,7 @@ class Scheduler:
         return not (waiting_ops and self.quiet_steps >= QUIET_STEPS)
 
     def _append(self, plan: StepPlan, seq: Sequence, reserve: int) -> None:
-        tokens = pack_tokens(seq.tokens[self.registered(seq) :])
+        tokens = pack_tokens(seq.tokens[self.registered(seq) : self._hold_end(seq)])
         plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens, reserve))
 
     def _renew(self, plan: StepPlan, free: int, growing: list[Sequence], sampling: set[int], forking: set[str]) -> None:
@@ -390,7 +414,12 @@ class Scheduler:
         for seq in self.waiting:
             if free_slots <= 0 or budget <= 0:
                 break
-            worst = growth(self.block_size, 0, len(seq.tokens), 0).blocks
+            tokens = seq.tokens
+            worst = growth(self.block_size, 0, len(tokens), 0).blocks
+            if worst > free - self.watermark and self.sliding_window is not None:
+                # A window: its prompt's later blocks can come as its prefill reaches them (`_hold_end`).
+                tokens = tokens[: self.max_num_batched_tokens]
+                worst = growth(self.block_size, 0, len(tokens), 0).blocks
             if worst > free - self.watermark:
                 break  # first come, first served: nobody overtakes the head of the queue
             request = seq.request
@@ -402,7 +431,7 @@ class Scheduler:
                 if owner is not None and self._shared_tokens(seq, owner) > owner.committed_tokens:
                     continue  # its prefix is being computed for another: admitted once that is committed, a hit
                 pending.setdefault(key, seq)
-            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), request.cache_salt, reuse))
+            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(tokens), request.cache_salt, reuse))
             free -= worst
             free_slots -= 1
             budget -= 1
@@ -443,7 +472,8 @@ class Scheduler:
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it in the same step (forks go first) holds every block it had
         refcount = self.blocks.refcount
-        return sum(1 for b in self.blocks.seqs[seq.seq_id].blocks if b != HOLE and refcount[b] == 1)
+        blocks = self.blocks.seqs[seq.seq_id].blocks[self._slid.get(seq.seq_id, 0) :]  # (a slide counted those)
+        return sum(1 for b in blocks if b != HOLE and refcount[b] == 1)
 
     def _victim(self) -> Sequence:
         return max(self.running, key=lambda s: s.admitted_order)
@@ -531,6 +561,8 @@ class Scheduler:
             if budget <= 0:
                 break
             remaining = len(seq.tokens) - seq.num_computed
+            if self.sliding_window is not None:  # a prompt may be held in part (`_hold_end`)
+                remaining = min(remaining, self._held(seq) - seq.num_computed)
             take = min(remaining, budget)
             if take <= 0:
                 continue

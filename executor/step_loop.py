@@ -78,14 +78,16 @@ class StepLoop:
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.plan_ahead = plan_ahead  # False: every step planned after sampling and sent synchronously
-        # The longest prompt admitted (an admit holds all of it), alone in the cache above the admission watermark;
-        # and the longest a sequence can grow: as much, or, with a sliding window, as long as the model allows
-        # if its window's blocks fit (the blocks behind the window go back as it runs).
+        # The longest a sequence can grow, alone in the cache above the admission watermark; with a sliding
+        # window, as long as the model allows if its window's blocks fit (the blocks behind it go back as it runs).
         room = scheduler.num_blocks - scheduler.watermark
-        self.max_prompt_tokens = room * scheduler.block_size
-        window = scheduler.sliding_window
-        slides = window is not None and window_blocks(scheduler.block_size, window) <= room
-        self.max_seq_tokens = max(max_model_len, self.max_prompt_tokens) if slides else self.max_prompt_tokens
+        whole = room * scheduler.block_size
+        window, bs = scheduler.sliding_window, scheduler.block_size
+        slides = window is not None and window_blocks(bs, window) <= room
+        self.max_seq_tokens = max(max_model_len, whole) if slides else whole
+        # A prompt held in part as its prefill goes (Scheduler._hold_end) needs its window and a step's tokens.
+        prefill_slides = window is not None and window_blocks(bs, window + scheduler.max_num_batched_tokens) <= room
+        self.max_prompt_tokens = max(max_model_len, whole) if prefill_slides else whole
         self.requests: dict[str, Request] = {}  # in progress, by id
         self.steps = 0  # steps that ran a forward pass
         self.blockd_reachable = True

@@ -62,14 +62,34 @@ def test_a_decoding_sequence_holds_its_window_and_slides_with_its_commits() -> N
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+def test_a_prompt_longer_than_the_pool_is_held_a_chunk_at_a_time(pipelined: bool) -> None:
+    h = windowed(8, num_blocks=12, block_size=4, max_num_batched_tokens=8, pipelined=pipelined)
+    assert h.loop.max_prompt_tokens > 48  # its window and a step's tokens fit: any prompt the model takes
+    seq = h.submit("long", 100, max_tokens=5)  # 25 blocks' worth, in a pool of 12
+    admit = h.step().plan.entries[0]
+    assert admit.purpose is Purpose.ADMIT and len(admit.op.tokens) == 8 * 4  # the first step's tokens
+    most_held = 0
+    while h.loop.has_work():
+        h.step()
+        if seq.seq_id in h.pool.seqs:
+            mirrored = h.pool.seqs[seq.seq_id]
+            most_held = max(most_held, len(mirrored.blocks) - mirrored.holes)
+    assert seq.finish_reason == "length" and seq.num_generated == 5 and seq.preemptions == 0
+    assert most_held <= window_blocks(4, 8 + 8)
+    h.assert_all_done()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_random_windowed_workloads_finish_with_every_block_back(pipelined: bool) -> None:
-    slid = 0
+    slid = held_in_part = 0
     for seed in range(RANDOM_SEEDS):
         rng = random.Random(seed)
-        block_size, window = rng.choice([2, 4]), rng.randint(1, 12)
+        block_size, window, budget = rng.choice([2, 4]), rng.randint(1, 12), rng.choice([4, 8, 16])
         h = windowed(
             window,
-            num_blocks=window_blocks(block_size, window) + rng.randint(2, 8),  # sequences grow past the pool
+            # sequences grow past the pool, and prompts can be longer than it
+            num_blocks=window_blocks(block_size, window + budget) + rng.randint(2, 8),
+            max_num_batched_tokens=budget,
             block_size=block_size,
             max_num_seqs=4,
             pipelined=pipelined,
@@ -83,14 +103,20 @@ def test_random_windowed_workloads_finish_with_every_block_back(pipelined: bool)
                     earlier = rng.choice(live).tokens
                     prompt = earlier[: rng.randint(1, min(len(earlier), 12))] + [rng.randint(1, 50) for _ in range(3)]
                 n = rng.randint(1, 3)
-                live.append(h.submit(f"r{step}", rng.randint(1, 12), max_tokens=rng.randint(1, 60), n=n, prompt=prompt))
+                prompt_len = rng.choice([rng.randint(1, 12), rng.randint(1, 120)])
+                live.append(h.submit(f"r{step}", prompt_len, max_tokens=rng.randint(1, 60), n=n, prompt=prompt))
             if live and rng.random() < 0.03:
                 h.abort(rng.choice(live).request)
             if step >= 40 and not h.scheduler.has_work():
                 break
-            h.step()
+            record = h.step()
             slid += sum(s.holes for s in h.pool.seqs.values())
+            held_in_part += sum(
+                1
+                for e in record.plan.entries
+                if e.purpose is Purpose.ADMIT and len(e.op.tokens) < 4 * len(e.seq.tokens)
+            )
         h.run()
         h.assert_all_done()
-        assert h.loop.max_seq_tokens > h.scheduler.num_blocks * block_size
-    assert slid > 0
+        assert h.loop.max_seq_tokens > h.scheduler.num_blocks * block_size < h.loop.max_prompt_tokens
+    assert slid > 0 and held_in_part > 0

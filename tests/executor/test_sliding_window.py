@@ -80,3 +80,12 @@ def test_blocks_handed_back_stay_prefix_hits(windowed_model: Path, blockd) -> No
     assert second.cached_tokens == len(prompt)
     assert first.tokens == hf_greedy_ignoring_eos(windowed_model, prompt, 30)
     assert second.tokens == hf_greedy_ignoring_eos(windowed_model, again, 30)
+
+
+def test_a_prompt_longer_than_the_pool_is_served(windowed_model: Path, blockd) -> None:
+    engine = make_engine(windowed_model, blockd.endpoint, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    prompt = random_prompts([250], vocab=512, seed=7)[0]  # 250 tokens in a pool of 192 slots
+    assert engine.loop.max_prompt_tokens > len(prompt) > NUM_BLOCKS * BLOCK_SIZE
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    result = drive(engine, {0: [("long", prompt, params)]})["long"][0]
+    assert result.tokens == hf_greedy_ignoring_eos(windowed_model, prompt, 10)
