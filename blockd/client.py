@@ -408,10 +408,21 @@ class PoolClient:
             seq.blocks.extend(outcome.blocks)
             self._hold(outcome.blocks)
         elif type(op) is p.Admit:
+            holes = 0
             for b, gen in zip(outcome.blocks, outcome.generations, strict=False):
-                gens[b] = gen
+                if b == HOLE:  # (leading only)
+                    holes += 1
+                else:
+                    gens[b] = gen
+            registered = len(op.tokens) // TOKEN_BYTES
+            if op.hold is not None:  # (blockd's rule: the cached prefix and `hold` tokens past it)
+                registered = min(registered, outcome.num_cached_tokens + max(op.hold, 1))
             self.seqs[op.seq_id] = MirroredSequence(
-                bytearray(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt
+                bytearray(op.tokens[: registered * TOKEN_BYTES]),
+                list(outcome.blocks),
+                outcome.num_cached_tokens,
+                op.cache_salt,
+                holes=holes,
             )
             self._hold(outcome.blocks)
         elif type(op) is p.Commit:

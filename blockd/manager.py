@@ -255,7 +255,7 @@ class BlockManager:
                 if type(op) is p.Append:
                     append(pool.append(op.seq_id, op.tokens, op.reserve))
                 elif type(op) is p.Admit:
-                    append(pool.admit(op.seq_id, op.tokens, op.cache_salt, reuse_prefix=op.reuse_prefix))
+                    append(pool.admit(op.seq_id, op.tokens, op.cache_salt, reuse_prefix=op.reuse_prefix, hold=op.hold))
                 elif type(op) is p.Commit:
                     append(p.CommitResult(pool.commit(op.seq_id, op.num_computed_tokens)))
                 elif type(op) is p.Free:

@@ -115,7 +115,7 @@ class SeqState(msgspec.Struct):
 
 
 class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
-    blocks: list[int]  # the whole block table
+    blocks: list[int]  # the whole block table (leading HOLEs: a cached prefix's blocks no query reads)
     generations: list[int]  # generation of each block of the table
     num_cached_tokens: int  # prompt tokens whose KV is already there (cached prefix)
 
@@ -297,21 +297,46 @@ class BlockPool:
     # --------------------------------------------------------------------------------------- operations
 
     def cached_prefix_blocks(self, hashes: Sequence[bytes], limit: int) -> list[int]:
-        """Blocks of the longest indexed chain among the first `limit` hashes."""
-        blocks: list[int] = []
+        """The table of the longest cached prefix among the first `limit` hashes: its indexed chain. With a
+        sliding window only the blocks the prefix's first query after it reads need be there (a block's hash
+        names its whole prefix, not the blocks before it): the others are HOLE. Its last block is always
+        indexed (a window of one reads none before a query's own key: no prefix is cached that no block holds)."""
         index = self.index
-        for h in hashes[:limit]:
+        window = self.spec.sliding_window
+        if window is None:
+            blocks: list[int] = []
+            for h in hashes[:limit]:
+                b = index.get(h)
+                if b is None:
+                    break
+                blocks.append(b)
+            return blocks
+        bs = self.block_size
+        found: list[int | None] = []
+        best = run_start = 0  # (run_start: where the indexed run ending at the current block starts)
+        for i, h in enumerate(hashes[:limit]):
             b = index.get(h)
+            found.append(b)
             if b is None:
-                break
-            blocks.append(b)
-        return blocks
+                run_start = i + 1
+            elif run_start <= dead_blocks(bs, window, (i + 1) * bs):
+                best = i + 1
+        holes = min(dead_blocks(bs, window, best * bs), max(best - 1, 0))
+        return [HOLE] * holes + [b for b in found[holes:best] if b is not None]
 
     def admit(
-        self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None, *, reuse_prefix: bool = True
+        self,
+        seq_id: str,
+        tokens: TokenIds,
+        cache_salt: str | None = None,
+        *,
+        reuse_prefix: bool = True,
+        hold: int | None = None,
     ) -> AdmitResult:
         """Give a new sequence blocks for its whole prompt, reusing the longest cached prefix (unless
         `reuse_prefix` is False: then every token is computed, and its blocks are still committed as usual).
+        With `hold`, only the prompt's first `hold` tokens past the cached prefix are registered (and given
+        blocks): the executor appends the rest as its prefill reaches them (a sliding window's long prompt).
 
         At least the prompt's last token is left to compute (its logits are needed), so a fully cached prompt
         reuses all but its last block. All or nothing: if blocks are missing, nothing changes.
@@ -322,7 +347,7 @@ class BlockPool:
         if n == 0:
             raise BlockdError(ErrorCode.INVALID_REQUEST, "a sequence needs at least one prompt token")
         bs = self.block_size
-        if n > self.num_blocks * bs:  # checked before hashing: the whole pool could never hold it
+        if (n if hold is None else hold) > self.num_blocks * bs:  # before hashing: the pool could never hold it
             self.counters.admit_failures += 1
             raise BlockdError(
                 ErrorCode.TOO_MANY_TOKENS,
@@ -333,8 +358,12 @@ class BlockPool:
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs) if reuse_prefix else []
         refcount = self.refcount
         cached = len(hits) * bs
+        if hold is not None and cached + hold < n:
+            n = cached + max(hold, 1)  # (the hashes of tokens not registered yet are not kept)
+            packed, hashes = packed[: n * _TOKEN_BYTES], hashes[: n // bs]
         needed = growth(bs, cached, n - cached, len(hits)).blocks
-        reclaimed = sum(1 for b in hits if refcount[b] == 0)  # cached-free hits leave the free queue
+        holes = _leading_holes(hits)
+        reclaimed = sum(1 for b in hits[holes:] if refcount[b] == 0)  # cached-free hits leave the free queue
         counters = self.counters
         available = len(self.free_queue) - reclaimed
         if needed > available:
@@ -342,14 +371,14 @@ class BlockPool:
             raise self._shortfall(needed, available, f"admitting {seq_id!r}")
         free = self.free_queue
         journal = self.journal
-        for i, b in enumerate(hits):
+        for i, b in enumerate(hits[holes:], holes):
             if refcount[b] == 0:
                 del free[b]
                 if journal is not None:  # a cached prefix proved useful: persistence records its recency
                     journal[b] = (hashes[i], self.generation[b], self._clock)
             refcount[b] += 1
         table = hits + self._allocate(needed)
-        self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra)
+        self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra, holes=holes)
         full_blocks = n // bs
         counters.admits += 1
         counters.queried_blocks += full_blocks
@@ -358,7 +387,7 @@ class BlockPool:
         counters.hit_tokens += cached
         counters.granted_blocks += needed
         generation = self.generation
-        return AdmitResult(table, [generation[b] for b in table], cached)
+        return AdmitResult(table, [0 if b == HOLE else generation[b] for b in table], cached)
 
     def append(self, seq_id: str, tokens: TokenIds, reserve: int = 0) -> AppendResult:
         """Register `tokens` after the sequence's current tokens (they fill its reserved slots first), and keep

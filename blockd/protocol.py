@@ -52,6 +52,7 @@ class Admit(msgspec.Struct, tag="admit"):
     tokens: PackedTokens
     cache_salt: str | None = None
     reuse_prefix: bool = True  # False: no prefix hit, every token is computed (e.g. for prompt logprobs)
+    hold: Count | None = None  # register only this many tokens past the cached prefix (blockd.pool.admit)
 
 
 class Append(msgspec.Struct, tag="append", omit_defaults=True):

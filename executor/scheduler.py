@@ -414,12 +414,16 @@ class Scheduler:
         for seq in self.waiting:
             if free_slots <= 0 or budget <= 0:
                 break
-            tokens = seq.tokens
-            worst = growth(self.block_size, 0, len(tokens), 0).blocks
+            hold = None
+            worst = growth(self.block_size, 0, len(seq.tokens), 0).blocks
             if worst > free - self.watermark and self.sliding_window is not None:
-                # A window: its prompt's later blocks can come as its prefill reaches them (`_hold_end`).
-                tokens = tokens[: self.max_num_batched_tokens]
-                worst = growth(self.block_size, 0, len(tokens), 0).blocks
+                # A window: its prompt is held a step's tokens past its cached prefix at first, the later blocks
+                # taken as its prefill reaches them (`_hold_end`).
+                hold = self.max_num_batched_tokens
+                # Fresh blocks for those tokens, and the cached-free blocks a hit takes back from the free queue:
+                # at most those the first query past the hit reads (blockd.pool.cached_prefix_blocks).
+                reclaimed = max(1, -(-(self.sliding_window - 1) // self.block_size))
+                worst = growth(self.block_size, 0, min(len(seq.tokens), hold), 0).blocks + reclaimed
             if worst > free - self.watermark:
                 break  # first come, first served: nobody overtakes the head of the queue
             request = seq.request
@@ -431,7 +435,8 @@ class Scheduler:
                 if owner is not None and self._shared_tokens(seq, owner) > owner.committed_tokens:
                     continue  # its prefix is being computed for another: admitted once that is committed, a hit
                 pending.setdefault(key, seq)
-            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(tokens), request.cache_salt, reuse))
+            admit = p.Admit(seq.seq_id, pack_tokens(seq.tokens), request.cache_salt, reuse, hold)
+            plan.add(Purpose.ADMIT, seq, admit)
             free -= worst
             free_slots -= 1
             budget -= 1

@@ -127,27 +127,29 @@ class Model:
 
     # ---- operations
 
-    def admit(self, sid: str, tokens: list[int], salt: str | None) -> tuple[list[int], list[int], int]:
+    def admit(
+        self, sid: str, tokens: list[int], salt: str | None, hold: int | None = None
+    ) -> tuple[list[int], list[int], int]:
         if sid in self.seqs:
             raise ModelError(ErrorCode.SEQUENCE_EXISTS)
         n = len(tokens)
         if n == 0 or any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
-        if n > self.n * self.bs:  # more than the whole pool holds: refused before any hashing
+        if (n if hold is None else hold) > self.n * self.bs:  # more than the whole pool holds: refused at once
             self.counters["admit_failures"] += 1
             raise ModelError(ErrorCode.TOO_MANY_TOKENS)
-        hits = []
-        for i in range((n - 1) // self.bs):
-            b = self.find(self.block_key(salt, tokens, i))
-            if b is None:
-                break
-            hits.append(b)
+        hits = self.hits(tokens, salt)
+        if hold is not None and len(hits) * self.bs + hold < n:  # only `hold` tokens past the hit registered
+            tokens = tokens[: len(hits) * self.bs + max(hold, 1)]
+            n = len(tokens)
         needed = -(-n // self.bs) - len(hits)
-        available = len(self.free) - len([b for b in hits if self.refcount[b] == 0])
+        available = len(self.free) - len([b for b in hits if b != HOLE and self.refcount[b] == 0])
         if needed > available:
             self.counters["admit_failures"] += 1
             raise ModelError(ErrorCode.OUT_OF_BLOCKS, needed - available)
         for b in hits:
+            if b == HOLE:
+                continue
             if self.refcount[b] == 0:
                 self.free.remove(b)
             self.refcount[b] += 1
@@ -160,7 +162,24 @@ class Model:
         c["queried_tokens"] += n
         c["hit_tokens"] += len(hits) * self.bs
         c["granted_blocks"] += needed
-        return table, [self.generation[b] for b in table], len(hits) * self.bs
+        return table, [0 if b == HOLE else self.generation[b] for b in table], len(hits) * self.bs
+
+    def dead(self, num_computed: int, limit: int) -> int:
+        """Leading blocks (at most `limit`) whose last slot a query at `num_computed` no longer sees."""
+        dead = 0
+        while dead < limit and self.window is not None and num_computed - ((dead + 1) * self.bs - 1) >= self.window:
+            dead += 1
+        return dead
+
+    def hits(self, tokens: list[int], salt: str | None) -> list[int]:
+        """The longest cached prefix's table: every block the first query after it still reads is indexed (all of
+        them, without a window); the ones before are holes."""
+        for cached in range((len(tokens) - 1) // self.bs if tokens else 0, 0, -1):
+            holes = self.dead(cached * self.bs, cached - 1)  # its last block is always indexed
+            found = [self.find(self.block_key(salt, tokens, i)) for i in range(holes, cached)]
+            if None not in found:
+                return [HOLE] * holes + found
+        return []
 
     def append(self, sid: str, tokens: list[int], reserve: int = 0) -> tuple[tuple, tuple, tuple, tuple]:
         seq = self.seq(sid)
@@ -259,9 +278,7 @@ class Model:
         if not 0 <= num_computed <= len(seq.tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
         # A block is dead when its last slot is: the first query still to come (at num_computed) no longer sees it.
-        dead = 0
-        while dead < len(seq.table) and num_computed - ((dead + 1) * self.bs - 1) >= self.window:
-            dead += 1
+        dead = self.dead(num_computed, len(seq.table))
         released = self.release(seq.table[:dead])
         seq.table[:dead] = [HOLE] * dead
         return released
@@ -269,12 +286,7 @@ class Model:
     def lookup(self, tokens: list[int], salt: str | None) -> int:
         if any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
-        hits = 0
-        for i in range((len(tokens) - 1) // self.bs if tokens else 0):
-            if self.find(self.block_key(salt, tokens, i)) is None:
-                break
-            hits += 1
-        return hits * self.bs
+        return len(self.hits(tokens, salt)) * self.bs
 
     def reset(self) -> int:
         dropped = len(self.index)
@@ -388,13 +400,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert got == want
         return got
 
-    def _admit(self, sid: str, tokens: list[int], salt: str | None) -> None:
+    def _admit(self, sid: str, tokens: list[int], salt: str | None, hold: int | None = None) -> None:
         expected_hit = self._lookup(tokens, salt)  # lookup reports what admit will hit
         free_before = set(self.pool.free_queue)
         out = self.both(
-            f"admit({sid!r}, {tokens}, {salt!r})",
-            lambda: self.pool.admit(sid, tokens, salt),
-            lambda: self.model.admit(sid, tokens, salt),
+            f"admit({sid!r}, {tokens}, {salt!r}, hold={hold})",
+            lambda: self.pool.admit(sid, tokens, salt, hold=hold),
+            lambda: self.model.admit(sid, tokens, salt, hold),
         )
         if isinstance(out, tuple):
             self.slid.pop(sid, None)
@@ -407,7 +419,7 @@ class PoolMachine(RuleBasedStateMachine):
                 event("admit: prefix hit")
                 if free_before & set(got.blocks[: cached // self.pool.block_size]):
                     event("admit: hit on a cached-free block")
-            self.history.append((list(tokens), salt))
+            self.history.append((self.model.seqs[sid].tokens[:], salt))
         elif out.code == ErrorCode.INVALID_REQUEST:
             event("admit: invalid request")
 
@@ -418,7 +430,9 @@ class PoolMachine(RuleBasedStateMachine):
             tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(st.sampled_from([-1, 2**32, 2**40]))
         elif data.draw(st.integers(0, 29)) == 29:
             tokens = []
-        self._admit(self.draw_new_id(data), tokens, salt)
+        # Now and then a prompt held in part (a sliding window's long prompt: the rest is appended later).
+        hold = data.draw(st.sampled_from([None, None, None, 0, 1, 3]))
+        self._admit(self.draw_new_id(data), tokens, salt, hold)
 
     def op_admit_sharing_prefix(self, data: st.DataObject) -> None:
         """A prompt that shares a prefix with an indexed one or one seen before, usually under the same salt."""

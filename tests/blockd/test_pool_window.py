@@ -44,9 +44,27 @@ def test_slid_blocks_are_freed_like_a_free_and_stay_hits_until_evicted() -> None
     pool.commit("a", 16)
     pool.slide("a", 16)  # the query at 16 reads 11..16: blocks 0 and 1 are dead
     assert list(pool.free_queue) == [4, 5, 1, 0]  # uncached first, then tail first (as a free releases)
-    r = pool.admit("b", [*range(16), 7])  # the whole chain is a hit, slid blocks reclaimed
-    assert r.num_cached_tokens == 16 and r.blocks[:4] == [0, 1, 2, 3]
+    r = pool.admit("b", [*range(16), 7])  # a hit on the whole prompt: its first query (at 16) reads blocks 2-3
+    assert r.num_cached_tokens == 16 and r.blocks[:4] == [HOLE, HOLE, 2, 3]
+    assert pool.seqs["b"].holes == 2 and pool.check() == []
+
+
+def test_a_prefix_is_a_hit_while_the_blocks_its_next_query_reads_are_cached() -> None:
+    pool = window_pool(num_blocks=8)  # blocks of 4, window 6
+    prompt = list(range(20))
+    pool.admit("a", prompt)
+    pool.commit("a", 20)
+    pool.free("a")  # all five blocks cached, tail first: block 0 is the most recently freed
+    pool.admit("x", [99] * 13)  # four blocks: the three uncached, then the least recently freed (block 4)
+    assert pool.lookup([*prompt, 1]) == 16  # without block 4 the prompt's first 16 tokens still hit
+    r = pool.admit("b", [*prompt[:16], 5, 6])  # its first query after them reads keys 11..16: blocks 2 and 3
+    assert r.num_cached_tokens == 16 and r.blocks[:4] == [HOLE, HOLE, 2, 3]
     assert pool.check() == []
+    plain = window_pool(window=None)
+    plain.admit("a", prompt)
+    plain.commit("a", 20)
+    plain.free("a")
+    assert plain.lookup([*prompt, 1]) == 20  # without a window every block of the chain must be there
 
 
 def test_commit_skips_holes_and_still_hashes_from_tokens() -> None:
@@ -55,7 +73,7 @@ def test_commit_skips_holes_and_still_hashes_from_tokens() -> None:
     pool.slide("a", 9)  # never committed: the released blocks hold no prefix
     assert pool.seqs["a"].table[:2] == [HOLE, HOLE]
     assert pool.commit("a", 12) == 1  # only block 2 enters the index, hashed from the tokens
-    assert pool.lookup([*range(12), 5]) == 0  # its chain's head is gone
+    assert pool.lookup([*range(12), 5]) == 12  # the query at 12 reads keys 11-12 only: block 2 is the hit
     assert pool.check() == []
 
 

@@ -89,3 +89,23 @@ def test_a_prompt_longer_than_the_pool_is_served(windowed_model: Path, blockd) -
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     result = drive(engine, {0: [("long", prompt, params)]})["long"][0]
     assert result.tokens == hf_greedy_ignoring_eos(windowed_model, prompt, 10)
+
+
+def test_a_prefix_whose_head_was_evicted_is_a_hit_on_the_blocks_its_window_reads(windowed_model: Path, blockd) -> None:
+    # 12 blocks of 8: a 100-token sequence evicts its own first blocks as it grows.
+    engine = make_engine(
+        windowed_model, blockd.endpoint, num_blocks=12, block_size=BLOCK_SIZE, max_num_batched_tokens=16
+    )
+    prompt = random_prompts([40], vocab=512, seed=8)[0]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    first = drive(engine, {0: [("first", prompt, params)]})["first"][0]
+    assert engine.pool.client.stats(engine.pool.pool_id).pools[0].counters.evictions > 0
+    # The first 96 of its tokens again: the query after them reads keys 73.., which the last blocks it freed hold.
+    seen = [*prompt, *first.tokens]
+    again = [*seen[:96], 1, 2, 3]
+    second = drive(engine, {0: [("again", again, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]})
+    # (checked against transformers only now: an idle engine of this harness sends no heartbeats, and blockd
+    # drops the index of a pool silent past its lease)
+    assert second["again"][0].cached_tokens == 96
+    assert first.tokens == hf_greedy_ignoring_eos(windowed_model, prompt, 60)
+    assert second["again"][0].tokens == hf_greedy_ignoring_eos(windowed_model, again, 8)
