@@ -124,12 +124,11 @@ class PagedCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config, device=device, dtype=dtype)
-        self.rotary = nn.ModuleDict(
-            {
-                name: Rotary(config.rope(name), config.head_dim, config.max_model_len, device)
-                for name in config.rope_names
-            }
-        )
+        # The global layers' table; Gemma 3's sliding layers have their own base (`local_rotary`).
+        self.rotary = Rotary(config.rope("global"), config.head_dim, config.max_model_len, device)
+        self.local_rotary: Rotary | None = None
+        if "local" in config.rope_names:
+            self.local_rotary = Rotary(config.rope("local"), config.head_dim, config.max_model_len, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -149,7 +148,7 @@ class PagedCausalLM(nn.Module):
         if self.embed_scale is not None:
             h = h * self.embed_scale
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            rotary = self.rotary[layer.self_attn.rope]
+            rotary = self.local_rotary if layer.self_attn.rope == "local" else self.rotary
             h, delta = layer(h, delta, batch, rotary, kv_cache, backend, check=i == 0)  # check metadata once
         rows = batch.logits_indices  # only the rows that sample: the norm is per row
         _, h = self.model.norm(h[rows], None if delta is None else delta[rows])

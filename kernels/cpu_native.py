@@ -36,7 +36,7 @@ from common.home import pagedkv_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-ABI = 4
+ABI = 5
 CHOICE_ENV = "PAGEDKV_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -104,7 +104,7 @@ def _load() -> ctypes.CDLL:
     fn = lib.pagedkv_decode_attention
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, i32]
+    fn.argtypes += [ctypes.c_float, i32, i32, ctypes.c_float, ptr]
     lib.pagedkv_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
     lib.pagedkv_silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.pagedkv_rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
@@ -175,11 +175,16 @@ def decode_attention(
     seqs: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[tokens[i]] = attention of q[tokens[i]] over sequence seqs[i]'s first seq_lens[seqs[i]] cached positions.
 
     q [T, h, d] and out [T, h, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] contiguous, of one
-    dtype in `_DTYPES`; block_tables [S, W] and seq_lens [S] int32; tokens and seqs [R] int64."""
+    dtype in `_DTYPES`; block_tables [S, W] and seq_lens [S] int32; tokens and seqs [R] int64. The options are
+    `kernels.dispatch.paged_attention`'s; sinks float32 contiguous [h]."""
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
     _require(q.dtype == out.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous(), "q, out")
@@ -191,6 +196,10 @@ def decode_attention(
     )
     _require(tokens.dtype == seqs.dtype == torch.int64 and tokens.shape == seqs.shape, "rows")
     _require(tokens.is_contiguous() and seqs.is_contiguous(), "rows not contiguous")
+    _require(sliding_window is None or sliding_window >= 1, "sliding_window")
+    _require(softcap is None or 0 < softcap < float("inf"), "softcap")
+    if sinks is not None:
+        _require(sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == q.shape[1:2], "sinks")
     status = lib.pagedkv_decode_attention(
         q.data_ptr(),
         key_cache.data_ptr(),
@@ -212,6 +221,9 @@ def decode_attention(
         head_dim,
         scale,
         torch.get_num_threads(),
+        min(sliding_window or 0, 2**31 - 1),  # a window past any int32 length is no window
+        softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
     )
     _raise_on(status, "decode attention")
 

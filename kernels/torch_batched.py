@@ -7,11 +7,14 @@ padded to each group's longest, masked. The gather copies whole blocks (one `ind
 a contiguous copy per block: 3-5x faster than indexing every slot); padding table entries read the sequence's
 own first block, and every gathered slot past a row's length is zeroed before SDPA (masked out, but 0 x NaN would
 still reach the sum), so whatever stale values or NaN unused slots hold never matter. Prefill chunks (several query
-tokens) are few per step: one SDPA call each, the causal mask offset by the cached prefix. Tested against the
-float64 reference.
+tokens) are few per step: one SDPA call each, the causal mask offset by the cached prefix. With a sliding window
+each row gathers from its first visible block (the ones before may have been freed); a softcap or sinks, which SDPA
+cannot express, take explicit scores instead. Tested against the float64 reference.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,19 @@ def write_kv(
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 
 
+@dataclass(frozen=True)
+class Options:
+    """paged_attention's optional features (see `kernels.dispatch`); a call without any passes None instead."""
+
+    sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+    def first_block(self, kv_len: int, q_len: int, block_size: int) -> int:
+        """The sequence's first block any of its queries sees: the ones before it are never read."""
+        return reference.first_visible(kv_len, q_len, self.sliding_window) // block_size
+
+
 def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -48,33 +64,24 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if sliding_window is not None or softcap is not None or sinks is not None:  # interim: the batched forms follow
-        return reference.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            scale,
-            out,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-        )
+    options = None
+    if sliding_window is not None or softcap is not None or sinks is not None:
+        options = Options(sliding_window, softcap, sinks)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     lib = cpu_native.library() if decode and cpu_native.supports(key_cache, q.shape[1]) else None
     if lib is not None:
-        _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, decode, scale, out)
+        _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, decode, scale, out, options)
     else:
-        for rows in _length_groups(decode, lens):
-            _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out)
+        block_size = key_cache.shape[1]
+        spans = lens if options is None else [n - options.first_block(n, 1, block_size) * block_size for n in lens]
+        for rows in _length_groups(decode, spans):
+            _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out, options)
     for i in range(len(lens)):
         q_len = starts[i + 1] - starts[i]
         if q_len > 1:
-            _prefill_chunk(q, key_cache, value_cache, block_tables[i], starts[i], q_len, lens[i], scale, out)
+            _prefill_chunk(q, key_cache, value_cache, block_tables[i], starts[i], q_len, lens[i], scale, out, options)
     return out
 
 
@@ -83,12 +90,13 @@ def paged_attention(
 GROUP_POSITIONS = 4096
 
 
-def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
-    """Decode rows sorted by context length and cut into calls of bounded padded size (and little padding)."""
+def _length_groups(rows: list[int], spans: list[int]) -> list[list[int]]:
+    """Decode rows sorted by the positions each reads (`spans`) and cut into calls of bounded padded size (and
+    little padding)."""
     groups: list[list[int]] = []
     current: list[int] = []
-    for i in sorted(rows, key=lens.__getitem__):
-        if current and (len(current) + 1) * lens[i] > GROUP_POSITIONS:
+    for i in sorted(rows, key=spans.__getitem__):
+        if current and (len(current) + 1) * spans[i] > GROUP_POSITIONS:
             groups.append(current)
             current = []
         current.append(i)
@@ -97,7 +105,7 @@ def _length_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, rows, scale, out) -> None:
+def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, rows, scale, out, options) -> None:
     """The decode rows by the native kernel, which reads blocks in place (`kernels.cpu_native`)."""
     seqs = torch.tensor(rows, dtype=torch.int64)
     # Rows in order of their first block: rows sharing a cached prefix run back to back (work items are taken in
@@ -107,6 +115,10 @@ def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_len
     direct = out.dtype == torch.float32 and out.is_contiguous()
     q32 = q.to(torch.float32).contiguous()
     target = out if direct else torch.empty_like(q32)
+    extra = {}
+    if options is not None:
+        sinks = None if options.sinks is None else options.sinks.to(torch.float32).contiguous()
+        extra = dict(sliding_window=options.sliding_window, softcap=options.softcap, sinks=sinks)
     cpu_native.decode_attention(
         lib,
         q32,
@@ -118,54 +130,83 @@ def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_len
         seqs,
         scale,
         target,
+        **extra,
     )
     if not direct:
         out[tokens] = target[tokens].to(out.dtype)
 
 
-def _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out) -> None:
+def _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out, options) -> None:
     block_size = key_cache.shape[1]
     device, dtype = q.device, torch.promote_types(q.dtype, torch.float32)
     row_lens = torch.tensor([lens[i] for i in rows], device=device)
-    span_blocks = -(-max(lens[i] for i in rows) // block_size)
+    # Each row's blocks from its first visible one (0 without a window): those before it are never read.
+    first = [0 if options is None else options.first_block(lens[i], 1, block_size) for i in rows]
+    span_blocks = max(-(-lens[i] // block_size) - f for i, f in zip(rows, first, strict=True))
+    first_t = torch.tensor(first, device=device)[:, None]
+    columns = first_t + torch.arange(span_blocks, device=device)[None, :]  # [R, B] block-table columns
+    owned = columns * block_size < row_lens[:, None]
+    columns = torch.where(owned, columns, first_t)  # padding entries read the row's first visible block
     # Whole blocks, one contiguous copy each (an index_select over the block dim), not one index per slot.
-    tables = block_tables[torch.tensor(rows, device=device), :span_blocks].to(torch.int64)  # [R, B]
-    owned = torch.arange(span_blocks, device=device)[None, :] * block_size < row_lens[:, None]
-    tables = torch.where(owned, tables, tables[:, :1])  # padding entries read the sequence's first block
-    positions = torch.arange(span_blocks * block_size, device=device)
-    visible = positions[None, :] < row_lens[:, None]  # [R, L]
-    hidden = (~visible).nonzero(as_tuple=True)  # (rows, positions) past each row's length
+    tables = block_tables[torch.tensor(rows, device=device)[:, None], columns].to(torch.int64)  # [R, B]
+    positions = first_t * block_size + torch.arange(span_blocks * block_size, device=device)[None, :]  # [R, L]
+    visible = positions < row_lens[:, None]
+    if options is not None and options.sliding_window is not None:
+        visible &= positions >= row_lens[:, None] - options.sliding_window
+    hidden = (~visible).nonzero(as_tuple=True)  # (rows, positions) past each row's length or before its window
     k = _gather_blocks(key_cache, tables, hidden).transpose(1, 2).to(dtype)  # [R, hkv, L, d]
     v = _gather_blocks(value_cache, tables, hidden).transpose(1, 2).to(dtype)
     token_rows = torch.tensor([starts[i] for i in rows], device=device)
     qs = q[token_rows].to(dtype).unsqueeze(2)  # [R, h, 1, d]
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+    o = _attend(qs, k, v, visible[:, None, :], scale, options)
     out[token_rows] = o.squeeze(2).to(out.dtype)
 
 
 def _gather_blocks(
     cache: torch.Tensor, tables: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """The blocks of `tables` [R, B] as [R, B * block_size, hkv, d], the `hidden` slots (past each row's length)
-    zeroed: they are masked out, but unwritten slots may hold anything (NaN included), and 0 x NaN would reach
-    the sum."""
+    """The blocks of `tables` [R, B] as [R, B * block_size, hkv, d], the `hidden` slots (masked out) zeroed:
+    unwritten slots may hold anything (NaN included), and 0 x NaN would reach the sum."""
     rows, span = tables.shape
     gathered = cache.index_select(0, tables.reshape(-1)).view(rows, span * cache.shape[1], *cache.shape[2:])
     return gathered.index_put_(hidden, gathered.new_zeros(()))
 
 
-def _prefill_chunk(q, key_cache, value_cache, table, begin, q_len, kv_len, scale, out) -> None:
+def _prefill_chunk(q, key_cache, value_cache, table, begin, q_len, kv_len, scale, out, options) -> None:
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     dtype = torch.promote_types(q.dtype, torch.float32)
-    blocks = table[: -(-kv_len // block_size)].to(torch.int64)  # whole blocks: one contiguous copy each
-    k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1).to(dtype)
-    v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_len].transpose(0, 1).to(dtype)
+    first = 0 if options is None else options.first_block(kv_len, q_len, block_size)
+    blocks = table[first : -(-kv_len // block_size)].to(torch.int64)  # whole blocks: one contiguous copy each
+    kv_span = kv_len - first * block_size
+    k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_span].transpose(0, 1).to(dtype)
+    v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:kv_span].transpose(0, 1).to(dtype)
     # With a batch dim of 1 ([1, h, q, d]): the 3-d form takes a slower SDPA path on the CPU (2x here)
     qs, k, v = q[begin : begin + q_len].to(dtype).transpose(0, 1)[None], k[None], v[None]
-    if q_len == kv_len:  # no cached prefix: plain causal, SDPA's own mask (and its flash kernel)
+    if q_len == kv_len and options is None:  # no cached prefix: plain causal, SDPA's own mask (and its flash kernel)
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # the causal mask offset by the cached prefix
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # [q, kv]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    else:  # the causal mask offset by the cached prefix (and the window)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        k_pos = torch.arange(first * block_size, kv_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos  # [q, kv]
+        if options is not None and options.sliding_window is not None:
+            visible &= q_pos - k_pos < options.sliding_window
+        o = _attend(qs, k, v, visible[None], scale, options)
     out[begin : begin + q_len] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _attend(qs, k, v, visible, scale, options) -> torch.Tensor:
+    """Attention of qs [B, h, q, d] over k, v [B, hkv, L, d] where visible [B or 1, q, L]: SDPA, or with a softcap
+    or sinks (which SDPA has no form for) the explicit scores, capped, masked, the sinks a softmax column."""
+    if options is None or (options.softcap is None and options.sinks is None):
+        return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    batch, heads, q_len, head_dim = qs.shape
+    kv_heads = k.shape[1]
+    qg = qs.view(batch, kv_heads, heads // kv_heads, q_len, head_dim)  # group heads share one kv head
+    scores = reference.softcapped(torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scale, options.softcap)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    if options.sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = options.sinks.to(scores.dtype).view(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhgqk,bhkd->bhgqd", probs, v).reshape(batch, heads, q_len, head_dim)

@@ -19,6 +19,12 @@ Softmax runs online in the log2 domain (exp2 with scale * log2(e) folded into th
 float32; dot operands stay in the cache dtype (fp16/bf16 tensor cores) with float32 accumulation,
 and float32 caches use IEEE-precision dots rather than TF32.
 
+Options are compile-time switches, so a call without them runs the kernel it always did. A sliding window
+starts each tile's KV range at the lowest position its first row sees (keys before it, and their blocks, are
+never loaded nor looked up: they may have been freed), adds a masked head segment for the keys some rows of the
+tile no longer see, and masks p - k >= window in masked tiles. A softcap maps the scaled scores through
+cap * tanh(. / cap) before the mask. Sinks join the denominator at the end (or in the split reduce).
+
 Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
 """
 
@@ -56,6 +62,16 @@ def _find_sequence(query_start_ptr, tile_id, num_seqs, search_steps, BLOCK_Q: tl
 
 
 @triton.jit
+def _softcapped_log2(s, cap_pre, cap_post):
+    """cap * tanh(x / cap) * log2(e) of x = s / scale, given cap_pre = scale / cap and cap_post = cap * log2(e):
+    tanh(y) = sign(y) (1 - t) / (1 + t) with t = e^(-2|y|) <= 1, which cannot overflow."""
+    y = s * cap_pre
+    t = tl.exp2(tl.abs(y) * (-2.0 * 1.4426950408889634))
+    tanh = (1.0 - t) / (1.0 + t)
+    return tl.where(y < 0, -tanh, tanh) * cap_post
+
+
+@triton.jit
 def _attend_tile(
     acc,
     m_i,
@@ -64,6 +80,10 @@ def _attend_tile(
     q_pos,
     kv_start,
     kv_stop,
+    kv_lo,
+    window,
+    cap_pre,
+    cap_post,
     k_cache_ptr,
     v_cache_ptr,
     block_table_row_ptr,
@@ -77,13 +97,18 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold KV positions [kv_start, kv_start + BLOCK_N) into the running (acc, max, sum).
 
     MASKED=False is the hot path for tiles every row may fully see (no bounds or causal mask on K/V).
+    With SLIDING, positions below kv_lo are neither loaded nor looked up in the block table.
     """
     kv = kv_start + tl.arange(0, BLOCK_N)
     kv_valid = kv < kv_stop
+    if SLIDING:
+        kv_valid = kv_valid & (kv >= kv_lo)
     rows = paged_token_offsets(block_table_row_ptr, kv, kv_valid, BLOCK_SIZE, stride_block, stride_token)
     offsets = (rows + head_offset)[:, None] + offs_d[None, :]  # K and V caches share strides
     if MASKED:
@@ -93,9 +118,15 @@ def _attend_tile(
         load_mask = d_mask[None, :]
     k = tl.load(k_cache_ptr + offsets, mask=load_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE_DOT else tl.dot(q, tl.trans(k))
-    s = s * qk_scale_log2
+    if SOFTCAP:
+        s = _softcapped_log2(s, cap_pre, cap_post)
+    else:
+        s = s * qk_scale_log2
     if MASKED:
-        s = tl.where(kv_valid[None, :] & (kv[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = kv_valid[None, :] & (kv[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (kv[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps max -inf; subtracting 0 instead avoids inf - inf = NaN.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,7 +153,11 @@ def _paged_attention_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    sinks_ptr,
     qk_scale_log2,
+    window,
+    cap_pre,
+    cap_post,
     num_seqs,
     num_heads,
     search_steps,
@@ -144,6 +179,9 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_P: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == BLOCK_Q * GROUP_P)
     # tl.dot needs every dimension >= 16 on GPUs (the interpreter would not complain).
@@ -178,25 +216,63 @@ def _paged_attention_kernel(
     q_rows = (q_begin + row_tok).to(tl.int64) * stride_q_tok + row_head.to(tl.int64) * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
 
-    # KV range: [0, kv_stop) is what the tile's last row sees, [0, kv_common) what every row sees.
+    # KV range: [kv_lo, kv_stop) is what some row of the tile sees (kv_lo = 0 without a window), [0, kv_common)
+    # what the first row sees and kv_stop - window on what the last row sees.
     last_tok = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
     kv_stop = kv_len - q_len + last_tok + 1
     kv_common = kv_len - q_len + q_tile_start + 1
+    kv_lo = 0
+    if SLIDING:
+        kv_lo = tl.maximum(kv_common - window, 0)
     n_parts = tl.where(use_split, num_splits, 1)
     part = tl.where(use_split, split, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_stop, n_parts), BLOCK_N) * BLOCK_N
-    lo = part * chunk
+    chunk = tl.cdiv(tl.cdiv(kv_stop - kv_lo, n_parts), BLOCK_N) * BLOCK_N
+    lo = kv_lo + part * chunk
     hi = tl.minimum(lo + chunk, kv_stop)
+    # With a window, masked tiles first up to where every row sees the keys (kv_stop - window).
+    head_end = lo
+    if SLIDING:
+        head_end = lo + tl.cdiv(tl.maximum(tl.minimum(hi, kv_stop - window) - lo, 0), BLOCK_N) * BLOCK_N
     # Unmasked tiles: whole BLOCK_N tiles below kv_common. Operands kept >= 0 (GPU int division truncates).
-    full_span = tl.maximum(tl.minimum(hi, kv_common) - lo, 0)
-    full_hi = lo + (full_span // BLOCK_N) * BLOCK_N
+    full_span = tl.maximum(tl.minimum(hi, kv_common) - head_end, 0)
+    full_hi = head_end + (full_span // BLOCK_N) * BLOCK_N
 
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     head_offset = kv_head.to(tl.int64) * stride_head
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
-    for kv_start in range(lo, full_hi, BLOCK_N):
+    if SLIDING:
+        for kv_start in range(lo, head_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                kv_start,
+                hi,
+                kv_lo,
+                window,
+                cap_pre,
+                cap_post,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_table_row_ptr,
+                head_offset,
+                stride_block,
+                stride_token,
+                qk_scale_log2,
+                offs_d,
+                d_mask,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                IEEE_DOT,
+                SLIDING,
+                SOFTCAP,
+            )
+    for kv_start in range(head_end, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc,
             m_i,
@@ -205,6 +281,10 @@ def _paged_attention_kernel(
             q_pos,
             kv_start,
             hi,
+            kv_lo,
+            window,
+            cap_pre,
+            cap_post,
             k_cache_ptr,
             v_cache_ptr,
             block_table_row_ptr,
@@ -218,6 +298,8 @@ def _paged_attention_kernel(
             BLOCK_N,
             False,
             IEEE_DOT,
+            SLIDING,
+            SOFTCAP,
         )
     for kv_start in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -228,6 +310,10 @@ def _paged_attention_kernel(
             q_pos,
             kv_start,
             hi,
+            kv_lo,
+            window,
+            cap_pre,
+            cap_post,
             k_cache_ptr,
             v_cache_ptr,
             block_table_row_ptr,
@@ -241,6 +327,8 @@ def _paged_attention_kernel(
             BLOCK_N,
             True,
             IEEE_DOT,
+            SLIDING,
+            SOFTCAP,
         )
 
     if use_split:
@@ -250,6 +338,12 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part_row, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part_row[:, None] * HEAD_P + offs_d[None, :], acc, mask=row_valid[:, None])
     else:
+        if SINKS:  # the sink joins the denominator: sum and accumulator rescaled to the larger max
+            sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_all)
+            l_i = l_i * alpha + tl.exp2(sink - m_all)
+            acc = acc * alpha[:, None]
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         o_rows = (q_begin + row_tok).to(tl.int64) * stride_o_tok + row_head.to(tl.int64) * stride_o_head
@@ -267,6 +361,7 @@ def _reduce_splits_kernel(
     part_l_ptr,
     part_acc_ptr,
     query_start_ptr,
+    sinks_ptr,
     num_heads,
     num_splits,
     stride_o_tok,
@@ -274,6 +369,7 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_P: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Merge one decode token's per-split (max, sum, acc) for one head into the final output row."""
     seq = tl.program_id(0)
@@ -287,8 +383,14 @@ def _reduce_splits_kernel(
     m = tl.load(part_m_ptr + rows, mask=s_valid, other=float("-inf"))
     row_sum = tl.load(part_l_ptr + rows, mask=s_valid, other=0.0)
     m_max = tl.max(m, 0)  # finite: split 0 always holds at least one token
-    w = tl.exp2(m - m_max)  # empty splits carry max -inf and weigh 0
-    denom = tl.sum(w * row_sum, 0)
+    if SINKS:  # the sink joins the denominator, as one more split with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_max, sink)
+        w = tl.exp2(m - m_all)  # empty splits carry max -inf and weigh 0
+        denom = tl.sum(w * row_sum, 0) + tl.exp2(sink - m_all)
+    else:
+        w = tl.exp2(m - m_max)  # empty splits carry max -inf and weigh 0
+        denom = tl.sum(w * row_sum, 0)
     offs_d = tl.arange(0, HEAD_P)
     acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_P + offs_d[None, :], mask=s_valid[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / denom
@@ -341,22 +443,6 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch paged attention (inputs already validated); writes into and returns `out`."""
-    if sliding_window is not None or softcap is not None or sinks is not None:  # interim: the kernel forms follow
-        from kernels import reference
-
-        return reference.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            scale,
-            out,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-        )
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -365,8 +451,11 @@ def paged_attention(
     group = num_heads // num_kv_heads
     cfg = attention_config(num_tokens, num_seqs, group, head_dim, key_cache.element_size())
     if num_splits is None:
-        # The block-table width bounds the longest sequence without reading lengths back from the GPU.
+        # The block-table width bounds the longest sequence without reading lengths back from the GPU (and a
+        # window what one decode token reads).
         max_kv_len = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_kv_len = min(max_kv_len, sliding_window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_kv_len, num_sms=device_num_sms(q.device))
 
     if num_splits > 1:
@@ -376,6 +465,7 @@ def paged_attention(
     else:
         part_m = part_l = part_acc = torch.empty(1, dtype=torch.float32, device=q.device)  # never touched
 
+    sinks_arg = part_m if sinks is None else sinks  # never read without SINKS
     grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q,
@@ -388,7 +478,11 @@ def paged_attention(
         part_m,
         part_l,
         part_acc,
+        sinks_arg,
         scale * LOG2_E,
+        sliding_window or 0,
+        scale / softcap if softcap is not None else 0.0,
+        softcap * LOG2_E if softcap is not None else 0.0,
         num_seqs,
         num_heads,
         num_seqs.bit_length(),
@@ -410,6 +504,9 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_P=cfg.head_p,
         IEEE_DOT=key_cache.dtype == torch.float32,
+        SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -420,6 +517,7 @@ def paged_attention(
             part_l,
             part_acc,
             query_start_loc,
+            sinks_arg,
             num_heads,
             num_splits,
             out.stride(0),
@@ -427,6 +525,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             HEAD_P=cfg.head_p,
             SPLITS_P=next_power_of_two(num_splits),
+            SINKS=sinks is not None,
             num_warps=4,
         )
     return out

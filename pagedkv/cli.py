@@ -43,6 +43,7 @@ def main() -> None:
     lazy={
         "blockd": "pagedkv.bench.blockd:bench_blockd",
         "kernels": "pagedkv.bench.kernels:bench_kernels",
+        "moe": "pagedkv.bench.moe:bench_moe",
         "capacity": "pagedkv.bench.capacity:bench_capacity",
         "throughput": "pagedkv.bench.throughput:bench_throughput",
         "serve": "pagedkv.bench.serve:bench_serve",

@@ -69,16 +69,20 @@ def _qwen3_moe_windows(raw: dict[str, Any], n: int) -> list[bool]:
     return [bool(raw.get("use_sliding_window"))] * n  # every layer or none: transformers has no per-layer switch
 
 
-def _softmax_moe(experts_key: str, size_key: str, sparse_layers: bool) -> Callable[..., tuple[MoEConfig, list[bool]]]:
+def _softmax_moe(
+    size_key: str, sparse_layers: bool, experts_default: int, top_k_default: int
+) -> Callable[..., tuple[MoEConfig, list[bool]]]:
+    """Mixtral's and Qwen3-MoE's router (softmax over all experts, top-k); the defaults are transformers'."""
+
     def moe(raw: dict[str, Any], path: Path) -> tuple[MoEConfig, list[bool]]:
         n = int(raw["num_hidden_layers"])
-        experts = int(raw.get(experts_key) or raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or experts_default)
         config = MoEConfig(
             num_experts=experts,
-            top_k=int(raw.get("num_experts_per_tok", 2)),
+            top_k=int(raw.get("num_experts_per_tok") or top_k_default),
             intermediate_size=int(raw.get(size_key) or raw["intermediate_size"]),
             router="softmax_topk",
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if sparse_layers else True,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if sparse_layers else True,  # Mixtral: always
             router_bias=False,
             expert_bias=False,
             activation="silu",
@@ -95,7 +99,7 @@ def _softmax_moe(experts_key: str, size_key: str, sparse_layers: bool) -> Callab
 def _gpt_oss_moe(raw: dict[str, Any], path: Path) -> tuple[MoEConfig, list[bool]]:
     config = MoEConfig(
         num_experts=int(raw["num_local_experts"]),
-        top_k=int(raw.get("num_experts_per_tok", 4)),
+        top_k=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
         intermediate_size=int(raw["intermediate_size"]),
         router="topk_softmax",
         norm_topk_prob=False,
@@ -118,10 +122,10 @@ FAMILIES: dict[str, Family] = {
         "qwen3_moe",
         windows=_qwen3_moe_windows,
         qk_norm=True,
-        moe=_softmax_moe("num_experts", "moe_intermediate_size", True),
+        moe=_softmax_moe("moe_intermediate_size", True, 128, 8),
     ),
     "MixtralForCausalLM": Family(
-        "mixtral", eps=1e-5, qkv_bias=_NO_BIAS, output_bias=_NO_BIAS, moe=_softmax_moe("num_local_experts", "", False)
+        "mixtral", eps=1e-5, qkv_bias=_NO_BIAS, output_bias=_NO_BIAS, moe=_softmax_moe("", False, 8, 2)
     ),
     "Gemma2ForCausalLM": Family("gemma2", tied=True, windows=_layer_types(2), default_window=4096, gemma=True),
     "Gemma3ForCausalLM": Family(
@@ -286,6 +290,9 @@ def _activation(raw: dict[str, Any], family: Family, path: Path) -> str:
 
 def _refuse(raw: dict[str, Any], family: Family, path: Path) -> None:
     """Config fields that change the math and are not implemented."""
+    if raw.get("quantization_config"):
+        method = (raw["quantization_config"] or {}).get("quant_method", "?")
+        raise UnsupportedModel(f"{path}: quantized weights (quantization_config, {method}) are not supported")
     if raw.get("mlp_bias"):
         raise UnsupportedModel(f"{path}: MLP biases (mlp_bias) are not supported")
     if raw.get("use_bidirectional_attention"):

@@ -12,6 +12,10 @@
 // slots cannot matter. Accumulation is float32 whatever the cache dtype. Every index is checked before use: a bad
 // table or length makes the call return an error code, never read outside the cache. Rows that share leading
 // blocks (a cached prefix) read them once, as a group (attend_group).
+// Options, each off (and out of the loops' way) when unset: a sliding window (the row sees positions
+// [len - window, len); blocks wholly before that are neither read nor even looked up in the table, since they may
+// have been freed; slots of the first block before it are masked), logit softcapping (scores = cap * tanh(scores
+// / cap), before the mask) and attention sinks (one logit per query head that joins the softmax denominator).
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
@@ -33,6 +37,7 @@ constexpr int kMaxHeads = 64;   // query heads one work item may take whole
 constexpr int kMaxBlock = 256;  // tokens per block
 
 enum Status : int { kOk = 0, kBadShape = 1, kBadBlock = 2, kBadLength = 3, kBadToken = 4 };
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // e^x for x <= 0 (a score minus its running maximum), branch-free so loops over it vectorize: x = n ln2 + r with
 // |r| <= ln2/2, e^r by a degree-6 polynomial (relative error < 2e-7), 2^n put into the exponent bits; x below -87
@@ -65,6 +70,25 @@ inline float exp_any(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+}
+
+// cap * tanh(x / cap), vectorizable: tanh(y) = sign(y) (1 - e) / (1 + e) with e = e^(-2|y|) <= 1 (no overflow).
+// Its absolute error is a few float ulps of 1, so the capped score's is about cap * 1e-7.
+inline float softcap_of(float x, float cap) {
+  const float y = x / cap;
+  const float e = exp_nonpositive(-2.f * std::fabs(y));
+  const float t = (1.f - e) / (1.f + e);
+  return cap * (y < 0.f ? -t : t);
+}
+
+// The options of a call, applied to one block's scores s[0, n) of slots whose first is at position `at`: the
+// softcap, then -inf for slots before `first` (the window's first position; 0 without a window).
+inline void adjust_scores(float* s, int n, int at, int first, float softcap) {
+  if (softcap != 0.f) {
+#pragma omp simd
+    for (int t = 0; t < n; ++t) s[t] = softcap_of(s[t], softcap);
+  }
+  for (int t = 0; t < first - at && t < n; ++t) s[t] = kNegInf;
 }
 
 #if defined(__AVX512F__)
@@ -132,7 +156,13 @@ struct Problem {
   int block_size, heads, kv_heads;
   float scale;
   int threads;
+  int window;              // sliding window, 0: none
+  float softcap;           // 0: none
+  const float* sinks;      // [heads], nullptr: none
 };
+
+// A row's first visible position: blocks before its block are never touched.
+inline int first_visible(const Problem& p, int len) { return p.window > 0 ? std::max(0, len - p.window) : 0; }
 
 // The online-softmax state of one row's query heads part-way through its blocks (see attend_group).
 template <int D>
@@ -147,7 +177,8 @@ struct RowState {
 // heads' scaled queries; acc_io, mx and sum carry the online-softmax state in and out.
 template <int D, int NH>
 void walk_heads(const float* qs, const float* kc, const float* vc, const int32_t* table, int start, int len, int bs,
-                int64_t slot_stride, int64_t block_stride, float* acc_io, float* mx, float* sum) {
+                int64_t slot_stride, int64_t block_stride, float* acc_io, float* mx, float* sum, int first,
+                float softcap) {
   constexpr int C = D / 16;
   __m512 acc[NH][C];
 #pragma GCC unroll 16
@@ -171,6 +202,7 @@ void walk_heads(const float* qs, const float* kc, const float* vc, const int32_t
     for (int h = 0; h < NH; ++h) {
       float* sh = s[h];
       block_scores<D>(qs + h * D, kc + base, slot_stride, n, sh);
+      if (softcap != 0.f || b * bs < first) adjust_scores(sh, n, b * bs, first, softcap);
       float block_max = mx[h];
 #pragma omp simd reduction(max : block_max)
       for (int t = 0; t < n; ++t) block_max = std::max(block_max, sh[t]);
@@ -223,7 +255,9 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
   if (len < 1 || len > p.width * bs) return kBadLength;
   const int32_t* table = p.tables + seq * p.width;
   const int nblocks = (len + bs - 1) / bs;
-  for (int b = 0; b < nblocks; ++b)
+  const int first = first_visible(p, len);
+  start = std::max(start, first / bs);
+  for (int b = start; b < nblocks; ++b)
     if (table[b] < 0 || table[b] >= p.num_blocks) return kBadBlock;
   const T* kc = static_cast<const T*>(p.key_cache);
   const T* vc = static_cast<const T*>(p.value_cache);
@@ -236,7 +270,7 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
       qs[h][d] = q[h * D + d] * p.scale;
       acc[h][d] = from ? from->acc[h][d] : 0.f;
     }
-    running_max[h] = from ? from->running_max[h] : -std::numeric_limits<float>::infinity();
+    running_max[h] = from ? from->running_max[h] : kNegInf;
     running_sum[h] = from ? from->running_sum[h] : 0.f;
   }
   const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
@@ -250,10 +284,10 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
       const int take = (kPair == 2 && h % group + 1 < group) ? 2 : 1;
       if (take == 2)
         walk_heads<D, kPair>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride, block_stride, acc[h],
-                             running_max + h, running_sum + h);
+                             running_max + h, running_sum + h, first, p.softcap);
       else
         walk_heads<D, 1>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride, block_stride, acc[h],
-                         running_max + h, running_sum + h);
+                         running_max + h, running_sum + h, first, p.softcap);
       h += take;
     }
   } else
@@ -282,6 +316,8 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
           s[h][t] = dot;
         }
       }
+      if (p.softcap != 0.f || b * bs < first)
+        for (int h = 0; h < heads; ++h) adjust_scores(s[h], n, b * bs, first, p.softcap);
       for (int h = 0; h < heads; ++h) {
         float block_max = running_max[h];
         for (int t = 0; t < n; ++t) block_max = std::max(block_max, s[h][t]);
@@ -309,6 +345,15 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
     }
   }
   float* out = p.out + (token * p.heads + int64_t(kv_first) * group) * D;
+  if (p.sinks != nullptr) {  // the sink joins the denominator: the sum and the accumulator, rescaled to a new max
+    const float* sink = p.sinks + int64_t(kv_first) * group;
+    for (int h = 0; h < heads; ++h) {
+      const float m = std::max(running_max[h], sink[h]);
+      const float r = std::exp(running_max[h] - m);
+      running_sum[h] = running_sum[h] * r + std::exp(sink[h] - m);
+      for (int d = 0; d < D; ++d) acc[h][d] *= r;
+    }
+  }
   for (int h = 0; h < heads; ++h) {
     const float inv = 1.f / running_sum[h];
     for (int d = 0; d < D; ++d) out[h * D + d] = acc[h][d] * inv;
@@ -462,7 +507,7 @@ inline void group_values(const float* const* sh, const float* v, int64_t stride,
 // q, acc, m (running max), l (running sum) and s (scores) point at each set's own arrays.
 template <int D, int NH>
 inline void group_block(const float* const* q, const float* k, const float* v, int64_t stride, int bs,
-                        float* const* acc, float* const* m, float* const* l, float* const* s) {
+                        float* const* acc, float* const* m, float* const* l, float* const* s, float softcap) {
   constexpr int kRun = 8;  // slots whose scores one pass keeps in registers
   int t = 0;
   for (; t + kRun <= bs; t += kRun) {
@@ -475,6 +520,8 @@ inline void group_block(const float* const* q, const float* k, const float* v, i
     for (int h = 0; h < NH; ++h) st[h] = s[h] + t * kGroupRows;
     group_scores<D, NH, 1>(q, k + t * stride, stride, st);
   }
+  if (softcap != 0.f)
+    for (int h = 0; h < NH; ++h) adjust_scores(s[h], bs * kGroupRows, 0, 0, softcap);
   float rescale[NH][kGroupRows];
   const float* rescale_of[NH];
   for (int h = 0; h < NH; ++h) {
@@ -523,7 +570,7 @@ int attend_group(const Problem& p, const Group& g) {
   // past the group's rows hold zero queries: their scores are computed and never used.
   const size_t per_set = size_t(D) * kGroupRows;
   std::vector<float> qt(sets * per_set, 0.f), acc(sets * per_set, 0.f);
-  std::vector<float> mx(size_t(sets) * kGroupRows, -std::numeric_limits<float>::infinity());
+  std::vector<float> mx(size_t(sets) * kGroupRows, kNegInf);
   std::vector<float> sum(size_t(sets) * kGroupRows, 0.f), s(size_t(sets) * bs * kGroupRows);
   const auto lane_of = [&](int h, int r) { return size_t(h / packed) * per_set + (h % packed) * width + r; };
   for (int r = 0; r < rows; ++r) {
@@ -546,9 +593,9 @@ int attend_group(const Problem& p, const Group& g) {
         sc[j] = &s[size_t(i + j) * bs * kGroupRows];
       }
       if (pair == 2)
-        group_block<D, 2>(q, kc + kv, vc + kv, slot_stride, bs, a, m, l, sc);
+        group_block<D, 2>(q, kc + kv, vc + kv, slot_stride, bs, a, m, l, sc, p.softcap);
       else
-        group_block<D, 1>(q, kc + kv, vc + kv, slot_stride, bs, a, m, l, sc);
+        group_block<D, 1>(q, kc + kv, vc + kv, slot_stride, bs, a, m, l, sc, p.softcap);
       i += pair;
     }
   }
@@ -574,7 +621,7 @@ int attend_all(const Problem& p) {
   std::atomic<int> status{kOk};
   const int per_item = (p.rows >= 4 * p.threads && p.heads <= kMaxHeads) ? p.kv_heads : 1;
   if constexpr (std::is_same_v<T, float>) {
-    if (per_item == p.kv_heads) {
+    if (per_item == p.kv_heads && p.window == 0) {  // a window reads no shared prefix past it: no groups
       const std::vector<Group> groups = find_groups(p);
       if (groups.size() < size_t(p.rows)) {
         const int64_t items = int64_t(groups.size());
@@ -617,17 +664,20 @@ int by_head_dim(const Problem& p, int head_dim) {
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches; q and out are float32).
+// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches; q and out are float32). window 0 and softcap 0: off;
+// sinks [heads] float32 or null.
 int pagedkv_decode_attention(const float* q, const void* key_cache, const void* value_cache, int dtype,
                              const int32_t* tables, const int32_t* lens, const int64_t* tokens, const int64_t* seqs,
                              float* out, int64_t rows, int64_t num_tokens, int64_t num_seqs, int64_t width,
                              int64_t num_blocks, int block_size, int heads, int kv_heads, int head_dim, float scale,
-                             int threads) {
+                             int threads, int window, float softcap, const float* sinks) {
   if (block_size < 1 || block_size > kMaxBlock || kv_heads < 1 || heads % kv_heads != 0 ||
-      heads / kv_heads > kMaxGroup || width < 1 || rows < 0 || threads < 1)
+      heads / kv_heads > kMaxGroup || width < 1 || rows < 0 || threads < 1 || window < 0 || !(softcap >= 0.f) ||
+      std::isinf(softcap))
     return kBadShape;
-  const Problem p{q,        key_cache, value_cache, tables,     lens,       tokens, seqs,     out,   rows,
-                  num_tokens, num_seqs, width,       num_blocks, block_size, heads,  kv_heads, scale, threads};
+  const Problem p{q,        key_cache,  value_cache, tables, lens,     tokens, seqs,    out,    rows,    num_tokens,
+                  num_seqs, width,      num_blocks,  block_size, heads, kv_heads, scale, threads, window, softcap,
+                  sinks};
   switch (dtype) {
     case 0: return by_head_dim<float>(p, head_dim);
     case 1: return by_head_dim<bf16>(p, head_dim);
@@ -756,5 +806,5 @@ int pagedkv_pin_workers(const int* cpus, int count) {
 }
 
 // The ABI version this source implements; the loader refuses a library that answers another.
-int pagedkv_native_abi() { return 4; }
+int pagedkv_native_abi() { return 5; }
 }

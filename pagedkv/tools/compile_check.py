@@ -25,19 +25,25 @@ _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
     from kernels import triton_attention as ta
 
-    # (dtype, head_dim, group, block_size, num_tokens, num_seqs): decode, prefill, mixed; GQA/MQA/MHA.
-    for dtype, head_dim, group, block_size, num_tokens, num_seqs in (
-        ("bfloat16", 128, 8, 16, 256, 256),
-        ("bfloat16", 128, 8, 16, 8192, 1),
-        ("float16", 128, 1, 16, 8192, 4),
-        ("float16", 64, 4, 8, 100, 10),
-        ("float16", 80, 4, 32, 1, 1),
-        ("float16", 96, 2, 64, 1000, 8),
-        ("bfloat16", 256, 8, 16, 64, 64),
-        ("bfloat16", 256, 4, 16, 4096, 2),
-        ("float32", 128, 8, 16, 64, 64),
-        ("float32", 256, 1, 16, 4096, 2),
-        ("bfloat16", 128, 32, 16, 4096, 4),
+    # (dtype, head_dim, group, block_size, num_tokens, num_seqs, options): decode, prefill, mixed; GQA/MQA/MHA;
+    # options: "" none, or w (sliding window), c (softcap), s (sinks, the given dtype).
+    for dtype, head_dim, group, block_size, num_tokens, num_seqs, options in (
+        ("bfloat16", 128, 8, 16, 256, 256, ""),
+        ("bfloat16", 128, 8, 16, 8192, 1, ""),
+        ("float16", 128, 1, 16, 8192, 4, ""),
+        ("float16", 64, 4, 8, 100, 10, ""),
+        ("float16", 80, 4, 32, 1, 1, ""),
+        ("float16", 96, 2, 64, 1000, 8, ""),
+        ("bfloat16", 256, 8, 16, 64, 64, ""),
+        ("bfloat16", 256, 4, 16, 4096, 2, ""),
+        ("float32", 128, 8, 16, 64, 64, ""),
+        ("float32", 256, 1, 16, 4096, 2, ""),
+        ("bfloat16", 128, 32, 16, 4096, 4, ""),
+        ("bfloat16", 256, 2, 16, 4096, 2, "wc"),  # Gemma 2/3
+        ("bfloat16", 256, 2, 16, 64, 64, "wc"),
+        ("bfloat16", 64, 8, 16, 4096, 4, "ws"),  # gpt-oss
+        ("bfloat16", 64, 8, 16, 256, 256, "ws"),
+        ("float32", 128, 4, 16, 100, 10, "wcs"),
     ):
         cfg = ta.attention_config(num_tokens, num_seqs, group, head_dim, _BYTES[dtype])
         p = _PTR[dtype]
@@ -52,7 +58,11 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
             part_m_ptr="*fp32",
             part_l_ptr="*fp32",
             part_acc_ptr="*fp32",
+            sinks_ptr=_PTR[dtype] if "s" in options else "*fp32",
             qk_scale_log2="fp32",
+            window="i32",
+            cap_pre="fp32",
+            cap_post="fp32",
             num_seqs="i32",
             num_heads="i32",
             search_steps="i32",
@@ -76,23 +86,36 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
             HEAD_DIM=head_dim,
             HEAD_P=cfg.head_p,
             IEEE_DOT=dtype == "float32",
+            SLIDING="w" in options,
+            SOFTCAP="c" in options,
+            SINKS="s" in options,
         )
         label = f"attention {dtype} d={head_dim} group={group} bs={block_size} tokens={num_tokens} seqs={num_seqs}"
+        label += f" options={options}" if options else ""
         yield label, ta._paged_attention_kernel, sig, consts, cfg.num_warps, cfg.num_stages
-    for dtype, head_dim, splits in (("bfloat16", 128, 32), ("float16", 80, 2), ("float32", 256, 64)):
+    for dtype, head_dim, splits, sinks in (
+        ("bfloat16", 128, 32, False),
+        ("float16", 80, 2, False),
+        ("float32", 256, 64, False),
+        ("bfloat16", 64, 16, True),
+    ):
         sig = dict(
             out_ptr=_PTR[dtype],
             part_m_ptr="*fp32",
             part_l_ptr="*fp32",
             part_acc_ptr="*fp32",
             query_start_ptr="*i32",
+            sinks_ptr=_PTR[dtype] if sinks else "*fp32",
             num_heads="i32",
             num_splits="i32",
             stride_o_tok="i32",
             stride_o_head="i32",
         )
-        consts = dict(HEAD_DIM=head_dim, HEAD_P=next_power_of_two(head_dim), SPLITS_P=next_power_of_two(splits))
-        yield f"reduce {dtype} d={head_dim} splits={splits}", ta._reduce_splits_kernel, sig, consts, 4, 3
+        consts = dict(
+            HEAD_DIM=head_dim, HEAD_P=next_power_of_two(head_dim), SPLITS_P=next_power_of_two(splits), SINKS=sinks
+        )
+        label = f"reduce {dtype} d={head_dim} splits={splits}" + (" sinks" if sinks else "")
+        yield label, ta._reduce_splits_kernel, sig, consts, 4, 3
 
 
 def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
@@ -133,6 +156,52 @@ def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], i
         yield f"copy_blocks {dtype}", tc._copy_blocks_kernel, sig, dict(CHUNK=4096), 4, 3
 
 
+def _moe_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    from kernels import triton_moe as tm
+
+    # (dtype, pairs, experts, hidden, inter, biased, activation): decode and prefill of Mixtral/Qwen3-MoE/gpt-oss.
+    for dtype, pairs, experts, hidden, inter, biased, activation in (
+        ("bfloat16", 8, 128, 2048, 768, False, "silu"),
+        ("bfloat16", 512, 32, 2880, 2880, True, "swiglu_oai"),
+        ("float16", 4096, 8, 4096, 14336, False, "gelu_tanh"),
+        ("float32", 300, 16, 96, 40, True, "swiglu_oai"),
+    ):
+        cfg = tm.moe_config(pairs, experts, hidden, inter, _BYTES[dtype])
+        p = _PTR[dtype]
+        sig = dict(
+            hidden_ptr=p,
+            w_gate_up_ptr=p,
+            w_down_ptr=p,
+            b_gate_up_ptr=p,
+            b_down_ptr=p,
+            routing_ptr="*fp32",
+            pairs_ptr="*i32",
+            tile_experts_ptr="*i32",
+            acc_ptr="*fp32",
+            hidden_size="i32",
+            inter_size="i32",
+            num_experts="i32",
+            top_k="i32",
+            alpha="fp32",
+            limit="fp32",
+            **{f"stride_{name}": "i32" for name in ("x_tok", "gu_e", "gu_n", "d_e", "d_n", "bgu_e", "bd_e")},
+        )
+        consts = dict(
+            stride_gu_k=1,  # contiguous weights: the JIT makes a stride of 1 a constant
+            stride_d_k=1,
+            HAS_B_GATE_UP=biased,
+            HAS_B_DOWN=biased,
+            ACTIVATION=tm.ACTIVATION_CODES[activation],
+            IEEE_DOT=dtype == "float32",
+            BLOCK_M=cfg.block_m,
+            BLOCK_I=cfg.block_i,
+            BLOCK_K=cfg.block_k,
+            BLOCK_N=cfg.block_n,
+        )
+        label = f"moe {dtype} pairs={pairs} experts={experts} H={hidden} I={inter} {activation} bias={biased}"
+        yield label, tm._fused_experts_kernel, sig, consts, cfg.num_warps, cfg.num_stages
+
+
 def compile_all(arch: int, echo=click.echo) -> bool:
     """Compile every case for `sm_<arch>`; return whether all compiled."""
     import triton
@@ -141,7 +210,7 @@ def compile_all(arch: int, echo=click.echo) -> bool:
 
     target = GPUTarget("cuda", arch, 32)
     ok = True
-    for label, kernel, sig, consts, num_warps, num_stages in (*_attention_cases(), *_cache_cases()):
+    for label, kernel, sig, consts, num_warps, num_stages in (*_attention_cases(), *_cache_cases(), *_moe_cases()):
         names = kernel.arg_names
         # What the JIT infers at run time for real inputs: aligned pointers, strides divisible by 16.
         hinted = [k for k, t in sig.items() if t.startswith("*") or k.startswith("stride") or k == "block_numel"]

@@ -16,7 +16,7 @@ import torch
 
 from kernels import dispatch, reference
 from tests.kernels.attention_options import COMBINATIONS, dense_attention, fresh_seed, random_case
-from tests.kernels.paged_case import float64_oracle, make_batch, poisoned_like
+from tests.kernels.paged_case import DEVICE, TOLERANCES, float64_oracle, make_batch, needs_interpreter, poisoned_like
 
 
 def _transformers_step(seq: tuple[int, int], window: int, seed: int):
@@ -116,3 +116,108 @@ def test_reference_reads_no_table_entry_before_the_window():
         backend="reference",
     )
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("decode_path", ["native", "torch"])  # decode rows: the C++ kernel, or gather + SDPA
+@pytest.mark.parametrize("features", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])
+def test_cpu_backend_matches_the_float64_reference(features, decode_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", decode_path)
+    for dtype in CPU_DTYPES:
+        case = random_case(fresh_seed(), features, dtype=dtype)
+        out = poisoned_like(case.batch.q)
+        dispatch.paged_attention(*case.batch.args(), case.batch.scale, out=out, backend="torch", **case.options)
+        assert not out.isnan().any(), case.description
+        torch.testing.assert_close(
+            out.double(), float64_oracle(case.batch, **case.options), **TOLERANCES[dtype], msg=case.description
+        )
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_rows_sharing_a_prefix_with_every_option(window, monkeypatch):
+    """Enough decode rows that the native kernel takes whole rows, sharing 3 blocks: without a window they go
+    through its grouped pass (softcap and sinks included); with one, blocks before it are given back."""
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", "native")
+    seed = fresh_seed()
+    lengths = torch.randint(48, 200, (24,), generator=torch.Generator().manual_seed(seed)).tolist()
+    batch = make_batch(
+        [(1, n) for n in lengths],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=seed,
+        shared_prefix_blocks=3,
+        sliding_window=window,
+    )
+    options = dict(sliding_window=window, softcap=3.0, sinks=torch.linspace(-2, 3, 8))
+    got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch", **options)
+    torch.testing.assert_close(got.double(), float64_oracle(batch, **options), atol=1e-5, rtol=1e-5, msg=f"{seed}")
+
+
+def _triton(batch, options, num_splits=None, description=""):
+    out = poisoned_like(batch.q)
+    dispatch.paged_attention(*batch.args(), batch.scale, out=out, num_splits=num_splits, backend="triton", **options)
+    assert not out.isnan().any(), description
+    want = float64_oracle(batch, **options)
+    torch.testing.assert_close(out.double(), want, **TOLERANCES[batch.q.dtype], msg=description)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("features", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])
+def test_triton_matches_the_float64_reference(features):
+    # Small: the interpreter is slow. One fresh case per combination, the dtype drawn with it.
+    seed = fresh_seed()
+    dtype = (torch.float16, torch.float32)[seed % 2]
+    case = random_case(seed, features, dtype=dtype, max_len=120, rows=4)
+    _triton(case.batch, case.options, description=case.description)
+
+
+@needs_interpreter
+def test_triton_decode_splits_with_a_window_and_sinks():
+    """Flash-decoding splits over a window (they start at it, so some are empty) with the sinks in the reduce;
+    windows of 1 and wider than the contexts too."""
+    seed = fresh_seed()
+    seqs = [(1, 90), (1, 41), (1, 3)]
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    for window, dtype in ((24, torch.float32), (1, torch.float16), (200, torch.float16)):
+        batch = make_batch(
+            seqs,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            block_size=16,
+            dtype=dtype,
+            seed=seed,
+            sliding_window=window,
+        )
+        options = dict(sliding_window=window, sinks=sinks, softcap=4.0 if window == 24 else None)
+        _triton(batch, options, num_splits=3, description=f"seed {seed} window {window}")
+
+
+@needs_interpreter
+def test_triton_prefill_chunk_longer_than_its_window():
+    """A 40-token chunk after 60 cached tokens, window 6: every tile has keys only some rows see (the masked
+    head segment), and blocks before the chunk's first window are given back."""
+    batch = make_batch(
+        [(40, 100), (1, 50)],
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=128,
+        block_size=8,
+        dtype=torch.float32,
+        seed=fresh_seed(),
+        sliding_window=6,
+    )
+    _triton(batch, dict(sliding_window=6))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_a_window_past_any_length_is_no_window(backend):
+    batch = make_batch([(4, 37), (1, 20)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32)
+    got = dispatch.paged_attention(*batch.args(), batch.scale, sliding_window=2**40, backend=backend)
+    torch.testing.assert_close(got.double(), float64_oracle(batch), **TOLERANCES[torch.float32])

@@ -76,17 +76,93 @@ def test_grouped_matches_reference(shape, activation, dtype, tol):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-def test_grouped_reads_no_expert_that_no_token_chose():
-    case = _cast(_case(5, 12, 32, 16, 8, 2, biased=True), torch.float32, torch.device("cpu"))
+def _random_shape(seed: int) -> tuple:
+    """A fresh shape per seed: experts 4..16, top-k 1..4, tokens 1..40, H and I often not multiples of a tile."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    num_experts = pick(4, 16)
+    return (seed, pick(1, 40), pick(16, 100), pick(8, 80), num_experts, pick(1, 4), bool(pick(0, 1)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_matches_reference_on_random_shapes(seed):
+    shape = _random_shape(seed)
+    case = _case(*shape[:-1], biased=shape[-1])
+    activation = moe.ACTIVATIONS[seed % 3]
+    got = moe.experts(**_cast(case, torch.float32, torch.device("cpu")), activation=activation, backend="torch")
+    torch.testing.assert_close(got.double(), _oracle(case, torch.float32, activation), atol=2e-5, rtol=2e-5)
+
+
+TRITON_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
+if DEVICE.type == "cuda":  # the interpreter computes bfloat16 wrongly
+    TRITON_DTYPES.append((torch.bfloat16, 1.6e-2))
+
+
+@pytest.mark.parametrize("activation", moe.ACTIVATIONS)
+@pytest.mark.parametrize("shape", [*SHAPES, (14, 40, 40, 24, 4, 3, True), (16, 40, 24, 70, 4, 4, False)])
+@pytest.mark.parametrize("dtype, tol", TRITON_DTYPES)
+def test_triton_matches_reference(shape, activation, dtype, tol):
+    seed, tokens, hidden, inter, num_experts, top_k, biased = shape
+    case = _case(seed, tokens, hidden, inter, num_experts, top_k, biased=biased)
+    got = moe.experts(**_cast(case, dtype), activation=activation, backend="triton")
+    assert got.dtype == dtype and got.shape == (tokens, hidden) and got.device.type == DEVICE.type
+    torch.testing.assert_close(got.double().cpu(), _oracle(case, dtype, activation), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_matches_reference_on_random_shapes(seed):
+    shape = _random_shape(100 + seed)
+    case = _case(*shape[:-1], biased=shape[-1])
+    activation = moe.ACTIVATIONS[seed % 3]
+    got = moe.experts(**_cast(case, torch.float32), activation=activation, backend="triton")
+    torch.testing.assert_close(got.double().cpu(), _oracle(case, torch.float32, activation), atol=1e-5, rtol=1e-5)
+
+
+def test_triton_reads_strided_weights():
+    """gpt-oss checkpoints hold gate_up as [E, H, 2I]: a transposed view must work as it is, no copy needed."""
+    case = _case(15, 10, 48, 24, 6, 2, biased=True)
+    strided = _cast(case, torch.float32)
+    strided["w_gate_up"] = strided["w_gate_up"].transpose(1, 2).contiguous().transpose(1, 2)
+    strided["w_down"] = strided["w_down"].transpose(1, 2).contiguous().transpose(1, 2)
+    strided["hidden"] = torch.cat([strided["hidden"], strided["hidden"]], dim=1)[:, :48]
+    got = moe.experts(**strided, activation="swiglu_oai", backend="triton")
+    torch.testing.assert_close(got.double().cpu(), _oracle(case, torch.float32, "swiglu_oai"), atol=1e-5, rtol=1e-5)
+
+
+def test_triton_plan_tiles_hold_one_expert_each():
+    from kernels import dispatch
+
+    plan = dispatch.triton_module("triton_moe", DEVICE)._plan
+    ids = torch.tensor([[3, 0], [3, 5], [0, 3], [3, 7], [9, 3]])  # 7 and 9 out of range for 6 experts: dropped
+    pairs, tile_experts = (t.cpu() for t in plan(ids.to(DEVICE), 6, 2))
+    assert pairs.shape[0] == tile_experts.shape[0] * 2
+    kept = {p for p in range(10) if 0 <= int(ids.flatten()[p]) < 6}
+    assert sorted(p for p in pairs.tolist() if p >= 0) == sorted(kept)
+    for tile, expert in enumerate(tile_experts.tolist()):
+        rows = [p for p in pairs[tile * 2 : tile * 2 + 2].tolist() if p >= 0]
+        if expert == 6:
+            assert not rows  # a spare tile
+        else:
+            assert rows and all(int(ids.flatten()[p]) == expert for p in rows)
+    assert tile_experts.tolist() == sorted(tile_experts.tolist())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_expert_that_no_token_chose_is_read(backend):
+    device = torch.device("cpu") if backend == "torch" else DEVICE
+    case = _cast(_case(5, 12, 32, 16, 8, 2, biased=True), torch.float32, device)
     chosen = set(case["expert_ids"].flatten().tolist())
     unchosen = [e for e in range(8) if e not in chosen]
     assert unchosen, "the case must leave some expert unchosen"
-    want = moe.experts(**case, backend="torch")
+    want = moe.experts(**case, backend=backend)
     for name in ("w_gate_up", "w_down", "b_gate_up", "b_down"):
         case[name][unchosen] = float("nan")
-    got = moe.experts(**case, backend="torch")
+    got = moe.experts(**case, backend=backend)
     assert got.isfinite().all()
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # Triton's atomic sums may round differently
 
 
 def test_grouped_multiplies_once_per_chosen_expert(monkeypatch):

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from common.default_model import ensure_default_model
 from executor.checkpoint import (
     CheckpointError,
+    RopeConfig,
     UnsupportedModel,
     iter_weights,
     load_config,
@@ -184,6 +185,10 @@ def test_model_id_is_stable_and_follows_the_weights(
     assert load_config(other).model_id != model_id  # same config and sizes, other weights
 
 
+def small_model() -> dict[str, Any]:
+    return dict(hidden_size=64, heads=2, kv_heads=1, vocab_size=300, max_position=256)
+
+
 def copy_with_config(src: Path, dst: Path, **changes: Any) -> Path:
     """A copy of a checkpoint whose config.json has `changes` applied (None deletes a key)."""
     shutil.copytree(src, dst)
@@ -230,6 +235,22 @@ def test_transformers4_spelling_and_sliding_windows(tiny_models: dict[str, Path]
     assert load_config(qwen).sliding_windows == (None, 128)  # Qwen2 slides from layer max_window_layers on
     unused = copy_with_config(tiny_models["qwen2"], tmp_path / "unused", sliding_window=128)  # layer_types: full
     assert load_config(unused).sliding_windows == (None, None)
+    # Gemma 3 as transformers 4 wrote it: two bases at the top level, a pattern instead of layer_types.
+    gemma3 = write_model(tmp_path / "gemma3", arch="gemma3", quiet=True, layers=4, sliding_window=32, **small_model())
+    old_gemma3 = copy_with_config(
+        gemma3,
+        tmp_path / "old-gemma3",
+        rope_parameters=None,
+        layer_types=None,
+        rope_theta=500000.0,
+        rope_local_base_freq=20000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window_pattern=2,
+    )
+    config = load_config(old_gemma3)
+    assert config.sliding_windows == (32, None, 32, None)
+    assert config.rope("global") == RopeConfig(500000.0, {"rope_type": "linear", "factor": 8.0})
+    assert config.rope("local") == RopeConfig(20000.0)
 
 
 def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -243,6 +264,7 @@ def test_unsupported_models_are_named(tiny_models: dict[str, Path], tmp_path: Pa
         "proportional": dict(rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0}),
         "partial_rotary_factor": dict(partial_rotary_factor=0.5),
         "mlp_bias": dict(mlp_bias=True),
+        "quantization_config": dict(quantization_config={"quant_method": "mxfp4"}),
         "hidden_act": dict(hidden_act="gelu"),
         "final_logit_softcapping": dict(final_logit_softcapping=30.0),  # a Gemma field on a llama
         "use_bidirectional_attention": dict(use_bidirectional_attention=True),
@@ -419,3 +441,21 @@ def test_family_options_are_checked(tmp_path: Path) -> None:
             write_model(tmp_path / "never", arch=arch, quiet=True, **{option: value})
         assert caught.value.option == flag, (arch, option)
     assert not (tmp_path / "never").exists()
+
+
+def test_cli_family_options(tmp_path: Path) -> None:
+    runner = CliRunner()
+    small = ["--hidden-size", "64", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--vocab-size", "300"]
+    out = tmp_path / "moe"
+    args = ["--arch", "qwen3_moe", "--out", str(out), *small, "--experts", "3", "--experts-per-token", "2"]
+    result = runner.invoke(make_model, [*args, "--mlp-only-layers", "0,2", "--sliding-window", "24"])
+    assert result.exit_code == 0, result.output
+    assert "3 experts, 2 per token" in result.output and "sliding window 24" in result.output
+    config = load_config(out)
+    assert [config.layer(i).moe for i in range(3)] == [False, True, False] and config.sliding_windows == (24,) * 3
+    result = runner.invoke(make_model, [*args, "--force", "--mlp-only-layers", "first"])
+    assert result.exit_code == 2 and "--mlp-only-layers" in result.output
+    result = runner.invoke(
+        make_model, ["--arch", "gemma3", "--out", str(tmp_path / "g"), *small, "--rope-scaling", "x"]
+    )
+    assert result.exit_code == 2 and "rope-scaling" in result.output
