@@ -1,18 +1,8 @@
 """The one block-hash function of pagedkv.
 
-hash(block i) = BLAKE2b-128(hash(block i-1) or the root, token ids of block i, extra key), keyed with the
-deployment secret when there is one (`--deployment-secret`).
-
-The root is derived from the deployment name, and the extra key from the model identity and the optional cache
-salt, so a tenant with a salt can only ever hit its own prefixes and two models never share one. Every variable
-field (deployment, model id, salt) goes in length-prefixed, so no two different field lists hash alike; the other
-inputs of a block hash have fixed lengths (parent and extra: 16 bytes; the ids: block_size x 4 bytes).
-
-With a deployment secret every hash is a keyed BLAKE2b (a MAC): the hashes blockd writes to Redis tell nobody
-without the secret whether they stand for a guessed prompt. Without one (the default) they are plain BLAKE2b.
-Token ids are packed as little-endian uint32, so the value is identical across processes, machines and restarts
-(unlike Python's `hash()`). The same packing (common.tokens) is the wire format for token ids: a packed prompt
-is hashed as it arrives, without converting a single id.
+hash(block i) = BLAKE2b-128(hash(block i-1) or the deployment's root, token ids of block i as little-endian
+uint32, extra key of the model and cache salt), keyed with the deployment secret when there is one. Why each
+input is there: docs/architecture.md ("Block hash", and "Prefix-cache isolation" in the security model).
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
-"""KV cache events in vLLM's format, so indexers that follow vLLM's prefix caches (llm-d, NVIDIA Dynamo) follow
-blockd's pools the same way.
-
-`blockd --kv-events-endpoint tcp://*:5570 [--kv-events-replay-endpoint tcp://*:5571]` publishes what vLLM's
-`--kv-events-config '{"publisher": "zmq", ...}'` publishes (vllm/distributed/kv_events.py, ZmqEventPublisher):
-
-* on a PUB socket, one multipart message per batch: `[topic, sequence number as 8 bytes big-endian, payload]`,
-  the payload a msgpack `KVEventBatch` = `[ts, [event, ...]]` (an array, as vLLM's array_like EventBatch);
-  each event a map tagged by its class name under "type":
-  `BlockStored` (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name),
-  `BlockRemoved` (block_hashes, medium) and `AllBlocksCleared`;
-* on a ROUTER socket, replay: a request `[b"", start sequence number (8 bytes big-endian)]` (a REQ or DEALER
-  peer) is answered with every buffered batch from that number on, each `[b"", topic, seq, payload]`, then the
-  end marker `[b"", b"", -1 (8 bytes big-endian, signed), b""]`.
-
-Like vLLM, an endpoint with `*`, `::`, `ipc://` or `inproc://` is bound, any other is connected to.
-
-Per pool: each batch holds the events of one pool, and its topic is `kv@<pool id>@<model id>`, the form llm-d's
-indexer reads (pod identifier, model name). Block hashes are blockd's own 16-byte chained hashes (bytes, which
-vLLM's ExternalBlockHash allows); a first block's parent is None, as in vLLM. `medium` is "GPU", vLLM's name
-for the primary KV cache, whatever the executor's device.
-
-When a pool registers (new, or re-registering after a restart of blockd or of its executor) and when it is
-dropped, its topic gets `AllBlocksCleared`; a re-registered pool's live sequences' cached blocks follow as
-`BlockStored`. Index entries restored from Redis that no live sequence holds are not announced: blockd keeps
-no token ids for them, and an event without them would not let a subscriber check its hashes.
-
-Events are collected on blockd's request thread (a list append per indexed or evicted block) and published,
-with the replay socket served, by a thread of this module.
+"""KV cache events in vLLM's format (its ZmqEventPublisher's), so indexers that follow vLLM's prefix caches
+(llm-d, NVIDIA Dynamo) follow blockd's pools unchanged: a PUB socket of event batches per pool, a ROUTER that
+replays them. The wire and when each event is sent: docs/architecture.md ("KV events in vLLM's format").
 """
 
 from __future__ import annotations
@@ -47,7 +21,7 @@ from blockd.manager import PoolEvents
 from blockd.pool import BlockPool, Journal, PoolSpec
 from common.tokens import unpack_tokens
 
-MEDIUM_GPU = "GPU"
+MEDIUM_GPU = "GPU"  # vLLM's name for the primary KV cache, whatever the executor's device
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
@@ -97,6 +71,7 @@ def topic(spec: PoolSpec) -> str:
 
 
 def _binds(endpoint: str) -> bool:
+    """As vLLM: a wildcard or local endpoint is bound, any other is connected to."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 

@@ -1,23 +1,8 @@
-"""The block manager: every pool blockd knows, their registration, re-sync, leases and the requests on them.
+"""The block manager: every pool blockd knows, their registration, re-sync, leases and fencing, and the requests
+on them. No I/O: the server decodes requests and hands them over; persistence collects the pools' journals.
 
-No I/O here: the server decodes requests and hands them over; persistence collects the pools' journals.
-
-Pool lifecycle:
-  registered ──(no word from its executor for lease_timeout)──▶ expired: sequences freed, index dropped
-  dormant (restored from Redis at start) ──(register, same epoch)──▶ registered, index validated and kept
-                                          ──(register, new epoch)──▶ registered clean
-                                          ──(lease_timeout after start)──▶ dropped
-Fencing: the epoch is the executor's proof that it holds the pool. Requests that change a pool must carry it
-(`stale_epoch` otherwise, nothing changed). A new epoch takes a pool over only when its lease has run out (the
-executor that held it is gone or silent) or the pool is dormant (no executor has claimed it since blockd
-started); while the lease runs, `register` with a new epoch is refused with `pool_held`.
-
-Bounds (Limits): pools, blocks per pool, block sizes and lookup lengths are checked before any work is done.
-
-Re-registration with the same epoch (the executor lived on; blockd restarted or the executor reconnected)
-takes the executor's live sequences as the truth, rebuilds every refcount from their block tables, and keeps only
-index entries whose (block, generation) the executor's generations still back. A new epoch means the
-executor's KV memory is gone: the pool starts clean.
+The pools' lifecycle (registered, dormant, expired), fencing by epoch and re-sync are told in
+docs/architecture.md ("Registration, leases and re-sync").
 """
 
 from __future__ import annotations
@@ -153,6 +138,7 @@ class BlockManager:
         self._check_register_bounds(req)
         spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch, req.sliding_window)
         previous = self.pools.get(req.pool_id)
+        # A new epoch takes a pool over only once its lease ran out, or while it is dormant (no executor claimed it).
         if previous is not None and previous.spec.epoch != req.epoch and self._lease_alive(req.pool_id):
             since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.registered_at.get(req.pool_id, 0.0)))
             silent = self.clock() - self.last_seen[req.pool_id]
@@ -165,6 +151,8 @@ class BlockManager:
             )
         dormant = self.dormant.get(req.pool_id)
         known = previous.spec if previous is not None else dormant.spec if dormant is not None else None
+        # The same epoch: the executor's KV lived on, so its live sequences are the truth and the index entries its
+        # generations still back are kept. A new epoch: its KV memory is new, the pool starts clean.
         resync = known is not None and known.epoch == spec.epoch
         if resync and known != spec:
             raise BlockdError(

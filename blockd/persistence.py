@@ -1,38 +1,8 @@
-"""Write-behind persistence of the prefix index and the pools' epochs to Redis.
+"""Write-behind persistence of the prefix index and the pool specs to Redis: never waited on inside a request.
 
-Redis is never waited on inside a request. Pools record index changes in a plain dict (their journal, keyed by
-block: the newest record per block). Every `flush_interval_s` the daemon's loop collects the journals into a
-batch and hands it to a writer thread, which appends each pool's changes to Redis as one msgpack blob (an
-append-only log, written in one MULTI/EXEC). What is recorded is what each block holds (block -> hash,
-generation, stamp), so the store never outgrows the pool. So a committed prefix reaches Redis within
-flush_interval_s plus one write (the `lag_s` in stats says how far behind Redis is right now); a `kill -9` of
-blockd loses at most that much. Once a pool's log has gathered more than max(`_COMPACT_MIN` = 50,000, 2 x the
-blocks Redis holds a record for) entries, the writer compacts it into a snapshot. Neither this process nor
-Redis does per-entry work on the write path beyond one C-speed encode: persistence stays cheap next to the
-request loop.
-
-When Redis fails, persistence turns "degraded": journals are discarded (memory stays bounded), the writer
-reconnects with backoff, and once Redis answers again (or answers with a new run id, having lost its data) the
-loop sends a full snapshot of every pool that replaces what Redis holds: whatever Redis missed is re-written.
-
-Bad data never stops blockd: a record that does not decode, breaks the schema, sits under a key of the wrong type
-or was written by another schema version is skipped and counted (`skipped_records` in stats, the
-`blockd_persistence_skipped_records` metric, one log line per load), and the next write replaces it. The writer
-thread survives any error of a batch (the batch is superseded by a full re-write); if it dies anyway the daemon's
-loop starts a new one and counts it (`writer_restarts`). Its queue is bounded (`queue_limit` batches): when it is
-full, blockd drops the batch, not a request, says so in stats (`dropped_batches`, state "degraded") and re-writes
-everything once the writer has room again.
-
-Key schema (all keys under `<prefix>:blockd:v1`, the prefix from --redis-prefix, by default the deployment name,
-so two deployments can share one Redis):
-  <prefix>:blockd:v1:meta                hash  schema -> "1" (checked at load: another version is not read)
-  <prefix>:blockd:v1:pools               hash  pool id -> msgpack map of the pool spec (id, blocks, block size,
-                                               model, epoch)
-  <prefix>:blockd:v1:snapshot:<pool id>  list  msgpack maps, block id -> [block hash (16 bytes), generation, stamp]
-  <prefix>:blockd:v1:log:<pool id>       list  msgpack maps of later changes, same shape, nil = no prefix any more
-A pool's records are its snapshot chunks merged in order, then its log blobs applied in order. A record is valid
-only while its pool's executor still reports that generation for that block (see pool.py): an evicted block's
-record is left to fail that test rather than deleted, which halves what the request path journals.
+Pools journal what their blocks hold; the daemon's loop hands the journals over in batches to a writer thread,
+which appends them to each pool's log in Redis and compacts a log into a snapshot once it outgrows the pool.
+The bounds, the degraded state, bad data and the key schema are told in docs/architecture.md ("Persistence").
 """
 
 from __future__ import annotations
@@ -68,7 +38,7 @@ log = structlog.get_logger(service="blockd", component="persistence")
 
 
 class RedisKeys:
-    """Where a deployment's persisted state lives in Redis."""
+    """Where a deployment's persisted state lives in Redis (the schema: docs/architecture.md, "Persistence")."""
 
     def __init__(self, prefix: str = "pagedkv") -> None:
         self.prefix = prefix
@@ -585,6 +555,7 @@ class RedisPersistence(PoolEvents):
             persisted.update(changes)
             pipe.rpush(keys.log(pool_id), _encode(changes))
             self._logged[pool_id] = self._logged.get(pool_id, 0) + len(changes)
+            # Compacted once the log holds twice the records it describes: the store never outgrows the pool.
             if self._logged[pool_id] > max(_COMPACT_MIN, 2 * len(persisted)):
                 self._write_snapshot(pipe, pool_id, {b: r for b, r in persisted.items() if r is not None})
         pipe.execute()

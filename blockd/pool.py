@@ -1,12 +1,8 @@
-"""The block pool: every physical KV block of one executor, in memory, with no I/O.
+"""The block pool: one executor's KV blocks, their refcounts, block tables, prefix index and free queue; no I/O.
 
-A pool is one executor's KV cache: `num_blocks` blocks of `block_size` token slots. It owns the refcount of every
-block, the block table of every live sequence, the prefix index (chained block hash -> block) and the free queue.
-
-Invariants. I1-I5 are facts about one state: `check()` verifies them (so does `blockd-cli check` on a live
-daemon). I6 is about a transition, which no look at one state can see: the property-based stateful tests
-(tests/blockd/test_pool_model.py) and the focused ones compare the whole state before and after every failed
-operation instead.
+How its operations work is told in docs/architecture.md ("The core"). I1-I5 hold in every state: `check()`
+verifies them (`blockd-cli check` on a live daemon). I6 is about a transition: the tests compare the whole state
+before and after every failed operation (tests/blockd/test_pool_model.py).
 
  I1. Every block is either free (in the free queue, refcount 0) or referenced (refcount > 0), never both:
      the free queue holds exactly the blocks whose refcount is 0.
@@ -27,14 +23,6 @@ operation instead.
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
-
-Free blocks that carry a hash stay prefix hits until allocation evicts them; so do the blocks `slide` hands back.
-Everything on the request path is O(1) per block: no operation scans the pool.
-
-Generations: each time a block is granted to hold new content its generation rises by one and the grant carries
-it. The executor keeps the generation of what each of its blocks holds; when an index restored from Redis names
-(block, generation) and the executor's generation differs, the block has been rewritten since, and the entry
-is dropped (`restore_index`).
 """
 
 from __future__ import annotations

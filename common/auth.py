@@ -1,21 +1,8 @@
 """ZeroMQ authentication: CURVE key files, the roles they grant, and the ZAP authenticator of a service.
 
-A key directory (`pagedkv keys generate DIR`) holds ZeroMQ certificates (zmq.auth: NAME.key is the public half,
-NAME.key_secret both halves). The file name says who holds the key:
-
-- `server`: the servers' keypair: blockd's and every executor's listening socket. Every client knows its public
-  half (and so knows it talks to the real service); only blockd and the executors hold the secret.
-- `pool-POOL`: an executor that may act only on pool POOL at blockd; `executor` (or `executor-NAME`): an executor
-  that may register any pool (fencing by epoch still keeps each pool to the executor that registered it).
-- `gateway` (or `gateway-NAME`): lookups at blockd; submit, abort, load and info at executors.
-- `operator` (or `operator-NAME`): blockd-cli: stats, pools, seq, check, reset-prefix-cache; load and info at
-  executors.
-
-A service given a key directory (`--keys DIR` or PAGEDKV_KEYS) serves CURVE only, and its ZAP handler admits only
-the public keys found there of the roles it talks to; a peer without one never completes the handshake (its
-requests time out, the service never reads them). Each message carries its sender's public key (ZAP's User-Id),
-which the service maps to a `Principal` and checks against what the role may do: anything else is answered
-`forbidden` and changes nothing. Without keys, a service binds only loopback addresses unless told `--insecure`.
+A key's file name is its role (`server`, `pool-POOL`, `executor[-NAME]`, `gateway[-NAME]`, `operator[-NAME]`); a
+service admits only the public keys of the roles it talks to and maps each message's sender to a `Principal`.
+What each role may do, and why: docs/architecture.md ("Security model").
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ no service imports the generator, transformers' model classes or the tokenizer t
 
 from __future__ import annotations
 
-import subprocess
+import json
 import sys
+import tempfile
 from pathlib import Path
 
+from common import processes
 from common.home import pagedkv_home
 
 DEFAULT_MODEL_NAME = "default-llama"
@@ -39,8 +41,6 @@ def is_complete_model(path: Path) -> bool:
     index = path / "model.safetensors.index.json"
     if not index.is_file():
         return False
-    import json
-
     try:
         shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
@@ -53,10 +53,17 @@ def ensure_default_model(path: str | Path | None = None) -> Path:
     target = Path(path).expanduser() if path is not None else default_model_dir()
     if is_complete_model(target):
         return target
-    done = subprocess.run(
-        [sys.executable, "-m", "pagedkv.tools.model_gen", str(target)], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0 or not is_complete_model(target):
-        detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise DefaultModelUnavailable(f"could not generate the default model in {target}: {detail[0]}")
+    with tempfile.TemporaryDirectory(prefix="pagedkv-model-gen-") as tmp:
+        log = Path(tmp) / "model_gen.log"
+        # Stopped by the kernel should this process die first: no generator left writing behind it.
+        generator = processes.start(
+            [sys.executable, "-m", "pagedkv.tools.model_gen", str(target)], log, die_with_parent=True
+        )
+        try:
+            code = generator.wait()
+        finally:
+            processes.stop([generator])  # at once when it is done; on Ctrl-C here, the generator too
+        if code != 0 or not is_complete_model(target):
+            detail = processes.tail(log, 1).strip() or "no output"
+            raise DefaultModelUnavailable(f"could not generate the default model in {target}: {detail}")
     return target

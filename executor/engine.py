@@ -36,7 +36,7 @@ log = structlog.get_logger("executor")
 
 
 class RequestRejected(ValueError):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ep.RejectCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -46,6 +46,7 @@ class RequestRejected(ValueError):
 class EngineLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
 
 
 class Engine:
@@ -82,6 +83,7 @@ class Engine:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             blocks=pool,
             sliding_window=pool.sliding_window,
+            max_step_ms=limits.max_step_ms,
         )
         self.loop = StepLoop(
             scheduler,
@@ -146,27 +148,27 @@ class Engine:
     ) -> None:
         """Queue a request, or raise RequestRejected (nothing else is affected)."""
         if request_id in self.requests:
-            raise RequestRejected("duplicate_request", f"request {request_id!r} is already in progress")
+            raise RequestRejected(ep.RejectCode.DUPLICATE_REQUEST, f"request {request_id!r} is already in progress")
         problem = params.validate(self.config.vocab_size)
         if problem:
-            raise RequestRejected("invalid_request", problem)
+            raise RequestRejected(ep.RejectCode.INVALID_REQUEST, problem)
         prompt = list(prompt)
         if not prompt:
-            raise RequestRejected("invalid_request", "the prompt is empty")
+            raise RequestRejected(ep.RejectCode.INVALID_REQUEST, "the prompt is empty")
         vocab = self.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestRejected("invalid_request", f"prompt token ids must be in [0, {vocab})")
+            raise RequestRejected(ep.RejectCode.INVALID_REQUEST, f"prompt token ids must be in [0, {vocab})")
         limit = self.config.max_model_len
         if len(prompt) >= limit:
             raise RequestRejected(
-                "context_length_exceeded",
+                ep.RejectCode.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens, "
                 "including at least one to generate",
             )
         capacity = self.loop.max_prompt_tokens
         if len(prompt) + 1 > capacity:
             raise RequestRejected(
-                "capacity_exceeded",
+                ep.RejectCode.CAPACITY_EXCEEDED,
                 f"the prompt has {len(prompt)} tokens; this executor's KV cache holds at most {capacity} "
                 "tokens for one sequence",
             )
@@ -234,6 +236,9 @@ class Engine:
             preemptions=s.num_preemptions,
             steps=self.loop.steps,
             blockd_reachable=self.loop.blockd_reachable,
+            busy_s=round(s.step_budget.busy_s, 4),
+            computed_tokens=s.step_budget.computed_tokens,
+            step_token_budget=s.step_budget.tokens(),
         )
 
     # ------------------------------------------------------------------------------------------ the step
@@ -251,6 +256,11 @@ class Engine:
         return list(report.deltas)
 
 
-def _grammar_rejection(error: BaseException) -> tuple[str, str]:
+def _grammar_rejection(error: BaseException) -> tuple[ep.RejectCode, str]:
     """(code, message) of the Rejected for a grammar that did not compile."""
-    return ("invalid_grammar" if isinstance(error, GrammarRejected) else "structured_output_unavailable", str(error))
+    code = (
+        ep.RejectCode.INVALID_GRAMMAR
+        if isinstance(error, GrammarRejected)
+        else ep.RejectCode.STRUCTURED_OUTPUT_UNAVAILABLE
+    )
+    return code, str(error)

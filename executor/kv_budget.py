@@ -9,7 +9,7 @@ import click
 import torch
 
 from common.units import parse_size
-from executor.checkpoint import ModelConfig
+from executor.model_config import ModelConfig
 
 DEFAULT_CPU_BYTES = 256 * 2**20
 DEFAULT_CUDA_FRACTION = 0.9

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor.checkpoint import ModelConfig
+from executor.model_config import ModelConfig
 from executor.models.blocks import MLP, Attention, Embedding, ForwardBatch, Linear, RMSNorm, SparseMoE
 from executor.models.rotary import Rotary
 from kernels import dispatch

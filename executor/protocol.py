@@ -1,17 +1,12 @@
-"""The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER). msgpack via msgspec.
-
-Gateway -> executor: `Submit`, `Abort`, `GetLoad`, `GetInfo`; each carries the protocol version `v`.
-A message over the executor's --max-message-bytes is not read at all: ZeroMQ drops the connection it came on.
-
-Executor -> gateway: for a submitted request, a stream of `Delta`s (new tokens of one choice, incremental; the
-last one of each choice has `finish_reason`), or one `Rejected` if the request is invalid; `LoadReport` and
-`Info` answer their queries. Anything undecodable is answered with `Rejected` (request_id "" when unknown).
-
-Prompt tokens travel packed (little-endian uint32, `common.tokens.pack_tokens`), like blockd's.
+"""The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER): msgpack via msgspec,
+tagged by `type`, each message with the protocol version `v`. The messages and their bounds: docs/architecture.md
+("Gateway protocol"). Unasked, every
+`ALIVE_INTERVAL_S`, the executor sends `Alive` from a thread of its own, so a long step is not silence.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 import msgspec
@@ -20,6 +15,24 @@ from executor.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
+ALIVE_INTERVAL_S = 0.25  # how often an executor says it is alive; a gateway's lease is several of these
+
+
+class RejectCode(StrEnum):
+    """The stable codes of `Rejected`: gateways branch on them, people read the message."""
+
+    INVALID_REQUEST = "invalid_request"  # undecodable, bad params, empty prompt, token ids out of the vocabulary
+    UNSUPPORTED_VERSION = "unsupported_version"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt leaves no room to generate in max_model_len
+    CAPACITY_EXCEEDED = "capacity_exceeded"  # one sequence of this prompt would not fit this executor's KV cache
+    DUPLICATE_REQUEST = "duplicate_request"
+    QUEUE_FULL = "queue_full"  # past --max-queued-requests
+    NOT_OWNER = "not_owner"  # an Abort from a connection that did not submit the request
+    # Sent a step or more after the submit, once the grammar compiler has answered:
+    INVALID_GRAMMAR = "invalid_grammar"  # the structured-output constraint does not compile
+    STRUCTURED_OUTPUT_UNAVAILABLE = "structured_output_unavailable"  # no tokenizer here, or xgrammar broken
+    FORBIDDEN = "forbidden"  # with keys: the sender's role may not send this message
+
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 
@@ -74,11 +87,7 @@ class Delta(Message, tag="delta"):
 
 class Rejected(Message, tag="rejected"):
     request_id: str
-    # "invalid_request" | "unsupported_version" | "context_length_exceeded" | "capacity_exceeded" |
-    # "duplicate_request" | "queue_full" (past --max-queued-requests) | "not_owner" (an Abort from a connection
-    # that did not submit the request) | "invalid_grammar" (its structured-output constraint does not compile; sent
-    # a step or more after the submit) | "structured_output_unavailable"
-    code: str
+    code: str  # a RejectCode; a plain string on the wire, so a gateway reads codes newer than its own
     message: str
 
 
@@ -92,6 +101,21 @@ class LoadReport(Message, tag="load"):
     preemptions: int
     steps: int
     blockd_reachable: bool = True  # False while blockd is away: generation waits, nothing is lost
+    # Measured throughput, since the executor started: seconds spent in forward passes, and the tokens they
+    # computed (prefill and decode). A gateway estimates from them how long queued work will take.
+    busy_s: float = 0.0
+    computed_tokens: int = 0
+    step_token_budget: int = 0  # the token budget of the next step (--max-step-ms sizes it; 0: not reported)
+    # Tokens its requests (from every gateway) may still need computed: prompts' rest, choices' max_tokens left.
+    queued_tokens: int = 0
+
+
+class Alive(Message, tag="alive"):
+    """The executor's process is alive: sent by its liveness thread, whatever its step loop is doing."""
+
+    pool_id: str
+    steps: int  # steps that ran a forward pass so far: unchanged for long while one long step runs
+    step_s: float = 0.0  # how long the step in progress has run (0: between steps)
 
 
 class Info(Message, tag="info"):
@@ -106,7 +130,7 @@ class Info(Message, tag="info"):
     eos_token_ids: list[int]
 
 
-Outbound = Delta | Rejected | LoadReport | Info
+Outbound = Delta | Rejected | LoadReport | Info | Alive
 
 _encoder = msgspec.msgpack.Encoder()
 _inbound = msgspec.msgpack.Decoder(Inbound)

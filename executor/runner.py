@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from blockd.client import MirroredSequence
-from executor.checkpoint import ModelConfig, UnsupportedModel, iter_weights, load_config
+from executor.checkpoint import iter_weights, load_config
 from executor.model import ForwardBatch, PagedCausalLM, build_model
+from executor.model_config import ModelConfig, UnsupportedModel
 from executor.scheduler import Chunk
 from kernels import SUPPORTED_HEAD_DIMS, dispatch
 

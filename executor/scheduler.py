@@ -22,6 +22,7 @@ from blockd.errors import ErrorCode
 from blockd.pool import HOLE
 from common.tokens import TOKEN_BYTES, pack_tokens
 from executor.sequence import Sequence, Status
+from executor.step_budget import StepBudget
 
 
 class BlockView(Protocol):
@@ -131,12 +132,17 @@ class Scheduler:
         blocks: BlockView,
         watermark_blocks: int | None = None,
         sliding_window: int | None = None,
+        max_step_ms: float | None = None,
     ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window  # every layer's (the pool's): blocks no query reads any more go back
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The token budget of a step, sized by its measured cost to last about max_step_ms (None: the cap alone).
+        # At least every decode and a block of prefill, so that waiting requests are admitted however slow a step.
+        self.step_budget = StepBudget(max_num_batched_tokens, max_step_ms, min_tokens=max_num_seqs + block_size)
+        self.step_tokens = max_num_batched_tokens  # the budget of the step planned last (its plan and chunks)
         self.watermark = watermark_blocks if watermark_blocks is not None else max(1, num_blocks // 100)
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
@@ -291,8 +297,13 @@ class Scheduler:
             return None
         return self._plan(chunks)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` tokens in `seconds`: what the budget of the steps planned after it is sized by."""
+        self.step_budget.observe(tokens, seconds)
+
     def _plan(self, ahead: list[Chunk] | None) -> StepPlan | None:
         plan = StepPlan()
+        self.step_tokens = self.step_budget.tokens()  # fixed for this step: its admissions and its chunks
         # A sequence sampling in the step now running (a plan made ahead) needs room for one more token, not
         # known yet.
         sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
@@ -344,7 +355,7 @@ class Scheduler:
         free -= need
 
         # The token budget left once the running sequences have what they still need after this step.
-        budget = self.max_num_batched_tokens
+        budget = self.step_tokens
         for seq in self.running:
             left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
             budget -= min(left, budget)
@@ -399,7 +410,7 @@ class Scheduler:
         """Admits alone, for requests that arrived after the step now starting was planned ahead: sent before
         it is scheduled, they join this step instead of the next. The running sequences' room is held already."""
         plan = StepPlan()
-        budget = self.max_num_batched_tokens
+        budget = self.step_tokens
         for seq in self.running:
             budget -= min(len(seq.tokens) - seq.num_computed, budget)
         self._admit(plan, self.blocks.free_blocks, budget)
@@ -555,8 +566,8 @@ class Scheduler:
         outcome.failed.append((entry.seq, error))
 
     def schedule(self, outcome: StepOutcome) -> list[Chunk]:
-        """Hand out the token budget: decodes first, then prefill chunks in admission order."""
-        budget = self.max_num_batched_tokens
+        """Hand out the step's token budget: decodes first, then prefill chunks in admission order."""
+        budget = self.step_tokens
         chunks: list[Chunk] = []
         newly = set(map(id, outcome.admitted))
         ordered = [s for s in self.running if id(s) not in newly and s.fork_parent is None]

@@ -7,7 +7,8 @@ design of a step is in docs/architecture.md ("A step").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,8 +72,10 @@ class StepLoop:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         plan_ahead: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.scheduler = scheduler
+        self.clock = clock  # times each forward pass, which sizes the steps after it (--max-step-ms)
         self.pool = pool
         self.model = model
         self.eos = frozenset(eos_token_ids)
@@ -176,7 +179,9 @@ class StepLoop:
         if chunks:
             self.steps += 1
             self._send_ahead(chunks)
+            started = self.clock()
             deltas += self._run(chunks)
+            scheduler.observe_step(sum(len(c.token_ids) for c in chunks), self.clock() - started)
         return StepReport(plan, outcome, chunks, deltas)
 
     def _admit_arrivals(self) -> StepOutcome:

@@ -1,14 +1,5 @@
-"""How many torch threads the CPU forward pass uses, adjusted to what other processes take of the machine.
-
-An OpenMP team is as fast as its slowest thread: when another process keeps one core busy, the thread that shares
-that core gates every parallel region, and two threads on a 2-core VM ran a busy-neighbour workload at a third of
-their quiet speed where one thread kept more than half of it. So every `window` steps the governor reads how much
-CPU the rest of the machine used meanwhile (/proc/stat, less this process's own time) and sizes the team to the
-cores left: `cores - round(others)`, at least one, at most the configured count, once the others take 0.6 of a
-core or more; back to the configured count only once they fall below 0.4, so a neighbour at the edge does not
-flip the team every window. Each resize is logged (`torch_threads_resized`, with the cores the others took).
-Reading two counters a window costs nothing measurable; where /proc/stat is missing the team keeps its
-configured size.
+"""How many torch threads the CPU forward pass uses, adjusted to what other processes take of the machine
+(/proc/stat, less this process's own time). Why and how: docs/architecture.md ("CPU threads").
 """
 
 from __future__ import annotations
@@ -67,6 +58,8 @@ class ThreadGovernor:
         if busy0 is None or busy1 is None or t1 <= t0:
             return self.threads
         self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        # Hysteresis: shrink after two windows with others at 0.6 of a core or more, grow back only below 0.4, so a
+        # neighbour at the edge does not flip the team every window.
         self._contended_windows = self._contended_windows + 1 if self.others >= 0.6 else 0
         if self._contended_windows >= 2:
             wanted = max(1, min(self.max_threads, self.cores - round(self.others)))

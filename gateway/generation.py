@@ -1,15 +1,7 @@
-"""One prompt's generation: route it, submit it, turn the executor's token deltas into text events.
-
-Each choice has its own detokenizer and stop-string matcher. A stop string ends the choice at once: the text
-before it is the last the client sees, and the executor is told to abort that choice, which frees its blocks.
-
-Failure: if the executor is lost (or rejects the prompt for lack of room) before this generation has yielded
-anything, it is submitted again to another executor. Once something has been yielded, a streamed response
-cannot take it back, so the generation raises `GenerationFailed`; a whole (non-streamed) response has shown the
-client nothing yet, so with `replayable` the generation yields `Restarted` (drop what came so far) and starts
-over elsewhere. Errors before the first event are `APIError`s, so the HTTP
-handler can still answer with a status code. Closing the iterator early (a client that went away) aborts the
-request at the executor.
+"""One prompt's generation: route it, submit it, turn the executor's token deltas into text events (a detokenizer
+and a stop-string matcher per choice), and submit it again elsewhere when its executor is lost before anything was
+shown (a slow executor is not a lost one: gateway/executors.py). What a client sees when: docs/architecture.md
+("A request", "Executor health and failover").
 """
 
 from __future__ import annotations
@@ -27,10 +19,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import Router
 from gateway.text import Detokenizer, StopMatcher, Tokenizer
 
+# The executor's refusals a client caused, as the client's errors; any other code is ours (500).
 _REJECTIONS = {
-    "invalid_request": lambda m: errors.invalid_request(m),
-    "context_length_exceeded": lambda m: errors.context_length_exceeded(m),
-    "capacity_exceeded": lambda m: errors.context_length_exceeded(m),
+    ep.RejectCode.INVALID_REQUEST: lambda m: errors.invalid_request(m),
+    ep.RejectCode.CONTEXT_LENGTH_EXCEEDED: lambda m: errors.context_length_exceeded(m),
+    ep.RejectCode.CAPACITY_EXCEEDED: lambda m: errors.context_length_exceeded(m),
+    # The executor holds --max-queued-requests already: refused before anything ran, as the door would have.
+    ep.RejectCode.QUEUE_FULL: lambda m: errors.APIError(429, m, type="rate_limit_error", code="queue_full"),
 }
 
 
@@ -44,6 +39,7 @@ class ChoiceEvent:
     text: str
     logprobs: list[ep.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop"), if one did
 
 
 @dataclass(frozen=True)
@@ -101,6 +97,8 @@ class Generation:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
+        # A whole (non-streamed) response has shown the client nothing yet: lost mid-way, it yields Restarted and
+        # starts over elsewhere; a stream that has shown something cannot take it back (GenerationFailed).
         self.replayable = replayable
         self.output = output or OutputOptions()
         self.cache_salt = cache_salt
@@ -137,11 +135,12 @@ class Generation:
                         retry = True
                         break
                     if type(item) is ep.Rejected:
-                        if item.code == "capacity_exceeded" and len(self.router.healthy(tried | {self._endpoint})):
-                            retry = True  # another executor may have a larger cache
+                        retryable = item.code in (ep.RejectCode.CAPACITY_EXCEEDED, ep.RejectCode.QUEUE_FULL)
+                        if retryable and len(self.router.healthy(tried | {self._endpoint})):
+                            retry = True  # another executor may have a larger cache, or room in its queue
                             break
                         self._choices = []  # refused: nothing ran, nothing to count as aborted
-                        if item.code == "invalid_grammar" and self.params.structured is not None:
+                        if item.code == ep.RejectCode.INVALID_GRAMMAR and self.params.structured is not None:
                             raise errors.invalid_request(item.message, param=self.params.structured.param or None)
                         raise _REJECTIONS.get(item.code, errors.internal)(item.message)
                     event = self._on_delta(item)
@@ -234,7 +233,8 @@ class Generation:
                 self._finish(now)
         if not released and not delta.logprobs and finish_reason is None:
             return None
-        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason)
+        stop_string = choice.stop.stop_string if choice.stop.stopped else None
+        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason, stop_string)
 
     def _count_tokens(self, choice: _Choice, count: int, now: float) -> None:
         if self.first_token_at is None:

@@ -1,15 +1,6 @@
-"""Which executor gets a request.
-
-- `prefix` (default): blockd knows, for every pool, how many of this prompt's tokens are already cached there.
-  The executor with the most wins, unless it has more than `load_slack` requests more in flight than the least
-  loaded one: a warm cache is worth a little queueing, not an unbounded hot spot. Ties (a cold prompt, the
-  usual case) go to the least loaded, and among equals to the next in turn, so cold traffic spreads evenly.
-- `least-loaded`: fewest requests in flight (reported by the executor, or sent by us if more).
-
-Load is requests in flight plus KV pressure (`load_of`), so a nearly full cache counts as busy.
-- `round-robin`: the next healthy executor in turn.
-
-blockd's answer is an optimisation: if blockd does not answer quickly, the request is routed as least-loaded.
+"""Which executor gets a request: the `prefix`, `least-loaded` and `round-robin` policies, and blockd's prefix
+lookup they ask (an optimisation: unanswered in time, a request is routed as least-loaded). How each decides:
+docs/architecture.md ("Routing").
 """
 
 from __future__ import annotations
@@ -138,6 +129,7 @@ def pick(ordered: list[ExecutorLink], cached: dict[str, int], load_slack: int) -
     """The decision itself, given the candidates in tie-break order and blockd's cached tokens per pool."""
     loads = {link.endpoint: load_of(link, load_slack) for link in ordered}
     lightest = min(loads.values())
+    # a warm cache is worth a little queueing, not an unbounded hot spot
     eligible = [link for link in ordered if loads[link.endpoint] <= lightest + load_slack]
     # max keeps the first of equals: the rotation decides ties
     best = max(eligible, key=lambda link: (cached.get(link.pool_id or "", 0), -loads[link.endpoint]))

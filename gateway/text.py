@@ -1,8 +1,8 @@
 """Text in and out: prompts to token ids (chat template included), token ids back to text as they stream.
 
-`Tokenizer` reads a checkpoint's tokenizer.json with the `tokenizers` library and its tokenizer_config.json (special
-tokens, chat template, clean-up), without transformers, which would import torch: encoding, decoding and chat
-prompts come out as transformers' AutoTokenizer gives them (tests compare the two).
+`Tokenizer` is the checkpoint's tokenizer as transformers' AutoTokenizer builds it, resolved once in a child process
+(common.tokenizer_cache) and run here with the `tokenizers` library, without transformers, which would import
+torch: encoding, decoding and chat prompts come out as AutoTokenizer gives them (tests compare the two).
 
 `Detokenizer` turns a growing list of token ids into text increments without ever splitting a multi-byte
 character: byte-level BPE tokens can end mid-character, and such a tail decodes to U+FFFD until the next token
@@ -20,14 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
+from common import tokenizer_cache
 from gateway import chat_template
 
 _REPLACEMENT = "\ufffd"
-# The special tokens transformers knows by name; a config may name more (`image_token`, ...).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' `clean_up_tokenization`, applied on decode when the config asks for it (never for BPE models).
 _CLEAN_UPS = (
     (" .", "."),
@@ -69,15 +67,6 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
-def _content(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an object with its "content"."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -86,95 +75,40 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class Tokenizer:
-    """The model's tokenizer and chat template, loaded from the checkpoint directory (no download).
+    """The model's tokenizer and chat template, as transformers' AutoTokenizer has them (no download).
 
-    What is read, as transformers reads it: tokenizer.json (the whole encoding pipeline: normalizer, pre-tokenizer,
-    model, post-processor, decoder, added tokens); from tokenizer_config.json the named special tokens and the
-    extra ones (special_tokens_map.json fills them in for configs without `added_tokens_decoder`), the chat
-    template (chat_template.jinja next to it wins), `clean_up_tokenization_spaces`. Whether a BOS or EOS is added
-    is tokenizer.json's post-processor's to say, as in transformers 5; `add_bos_token` and `add_eos_token` of the
-    config decide only for a tokenizer.json without a post-processor.
+    The tokenizer is transformers': common.tokenizer_cache resolves it once per checkpoint in a child process
+    (AutoTokenizer picks the class, which may rebuild tokenizer.json's pipeline, add BOS/EOS and special tokens)
+    and hands over the backend pipeline it built with the facts applied around it (named special tokens, special
+    ids, clean-up on decode); `resolution` gives one directly (common.tokenizer_resolution.resolve). The chat
+    templates are read from the checkpoint (chat_template.jinja, then tokenizer_config.json), as transformers
+    reads them, and rendered by gateway.chat_template.
     """
 
-    def __init__(self, model_dir: Path | str) -> None:
+    def __init__(self, model_dir: Path | str, resolution: Mapping[str, Any] | None = None) -> None:
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json: the gateway needs a fast tokenizer's file")
-        self.backend = Backend.from_file(str(path))
+        resolution = tokenizer_cache.resolve(model_dir) if resolution is None else resolution
+        self.tokenizer_class = str(resolution.get("tokenizer_class") or "PreTrainedTokenizerFast")
+        self.backend = Backend.from_str(resolution["tokenizer"])
+        self.backend.encode_special_tokens = bool(resolution.get("split_special_tokens", False))
         config = _read_json(model_dir / "tokenizer_config.json")
         if "added_tokens_decoder" not in config:  # older checkpoints keep the special tokens in their own file
             config = {**config, **_read_json(model_dir / "special_tokens_map.json")}
         self.config = config
-
-        # Named special tokens (bos_token, ...) and extra ones, as strings; the template sees the named ones.
-        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
-        named = {key: _content(value) for key, value in config.items() if key.endswith("_token")}
-        if isinstance(extra, Mapping):  # model-specific named tokens
-            named.update({key: _content(value) for key, value in extra.items()})
-            extra = []
-        self.special_tokens: dict[str, str] = {key: value for key, value in named.items() if value is not None}
-        extra_tokens = [t for t in (_content(v) for v in extra) if t is not None]
-        self._add_missing_tokens(config, [*self.special_tokens.values(), *extra_tokens])
-        self._apply_bos_eos(config)
-
+        # The named special tokens (bos_token, ...): what chat templates see, as in apply_chat_template.
+        self.special_tokens: dict[str, str] = {
+            str(key): str(value) for key, value in dict(resolution.get("special_tokens") or {}).items()
+        }
+        self.special_ids = {int(i) for i in resolution.get("all_special_ids") or ()}
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
-        all_special = [*self.special_tokens.values(), *extra_tokens]
-        ids = (self.backend.token_to_id(token) for token in all_special)
-        self.special_ids = {i for i in ids if i is not None}
         self._byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
-        # transformers skips the clean-up for BPE models (it would eat real spaces) unless told otherwise.
-        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
-            type(self.backend.model).__name__ != "BPE"
-            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
-        )
+        # SentencePiece-style byte fallback: <0x00>..<0xFF> stand for bytes the vocabulary has no token for.
+        fallback = bool(resolution.get("byte_fallback", False))
+        byte_ids = ((self.backend.token_to_id(f"<0x{b:02X}>"), b) for b in range(256)) if fallback else ()
+        self._fallback_bytes = {i: b for i, b in byte_ids if i is not None}
+        self.fallback_byte_ids = frozenset(self._fallback_bytes)
+        self._clean_up = bool(resolution.get("clean_up_tokenization_spaces", False))
         self.chat_templates = chat_template.find_templates(model_dir, config)
-
-    def _add_missing_tokens(self, config: Mapping[str, Any], special: Sequence[str]) -> None:
-        """Tokens the config names that tokenizer.json lacks are added, as transformers adds them on load."""
-        known = {token.content for token in self.backend.get_added_tokens_decoder().values()}
-        missing: list[AddedToken] = []
-        decoder = config.get("added_tokens_decoder")
-        if isinstance(decoder, Mapping):
-            for _, entry in sorted(decoder.items(), key=lambda item: int(item[0])):
-                if isinstance(entry, Mapping) and _content(entry) is not None and entry["content"] not in known:
-                    options = ("single_word", "lstrip", "rstrip", "normalized", "special")
-                    missing.append(AddedToken(entry["content"], **{k: entry[k] for k in options if k in entry}))
-                    known.add(entry["content"])
-        for token in special:
-            if token not in known:
-                missing.append(AddedToken(token, special=True))
-                known.add(token)
-        if missing:
-            self.backend.add_tokens(missing)
-
-    def _apply_bos_eos(self, config: Mapping[str, Any]) -> None:
-        """A tokenizer.json without a post-processor: the config's add_bos_token / add_eos_token say what to add."""
-        if self.backend.post_processor is not None:
-            return
-
-        def wanted(flag: str, name: str) -> tuple[str, int] | None:
-            token = self.special_tokens.get(name)
-            token_id = None if token is None else self.backend.token_to_id(token)
-            return (token, token_id) if config.get(flag) is True and token and token_id is not None else None
-
-        bos, eos = wanted("add_bos_token", "bos_token"), wanted("add_eos_token", "eos_token")
-        if bos is None and eos is None:
-            return
-
-        def sequence(name: str, type_id: int) -> str:
-            parts = [f"${name}:{type_id}"]
-            if bos:
-                parts.insert(0, f"{bos[0]}:{type_id}")
-            if eos:
-                parts.append(f"{eos[0]}:{type_id}")
-            return " ".join(parts)
-
-        self.backend.post_processor = processors.TemplateProcessing(
-            single=sequence("A", 0),
-            pair=f"{sequence('A', 0)} {sequence('B', 1)}",
-            special_tokens=list(dict.fromkeys(t for t in (bos, eos) if t)),
-        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -237,7 +171,9 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (byte-level BPE tokens can be part of a character)."""
+        """The bytes one token stands for (byte-level BPE and byte-fallback tokens can be part of a character)."""
+        if token_id in self._fallback_bytes:
+            return bytes([self._fallback_bytes[token_id]])
         if self._byte_level:
             piece = self.backend.id_to_token(token_id)
             if piece is not None and token_id not in self.special_ids and all(ch in _UNICODE_TO_BYTE for ch in piece):
@@ -265,28 +201,47 @@ class Detokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt[-self.CONTEXT_TOKENS :])
         self._released = len(self._ids)  # tokens whose text has been released
-        self._window = max(0, self._released - self.CONTEXT_TOKENS)
+        self._window = 0
+        self._move_window()
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
+    def _move_window(self) -> None:
+        """The window starts CONTEXT_TOKENS back, or further back, at the start of a run of byte-fallback tokens
+        (a decoder turns a run into text as a whole: cut, it would decode to U+FFFD)."""
+        byte_ids = self._tokenizer.fallback_byte_ids
+        start = max(self._window, len(self._ids) - self.CONTEXT_TOKENS)
+        while start > self._window and self._ids[start - 1] in byte_ids and self._ids[start] in byte_ids:
+            start -= 1
+        self._window = start
+
+    def _texts(self) -> tuple[str, str]:
+        """The window's text up to the release point and to the end. When the new tokens change text already
+        released (bytes that are not UTF-8 inside a byte-fallback run: the decoder then replaces every byte of
+        the run), the new tokens are decoded on their own from the release point."""
+        before = self._decode(self._ids[self._window : self._released])
+        text = self._decode(self._ids[self._window :])
+        if not _extends(text, before):
+            self._window = self._released
+            before, text = "", self._decode(self._ids[self._released :])
+        return before, text
+
     def add(self, token_ids: Sequence[int]) -> str:
         """The text that the new tokens complete (possibly empty)."""
         self._ids.extend(token_ids)
-        before = self._decode(self._ids[self._window : self._released])
-        text = self._decode(self._ids[self._window :])
-        if text.endswith(_REPLACEMENT) or not _extends(text, before):
+        before, text = self._texts()
+        if text.endswith(_REPLACEMENT):
             return ""  # mid-character: wait for the token that completes it
-        self._window = max(self._window, len(self._ids) - self.CONTEXT_TOKENS)
         self._released = len(self._ids)
+        self._move_window()
         return text[len(before) :]
 
     def flush(self) -> str:
         """At the end of the output: whatever is left, an incomplete character included."""
-        before = self._decode(self._ids[self._window : self._released])
-        text = self._decode(self._ids[self._window :])
+        before, text = self._texts()
         self._released = len(self._ids)
-        return text[len(before) :] if _extends(text, before) else ""
+        return text[len(before) :]
 
 
 def _extends(text: str, before: str) -> bool:
@@ -305,6 +260,7 @@ class StopMatcher:
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the stop string is released too
         self._held = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the one that stopped it
 
     def feed(self, text: str) -> str:
         """The text that may be released now; sets `stopped` when a stop string completes."""
@@ -318,6 +274,7 @@ class StopMatcher:
             self.stopped = True
             self._held = ""
             at, stop = min(hits)
+            self.stop_string = stop
             return buffer[: at + len(stop)] if self.include_stop else buffer[:at]
         keep = self._longest_partial_stop(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""

@@ -1,19 +1,6 @@
-"""Tool calls in a model's output: found by a parser for the model family's format, as text streams in.
-
-- `hermes` (Hermes, Qwen 2.5 / 3 and the models trained on their format): each call is
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text around the calls is content.
-- `llama3_json` (Llama 3.1 / 3.2 / 3.3): the whole output is one JSON object `{"name": ..., "parameters": {...}}`
-  (or several separated by `;`), optionally after `<|python_tag|>`; any other output is content.
-
-A parser is fed the choice's text increments and answers `ToolDelta`s: content to show, calls announced (id and
-name), and fragments of their arguments (a JSON object, as text) that add up to the whole. Hermes calls that
-start with their name stream their arguments as the model writes them; other calls are announced once complete.
-What is fed in pieces gives the same result as what is fed at once, whatever the pieces. Text that may still
-turn out to be part of a call is held back; text that turns out not to be one (a malformed call) is released
-as content at the end, as the model wrote it.
-
-`auto` picks the parser by the chat template: one that writes `<tool_call>` is Hermes's, one that knows
-`<|python_tag|>` is Llama 3's; otherwise none (tool calls are not parsed).
+"""Tool calls in a model's output, found as text streams in by a parser for the model family's format
+(`hermes`, `llama3_json`; `auto` picks by the chat template). A parser turns a choice's text increments into
+`ToolDelta`s: content to show, calls announced (id and name), and fragments of their arguments.
 """
 
 from __future__ import annotations
@@ -78,7 +65,12 @@ def _call(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
 
 
 class ToolParser:
-    """One choice's parser. `feed` text as it comes, then `finish` once."""
+    """One choice's parser. `feed` text as it comes, then `finish` once.
+
+    What is fed in pieces gives the same result as what is fed at once, whatever the pieces. Text that may still
+    turn out to be part of a call is held back; text that turns out not to be one (a malformed call) is released
+    as content at the end, as the model wrote it.
+    """
 
     def feed(self, text: str) -> ToolDelta:
         raise NotImplementedError
@@ -93,7 +85,10 @@ _TAIL = re.compile(r"\s*\}?\s*$")  # what may still be the end of the call after
 
 
 class HermesParser(ToolParser):
-    """Calls whose JSON starts with the name and then an arguments object are announced as soon as their name is
+    """Hermes, Qwen 2.5 / 3 and the models trained on their format: each call is
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text around the calls is content.
+
+    Calls whose JSON starts with the name and then an arguments object are announced as soon as their name is
     in, and their arguments stream as the model writes them (as it wrote them; all but what may still be the
     call's closing brace). Other calls are announced once complete, their arguments parsed and written anew."""
 
@@ -208,8 +203,8 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    """The output is either tool calls (JSON objects, `;`-separated) or content, decided by its first
-    non-blank character: `{` (or `<|python_tag|>`) means calls."""
+    """Llama 3.1 / 3.2 / 3.3: the output is either tool calls, JSON objects `{"name": ..., "parameters": {...}}`
+    separated by `;`, or content, decided by its first non-blank character: `{` (or `<|python_tag|>`) means calls."""
 
     TAG = "<|python_tag|>"
 

@@ -71,7 +71,7 @@ def tokenizer_info(gateway: Gateway) -> dict[str, Any]:
         for key, value in tokenizer.config.items()
         if key not in ("added_tokens_decoder", "chat_template") and not key.endswith("_token")
     }
-    info["tokenizer_class"] = str(tokenizer.config.get("tokenizer_class") or "PreTrainedTokenizerFast")
+    info["tokenizer_class"] = tokenizer.tokenizer_class  # the class AutoTokenizer loaded, as vLLM reports it
     info.update(tokenizer.special_tokens)
     if tokenizer.chat_templates:
         templates = tokenizer.chat_templates
@@ -119,7 +119,6 @@ def add_utility_routes(app: FastAPI, gateway: Gateway) -> None:
 
     unsupported = {
         "/v1/embeddings": "embeddings (pagedkv serves generative models only)",
-        "/v1/responses": "the Responses API (use /v1/chat/completions)",
         "/v1/audio/transcriptions": "audio",
         "/v1/images/generations": "images",
     }

@@ -1,14 +1,13 @@
 """`pagedkv serve`: a whole local stack (blockd, N executors, the gateway) as child processes of one command.
 
-Children run as `python -m <module>` with this interpreter, so the stack works without the venv on PATH. Each
-child gets its own session (a terminal's Ctrl-C reaches only this process, which then stops them in order:
-gateway, executors, blockd) and is told by the kernel to stop if this process dies without doing so.
+Children run as `python -m <module>` with this interpreter, so the stack works without the venv on PATH, each
+started by common.processes in its own session (a terminal's Ctrl-C reaches only this process, which then stops
+them in order: gateway, executors, blockd) and told by the kernel to stop if this process dies without doing so.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shlex
@@ -17,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,17 +24,19 @@ from types import FrameType, TracebackType
 from typing import Any, Self
 
 import click
+import httpx
 
-from common import net
+from blockd.client import BlockdClient, BlockdUnavailable
+from common import net, processes
+from common.auth import ClientCurve, KeySet, generate
+from common.default_model import default_model_dir, ensure_default_model
+from common.processes import STOP_GRACE_S  # by name too: in LocalStack, its `processes` property hides the module
+from common.tokenizer_cache import TokenizerResolutionError, resolve
+from executor.client import ExecutorClient, ExecutorUnavailable
 from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS  # the package alone: no torch, so --help stays fast
 
 DEVICES = ("cpu", "cuda")
-LOG_TAIL_LINES = 20
-STOP_GRACE_S = 10.0
-_POLL_S = 0.25
 _PROBE_TIMEOUT_S = 0.3
-_WAITING_NOTE_S = 15.0  # how often a slow start says what it still waits for
-_PR_SET_PDEATHSIG = 1
 
 
 class StackFailed(RuntimeError):
@@ -51,32 +53,6 @@ class StackFailed(RuntimeError):
 
 class PortInUse(StackFailed, net.PortInUse):
     """The gateway's port is taken: raised before anything is started."""
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
-
-
-def _die_with_parent() -> None:
-    # In the child between fork and exec. PDEATHSIG fires when the parent *thread* that forked exits: start a
-    # stack from a thread that outlives it (the main thread, normally).
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stderr(line: str) -> None:
@@ -149,8 +125,6 @@ class LocalStack:
         """The checkpoint served: the one given, or the generated default model's directory."""
         if self._given_model_dir is not None:
             return self._given_model_dir
-        from common.default_model import default_model_dir
-
         return default_model_dir()
 
     @property
@@ -199,12 +173,10 @@ class LocalStack:
         """The stack's key directory (`blockd-cli --keys DIR`, PAGEDKV_KEYS=DIR); None when started without keys."""
         return self.state_dir / "keys" if self.keys else None
 
-    def operator_keys(self) -> Any:
-        """The operator's CURVE keys (common.auth.ClientCurve) for blockd and executor clients; None without keys."""
+    def operator_keys(self) -> ClientCurve | None:
+        """The operator's CURVE keys for blockd and executor clients; None without keys."""
         if self.keys_dir is None:
             return None
-        from common.auth import KeySet
-
         return KeySet(self.keys_dir).client("operator")
 
     @property
@@ -267,8 +239,6 @@ class LocalStack:
             self._owns_state_dir = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.keys_dir is not None:
-            from common.auth import generate
-
             generate(self.keys_dir, [f"executor-{i}" for i in range(self.executors)], force=True)
         # Not the gateway's port: it listens last, and the kernel may hand that port out until then.
         self._blockd_port, *self._executor_ports = net.free_ports(1 + self.executors, avoid=(self.port,))
@@ -276,8 +246,11 @@ class LocalStack:
             f"starting blockd and {self.executors} executor(s) of {model_dir} on {self.device}; logs in {self.log_dir}"
         )
 
+        # The gateway's tokenizer is resolved (transformers, in a child process) while the executors load.
+        warming = threading.Thread(target=_warm_tokenizer_cache, args=(model_dir,), daemon=True)
+        warming.start()
         blockd = ["--endpoint", self.blockd_endpoint, "--state-dir", str(self.state_dir / "blockd")]
-        self._spawn("blockd", "blockd.server", blockd if self.persistence else [*blockd, "--no-persistence"])
+        self._spawn("blockd", "blockd.main", blockd if self.persistence else [*blockd, "--no-persistence"])
         for i, endpoint in enumerate(self.executor_endpoints):
             args = [
                 "--model",
@@ -293,7 +266,7 @@ class LocalStack:
             ]
             if self.kv_cache_memory is not None:
                 args += ["--kv-cache-memory", self.kv_cache_memory]
-            self._spawn(f"executor-{i}", "executor.server", [*args, *self.executor_args])
+            self._spawn(f"executor-{i}", "executor.main", [*args, *self.executor_args])
 
         # The gateway starts last, once the executors answer: a failing executor is then reported as itself,
         # not as an unhealthy gateway, and the gateway does not wait on executors still loading.
@@ -317,7 +290,8 @@ class LocalStack:
             self.routing,
             *self.gateway_args,
         ]
-        self._spawn("gateway", "gateway.server", gateway)
+        warming.join(max(0.0, deadline - time.monotonic()))
+        self._spawn("gateway", "gateway.main", gateway)
         self._wait_ready({"gateway": self._probe_gateway}, deadline)
 
     def _check_cuda(self) -> None:
@@ -335,8 +309,6 @@ class LocalStack:
             if not self._given_model_dir.is_dir():
                 raise StackFailed(f"model directory {self._given_model_dir} does not exist")
             return self._given_model_dir
-        from common.default_model import default_model_dir, ensure_default_model
-
         if not (default_model_dir() / "config.json").is_file():
             self._progress(f"generating the default model in {default_model_dir()} (once)")
         # Here in the parent, so the children find it complete instead of each generating it.
@@ -350,51 +322,40 @@ class LocalStack:
         if self.device == "cpu" and name.startswith("executor-") and "OMP_NUM_THREADS" not in os.environ:
             # Executors on one CPU share its cores: torch would otherwise give each of them all of them.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.executors))
-        with open(self.log_path(name), "ab") as log:
-            self._processes[name] = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        self._processes[name] = processes.start(
+            [sys.executable, "-m", module, *args], self.log_path(name), env=env, die_with_parent=True
+        )
 
     def _wait_ready(self, probes: dict[str, Callable[[], str | None]], deadline: float) -> None:
         """Poll each probe (None: not ready; a string: ready, with what to say) until all are ready."""
         waiting = dict(probes)
-        started = time.monotonic()
-        next_note = started + _WAITING_NOTE_S
-        while waiting:
-            self.check()
+
+        def all_ready() -> bool | None:
             for name, probe in list(waiting.items()):
                 note = probe()
                 if note is not None:
                     del waiting[name]
                     self._progress(f"{name} ready: {note}")
-            if not waiting:
-                return
-            now = time.monotonic()
-            if now > deadline:
-                tails = "\n".join(
-                    f"--- {name} ({self.log_path(name)}) ---\n{_tail(self.log_path(name))}" for name in waiting
-                )
-                detail = f"; gateway /health said: {self._last_health}" if "gateway" in waiting else ""
-                raise StackFailed(
-                    f"the stack was not ready within {self.startup_timeout_s:g} s: still waiting for "
-                    f"{', '.join(waiting)}{detail}\n{tails}",
-                    component=next(iter(waiting)),
-                    log_tail=tails,
-                )
-            if now >= next_note:
-                next_note = now + _WAITING_NOTE_S
-                self._progress(f"still waiting for {', '.join(waiting)} ({now - started:.0f} s)")
-            time.sleep(_POLL_S)
+            return None if waiting else True
+
+        def still_waiting(seconds: float) -> None:
+            self._progress(f"still waiting for {', '.join(waiting)} ({seconds:.0f} s)")
+
+        try:
+            processes.wait_until(all_ready, max(0.0, deadline - time.monotonic()), check=self.check, note=still_waiting)
+        except processes.NotReady:
+            tails = "\n".join(
+                f"--- {name} ({self.log_path(name)}) ---\n{processes.tail(self.log_path(name))}" for name in waiting
+            )
+            detail = f"; gateway /health said: {self._last_health}" if "gateway" in waiting else ""
+            raise StackFailed(
+                f"the stack was not ready within {self.startup_timeout_s:g} s: still waiting for "
+                f"{', '.join(waiting)}{detail}\n{tails}",
+                component=next(iter(waiting)),
+                log_tail=tails,
+            ) from None
 
     def _probe_blockd(self) -> str | None:
-        from blockd.client import BlockdClient, BlockdUnavailable
-
         with BlockdClient(self.blockd_endpoint, timeout_s=_PROBE_TIMEOUT_S, curve=self.operator_keys()) as client:
             try:
                 client.pools()
@@ -403,8 +364,6 @@ class LocalStack:
         return self.blockd_endpoint
 
     def _probe_executor(self, endpoint: str) -> str | None:
-        from executor.client import ExecutorClient, ExecutorUnavailable
-
         with ExecutorClient(endpoint, timeout_s=_PROBE_TIMEOUT_S, curve=self.operator_keys()) as client:
             try:
                 info = client.info()
@@ -413,8 +372,6 @@ class LocalStack:
         return f"{endpoint}, {info.device}, {info.num_blocks} KV blocks of {info.block_size} tokens"
 
     def _probe_gateway(self) -> str | None:
-        import httpx
-
         try:
             response = httpx.get(f"{self.url}/health", timeout=2.0)
             body = response.json()
@@ -442,7 +399,7 @@ class LocalStack:
             if len(refused) == len(executors)
             else f"it refused {len(refused)} of {len(executors)} executors"
         )
-        tail = _tail(self.log_path("gateway"))
+        tail = processes.tail(self.log_path("gateway"))
         raise StackFailed(
             f"the gateway cannot serve with these executors: {summary}, because\n{reasons}\n"
             f"the last lines of {self.log_path('gateway')}:\n{tail}",
@@ -455,9 +412,9 @@ class LocalStack:
         for name, process in self._processes.items():
             code = process.poll()
             if code is not None:
-                tail = _tail(self.log_path(name))
+                tail = processes.tail(self.log_path(name))
                 raise StackFailed(
-                    f"{name} {_describe_exit(code)}; the last lines of {self.log_path(name)}:\n{tail}",
+                    f"{name} {processes.describe_exit(code)}; the last lines of {self.log_path(name)}:\n{tail}",
                     component=name,
                     returncode=code,
                     log_tail=tail,
@@ -473,32 +430,17 @@ class LocalStack:
             process.wait()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the gateway, then the executors, then blockd, each tier waited for up to grace_s before
-        SIGKILL; then remove the state directory if it is a temporary one. Safe to call more than once."""
+        """SIGTERM the gateway, then the executors, then blockd, each tier (with what it left in its process
+        groups) waited for up to grace_s before SIGKILL; then remove the state directory if it is a temporary one.
+        Safe to call more than once."""
         if self._stopped:
             return
         self._stopped = True
         tiers = [["gateway"], [n for n in self._processes if n.startswith("executor-")], ["blockd"]]
         for tier in tiers:
-            self._stop_tier([self._processes[n] for n in tier if n in self._processes], grace_s)
+            processes.stop([self._processes[n] for n in tier if n in self._processes], grace_s)
         if self._owns_state_dir and self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)
-
-    @staticmethod
-    def _stop_tier(processes: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + grace_s
-        for process in processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            # Anything the child left behind in its process group (it leads one) goes with it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -656,6 +598,11 @@ def serve(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _warm_tokenizer_cache(model_dir: Path) -> None:
+    with contextlib.suppress(TokenizerResolutionError, OSError):  # a failure is the gateway's to report
+        resolve(model_dir)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.checkpoint import ModelConfig
+from executor.model_config import ModelConfig
 from executor.models.rotary import Rotary
 from kernels import dispatch, moe, pointwise
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from executor.checkpoint import CheckpointError, LayerConfig, MoEConfig, RopeConfig, UnsupportedModel
+from executor.model_config import CheckpointError, LayerConfig, MoEConfig, RopeConfig, UnsupportedModel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")

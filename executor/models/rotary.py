@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from executor.checkpoint import RopeConfig
+from executor.model_config import RopeConfig
 
 
 def _base_frequencies(theta: float, dim: int) -> torch.Tensor:

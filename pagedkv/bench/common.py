@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -14,6 +13,7 @@ from typing import TypeVar
 import click
 
 from blockd.client import BlockdClient, BlockdUnavailable
+from common import processes
 from common.net import free_port
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -31,22 +31,22 @@ def table_lines(columns: Sequence[str], rows: Sequence[Sequence[str]], *, left: 
 
 def start_blockd(endpoint: str, flags: Sequence[str], log: Path, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
     """A blockd process at `endpoint` with these flags, its output appended to `log`; returns once it answers."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "blockd.server", "--endpoint", endpoint, "--log-level", "warning", *flags],
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
+    process = processes.start(
+        [sys.executable, "-m", "blockd.main", "--endpoint", endpoint, "--log-level", "warning", *flags], log
     )
-    deadline = time.monotonic() + timeout_s
-    with BlockdClient(endpoint, timeout_s=0.5) as client:
-        while True:
-            try:
-                client.pools()
-                return process
-            except BlockdUnavailable:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    process.kill()
-                    process.wait()
-                    raise click.ClickException(f"blockd did not start; see {log}") from None
+
+    def alive() -> None:
+        if process.poll() is not None:
+            raise processes.NotReady(f"blockd {processes.describe_exit(process.returncode)}")
+
+    try:
+        with BlockdClient(endpoint, timeout_s=0.5) as client:
+            # Each ask waits out the client's timeout: no sleep between them.
+            processes.wait_until(processes.answer(client.pools, BlockdUnavailable), timeout_s, check=alive, poll_s=0)
+    except processes.NotReady:
+        processes.stop([process])
+        raise click.ClickException(f"blockd did not start; see {log}") from None
+    return process
 
 
 @contextlib.contextmanager
@@ -64,12 +64,7 @@ def blockd_process(log: Path, *flags: str) -> Iterator[tuple[str, subprocess.Pop
     try:
         yield endpoint, process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
+        processes.stop([process])
 
 
 def length_range_option(flag: str, default: tuple[int, int], help: str) -> Callable[[F], F]:
@@ -101,3 +96,8 @@ def requests_option(default: int, help: str) -> Callable[[F], F]:
 def threads_option(help: str) -> Callable[[F], F]:
     """`--threads N`: torch intra-op threads (default: torch's own choice, one per core)."""
     return click.option("--threads", type=click.IntRange(min=1), default=None, help=help)
+
+
+def log_tail(path: Path) -> str:
+    """The end of a child's log (common.processes.tail), indented under the message that quotes it."""
+    return "\n".join("  " + line for line in (processes.tail(path) or "(no log, or empty)").splitlines())

@@ -37,7 +37,7 @@ Timer = Callable[[Callable[[], object]], float]  # runs fn repeatedly, returns m
 
 def cuda_timer(fn: Callable[[], object]) -> float:
     """Median milliseconds per call, timed with CUDA events by triton.testing.do_bench."""
-    import triton.testing
+    import triton.testing  # only on a CUDA device: the CPU path never loads it
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 

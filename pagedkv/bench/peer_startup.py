@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,25 @@ from pathlib import Path
 from typing import Any
 
 import click
+import httpx
+
+from common import processes
+from common.cpu import machine_busy_s
+from common.default_model import is_complete_model
+from common.home import pagedkv_home
+from common.net import free_port
+from pagedkv.bench.common import blockd_process, log_tail, table_lines
+from pagedkv.bench.peer_systems import (
+    SERVER_STOP_GRACE_S,
+    DriverError,
+    VllmSystem,
+    check_setup,
+    driver_env,
+    read_loadavg,
+)
+from pagedkv.bench.throughput import bench_model
+from pagedkv.tools.model_gen import write_model
+from pagedkv.tools.model_gen.spec import ModelSpecError
 
 #: The cases in the order each round runs them.
 CASES = ("default", "1gb", "serve")
@@ -77,8 +95,8 @@ QUICK_CHECKPOINT: dict[str, Any] = dict(
     seed=0,
 )
 START_TIMEOUT_S = 1200.0  # vLLM compiling on a busy 2-core machine has taken ~200 s
-STOP_GRACE_S = 60.0
-_POLL_S = 0.05
+#: Between two probes of a starting server: finer than processes.POLL_S, as the seconds to healthy are the figure.
+_MEASURE_POLL_S = processes.POLL_S / 5
 
 
 class PeerFailed(Exception):
@@ -97,16 +115,12 @@ def checkpoint_name(options: dict[str, Any]) -> str:
 
 
 def default_checkpoint_dir(options: dict[str, Any]) -> Path:
-    from common.home import pagedkv_home
-
     return pagedkv_home() / "models" / "bench" / checkpoint_name(options)
 
 
 def ensure_checkpoint(directory: Path, options: dict[str, Any]) -> Path:
     """The checkpoint in `directory`, generated there (progress on stderr) unless it holds a complete one;
     ClickException when it cannot be written or holds something else."""
-    from common.default_model import is_complete_model
-
     if is_complete_model(directory):
         return directory
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -122,9 +136,6 @@ def ensure_checkpoint(directory: Path, options: dict[str, Any]) -> Path:
             f"cannot write the startup checkpoint into {directory}: {exc.strerror or exc} (give --startup-model "
             "a writable directory)"
         ) from None
-    from pagedkv.tools.model_gen import write_model
-    from pagedkv.tools.model_gen.spec import ModelSpecError
-
     click.echo(f"generating the startup checkpoint in {directory} (once; reused after)", err=True)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # write_model's progress lines: stderr, not the table
@@ -196,9 +207,6 @@ def run_startup_rounds(
 ) -> list[StartupRecord]:
     """Every start of the schedule, measured by `measure(case, system, round)`; a PeerFailed is recorded and its
     case and system skipped after; anything else propagates."""
-    from common.cpu import machine_busy_s
-    from pagedkv.bench.peer import read_loadavg
-
     records: list[StartupRecord] = []
     failed: set[tuple[str, str]] = set()
     cpus = os.cpu_count() or 1
@@ -286,61 +294,13 @@ def summarize(records: Sequence[StartupRecord], case: str) -> CaseSummary:
 # ------------------------------------------------------------------------------------------------ processes
 
 
-def _pagedkv_load_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """In the child: torch and the executor imported, then the timed part: the engine as `build_engine` builds
-    it with a real blockd (model loaded, KV cache allocated, pool registered); unregistered again after."""
-    started_imports = time.perf_counter()
-    import torch
-
-    from executor.engine import Engine, EngineLimits
-    from executor.runner import kv_bytes_per_block, load_model
-
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    imported = time.perf_counter()
-    cpu0 = time.process_time()
-    loaded = load_model(spec["model"], torch.device("cpu"), torch.float32)
-    model_done = time.perf_counter()
-    num_blocks = spec["kv_cache_bytes"] // kv_bytes_per_block(loaded.config, spec["block_size"], torch.float32)
-    engine = Engine.assemble(
-        loaded,
-        spec["endpoint"],
-        pool_id=spec["pool_id"],
-        num_blocks=num_blocks,
-        block_size=spec["block_size"],
-        limits=EngineLimits(spec["max_num_seqs"], spec["max_num_batched_tokens"]),
-        seed=0,
-        timeout_s=10.0,
-    )
-    kv_done = time.perf_counter()
-    engine.pool.register()
-    done = time.perf_counter()
-    cpu_s = time.process_time() - cpu0
-    with contextlib.suppress(Exception):
-        engine.pool.unregister()
-    with contextlib.suppress(Exception):
-        engine.pool.client.close()
-    return {
-        "ok": True,
-        "load_s": done - imported,
-        "model_s": model_done - imported,
-        "kv_cache_s": kv_done - model_done,
-        "register_s": done - kv_done,
-        "imports_s": imported - started_imports,
-        "cpu_s": cpu_s,
-        "num_blocks": num_blocks,
-        "parameters": sum(p.numel() for p in loaded.model.parameters()),
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 def measure_pagedkv_load(spec: dict[str, Any], log: Path) -> Launch:
-    """pagedkv's load in a fresh process (`python -m pagedkv.bench.peer_startup SPEC`); ClickException if it
+    """pagedkv's load in a fresh process (`python -m pagedkv.bench.peer_load_child SPEC`); ClickException if it
     fails."""
     started = time.perf_counter()
     with open(log, "ab") as log_file:
         done = subprocess.run(
-            [sys.executable, "-m", "pagedkv.bench.peer_startup", json.dumps(spec)],
+            [sys.executable, "-m", "pagedkv.bench.peer_load_child", json.dumps(spec)],
             stdout=subprocess.PIPE,
             stderr=log_file,
             stdin=subprocess.DEVNULL,
@@ -355,7 +315,7 @@ def measure_pagedkv_load(spec: dict[str, Any], log: Path) -> Launch:
     if done.returncode != 0 or not reply.get("ok"):
         raise click.ClickException(
             f"pagedkv's load of {spec['model']} failed (exit {done.returncode}); the end of its log {log}:\n  "
-            + "\n  ".join(_tail(log))
+            + log_tail(log)
         )
     detail = {k: v for k, v in reply.items() if k not in ("ok", "load_s")}
     return Launch(reply["load_s"], launch_s, detail)
@@ -365,8 +325,6 @@ def measure_vllm_load(
     python: Path, driver: Path, msg: dict[str, Any], env: dict[str, str], log: Path, cwd: Path, name: str
 ) -> Launch:
     """vLLM's `LLM(...)` in a fresh driver process; PeerFailed if it fails."""
-    from pagedkv.bench.peer import DriverError, VllmSystem
-
     started = time.perf_counter()
     peer = VllmSystem(name, python, driver, env, log, cwd)
     try:
@@ -378,13 +336,6 @@ def measure_vllm_load(
         peer.close()
     detail = {k: reply.get(k) for k in ("vllm", "torch", "block_size", "compilation", "cache_root")}
     return Launch(float(reply["load_s"]), launch_s, detail)
-
-
-def _tail(path: Path, lines: int = 8) -> list[str]:
-    try:
-        return path.read_text(errors="replace").strip().splitlines()[-lines:] or ["(nothing)"]
-    except OSError:
-        return ["(no log)"]
 
 
 class _LineTimes:
@@ -406,21 +357,10 @@ class _LineTimes:
         self._thread.join(timeout=10)
 
 
-def _stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> dict[str, Any]:
-    """SIGTERM to the process group the process leads; SIGKILL to it after grace_s. How it went."""
-    started = time.perf_counter()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGTERM)
-    clean = True
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        clean = False
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)  # whatever it left in its group
-    if not clean:
-        process.wait(timeout=30)
-    return {"stop_s": round(time.perf_counter() - started, 3), "stopped_cleanly": clean, "exit": process.returncode}
+def _stop_group(process: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """Stop the server's process group; how it went."""
+    (stopped,) = processes.stop([process], SERVER_STOP_GRACE_S)
+    return {"stop_s": round(stopped.seconds, 3), "stopped_cleanly": stopped.clean, "exit": stopped.returncode}
 
 
 def _healthy_pagedkv(response: Any) -> bool:
@@ -450,45 +390,39 @@ def measure_server(
 ) -> Launch:
     """Launch a server in a session of its own, poll `url` until `healthy(response)`, stop it; the seconds from
     launch to healthy. `on_failure(message)` is raised when it exits first or is not healthy in time."""
-    import httpx
-
+    started = time.perf_counter()
+    process = processes.start(command, log, env=env, pipe_stderr=True)
     with open(log, "ab") as log_file:
-        started = time.perf_counter()
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
         lines = _LineTimes(process.stderr, log_file, started)
-        seconds: float | None = None
         problem = None
         try:
             with httpx.Client(timeout=2.0) as client:
-                while seconds is None:
+
+                def healthy_now() -> float | None:
                     try:
-                        if healthy(client.get(url)):
-                            seconds = time.perf_counter() - started
-                            break
+                        return time.perf_counter() - started if healthy(client.get(url)) else None
                     except httpx.HTTPError:
-                        pass
+                        return None
+
+                def alive() -> None:
                     if process.poll() is not None:
-                        problem = f"exited ({process.returncode}) before {url} was healthy"
-                        break
-                    if time.perf_counter() - started > timeout_s:
-                        problem = f"was not healthy at {url} within {timeout_s:g} s"
-                        break
-                    time.sleep(_POLL_S)
+                        raise _Exited(f"exited ({process.returncode}) before {url} was healthy")
+
+                seconds = processes.wait_until(healthy_now, timeout_s, check=alive, poll_s=_MEASURE_POLL_S)
+        except _Exited as exc:
+            problem = str(exc)
+        except processes.NotReady:
+            problem = f"was not healthy at {url} within {timeout_s:g} s"
         finally:
             stop = _stop_group(process)
             lines.join()
-    if seconds is None:
-        raise on_failure(
-            f"{' '.join(command[:4])} ... {problem}; the end of its log {log}:\n  " + "\n  ".join(_tail(log))
-        )
+    if problem is not None:
+        raise on_failure(f"{' '.join(command[:4])} ... {problem}; the end of its log {log}:\n" + log_tail(log))
     return Launch(seconds, None, {**phases(lines.lines), **stop})
+
+
+class _Exited(Exception):
+    """The server exited before it was healthy."""
 
 
 _READY = re.compile(r"^(blockd|executor-\d+|gateway) ready:")
@@ -529,11 +463,6 @@ class StartupConfig:
 
 def run_startup(cfg: StartupConfig) -> None:
     """The whole `--startup` command: progress on stderr, tables and one last JSON line on stdout."""
-    from common.net import free_port
-    from pagedkv.bench.common import blockd_process
-    from pagedkv.bench.peer import check_setup, driver_env
-    from pagedkv.bench.throughput import bench_model
-
     echo = click.echo
     budget, python = check_setup(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_memory, cfg.vllm_python)
     big_options = QUICK_CHECKPOINT if cfg.quick else BIG_CHECKPOINT
@@ -754,8 +683,6 @@ def _vllm_serve_args(port: int, budget: int, cfg: StartupConfig, max_model_len: 
 
 
 def startup_runs_table(records: Sequence[StartupRecord]) -> list[str]:
-    from pagedkv.bench.common import table_lines
-
     rows = []
     for r in records:
         rows.append(
@@ -774,8 +701,6 @@ def startup_runs_table(records: Sequence[StartupRecord]) -> list[str]:
 
 
 def startup_summary_table(summaries: dict[str, CaseSummary]) -> list[str]:
-    from pagedkv.bench.common import table_lines
-
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
@@ -787,20 +712,6 @@ def startup_summary_table(summaries: dict[str, CaseSummary]) -> list[str]:
         ratio = "-" if s.ratio is None else f"{s.ratio:.2f} (vs {SYSTEM_LABELS[s.best_vllm or '']})"
         rows.append([CASE_LABELS[case], *(cell(s.medians.get(system)) for system in SYSTEMS), cold, ratio])
     return table_lines(columns, rows)
-
-
-def _child_main(argv: list[str]) -> int:
-    replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)  # anything printed goes to the log; the one reply to the original stdout
-    try:
-        reply = _pagedkv_load_child(json.loads(argv[0]))
-    except Exception as exc:
-        import traceback
-
-        traceback.print_exc()
-        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    replies.write(json.dumps(reply) + "\n")
-    return 0 if reply.get("ok") else 1
 
 
 __all__ = [
@@ -819,7 +730,3 @@ __all__ = [
     "startup_schedule",
     "summarize",
 ]
-
-
-if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1:]))

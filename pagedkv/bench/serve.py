@@ -57,6 +57,7 @@ import click
 from common.clicks import unless_given
 from common.units import parse_size
 from pagedkv.bench.common import length_range_option, requests_option, table_lines
+from pagedkv.serve import LocalStack, StackFailed
 
 #: Token ids of every prompt: past the special tokens (0-3), below any test model's vocabulary (512).
 TOKEN_IDS = (4, 500)
@@ -270,14 +271,16 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------------- clients
 
 
-async def stream_one(client: Any, model: str, request: ServeRequest) -> RequestResult:
-    """One streamed completion (`client` an `openai.AsyncOpenAI`): chunk arrival times and the final usage.
-    A failure is recorded in the result, never raised: the other requests go on."""
-    import openai
+async def stream_one(
+    client: Any, model: str, request: ServeRequest, clock: Callable[[], float] = time.perf_counter
+) -> RequestResult:
+    """One streamed completion (`client` an `openai.AsyncOpenAI`): chunk arrival times (by `clock`) and the final
+    usage. A failure is recorded in the result, never raised: the other requests go on."""
+    import openai  # the bench extra's (see _client)
 
     result = RequestResult(request.max_tokens)
     usage = None
-    started = time.perf_counter()
+    started = clock()
     try:
         stream = await client.completions.create(
             model=model,
@@ -290,7 +293,7 @@ async def stream_one(client: Any, model: str, request: ServeRequest) -> RequestR
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
-                result.chunk_times.append(time.perf_counter() - started)
+                result.chunk_times.append(clock() - started)
             usage = chunk.usage or usage  # the last chunk carries it (some servers send it on every chunk)
     except openai.OpenAIError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -323,7 +326,7 @@ async def run_requests(
 
 
 def _client(base_url: str) -> Any:
-    try:
+    try:  # openai and tqdm are the bench extra's (pagedkv[bench]), imported where used
         from openai import AsyncOpenAI
     except ImportError:  # a test extra, not a runtime dependency of the stack
         raise click.ClickException("pagedkv bench serve needs the openai package: pip install openai") from None
@@ -333,13 +336,13 @@ def _client(base_url: str) -> Any:
 
 
 def _bar(desc: str, total: int) -> Any:
-    from tqdm import tqdm
+    from tqdm import tqdm  # the bench extra's, as openai
 
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=True)
 
 
 async def _served_model(client: Any) -> str:
-    import openai
+    import openai  # the bench extra's (see _client)
 
     try:
         models = (await client.models.list()).data
@@ -401,10 +404,8 @@ class StackOptions:
 
 
 @contextlib.contextmanager
-def own_stack(options: StackOptions, routing: str) -> Iterator[Any]:
+def own_stack(options: StackOptions, routing: str) -> Iterator[LocalStack]:
     """A fresh LocalStack without persistence (runs share no prefix index); a failed start is a ClickException."""
-    from pagedkv.serve import LocalStack, StackFailed
-
     click.echo(f"starting a stack: {options.executors} executors on {options.device}, {routing} routing", err=True)
     try:
         with LocalStack(

@@ -44,9 +44,14 @@ from typing import Any, Self
 
 import click
 
+from blockd.client import PoolClient
+from blockd.inprocess import InProcessBlockd
 from common.clicks import unless_given
 from common.cpu import machine_busy_s
+from common.default_model import ensure_default_model
 from common.units import parse_size
+from executor.model_config import CheckpointError, UnsupportedModel
+from executor.params import SamplingParams
 from pagedkv.bench.common import (
     blockd_daemon,
     length_range_option,
@@ -126,7 +131,7 @@ class Progress:
 
 
 def _synchronize(device: Any) -> None:
-    import torch
+    import torch  # torch, and what imports it (the executor's engine, runner, checkpoint), on use: --help is fast
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -148,9 +153,7 @@ def build_engine(
 ) -> Any:
     """The engine as the executor builds it: model and KV cache here, its pool registered with blockd (at
     `endpoint`; None: an in-process blockd, `blockd.inprocess.InProcessBlockd`, behind the same pool client)."""
-    from blockd.client import PoolClient
-    from blockd.inprocess import InProcessBlockd
-    from executor.engine import Engine, EngineLimits
+    from executor.engine import Engine, EngineLimits  # torch on use (see _synchronize)
     from executor.runner import ModelRunner, load_model
 
     loaded = load_model(model_dir, device, dtype)
@@ -199,8 +202,6 @@ class PagedRun:
 
     def advance(self, target_tokens: int, min_s: float = 0.0) -> None:
         """Steps until more than `target_tokens` output tokens are out and `min_s` has passed, or all are done."""
-        from executor.params import SamplingParams
-
         engine, result, scheduler = self.engine, self.result, self.engine.scheduler
         device = engine.runner.device
         started = time.perf_counter()
@@ -237,7 +238,7 @@ class PagedRun:
 
 def load_hf(model_dir: Path, device: Any, dtype: Any) -> tuple[Any, int]:
     """The transformers model with end-of-sequence switched off (no sequence stops early); its pad token id."""
-    import transformers
+    import transformers  # on use, as torch (see _synchronize)
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -283,7 +284,7 @@ class HfRun:
         return f"batch {self.batch_number}/{len(self.batches)}"
 
     def run(self, pause: Callable[[], None] = lambda: None) -> None:
-        import torch
+        import torch  # on use (see _synchronize)
 
         device = self.model.device
         _synchronize(device)
@@ -303,7 +304,7 @@ class HfRun:
         self._paused_s += time.perf_counter() - started
 
     def _generate(self, batch: list[BenchRequest], pause: Callable[[], None]) -> None:
-        import torch
+        import torch  # on use (see _synchronize)
         import transformers
 
         run, result, device = self, self.result, self.model.device
@@ -463,8 +464,7 @@ def _compare_blockd(
 def bench_model(model_dir: Path | None) -> tuple[Path, Any]:
     """The benchmark's checkpoint (the default model, generated on first use, when none is given) and its
     config; a usage error naming --model when it cannot be served."""
-    from common.default_model import ensure_default_model
-    from executor.checkpoint import CheckpointError, UnsupportedModel, load_config
+    from executor.checkpoint import load_config  # torch on use (_synchronize)
 
     if model_dir is None:
         click.echo("using the default model (generated on first use)", err=True)
@@ -495,12 +495,12 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def _special_ids(model_dir: Path, config: Any) -> set[int]:
+def special_ids(model_dir: Path, config: Any) -> set[int]:
     ids = set(config.eos_token_ids)
     if config.bos_token_id is not None:
         ids.add(config.bos_token_id)
     try:
-        import transformers
+        import transformers  # on use (see _synchronize)
 
         ids.update(transformers.AutoTokenizer.from_pretrained(model_dir).all_special_ids)
     except (OSError, ValueError, KeyError):  # no usable tokenizer: the config's ids are all we know of
@@ -616,7 +616,7 @@ def bench_throughput(
     seed: int,
     quick: bool,
 ) -> None:
-    import torch
+    import torch  # on use (see _synchronize)
 
     from executor.runner import DTYPES, kv_bytes_per_block
 
@@ -642,7 +642,7 @@ def bench_throughput(
     model_dir, config = bench_model(model_dir)
 
     requests = make_workload(
-        num_requests, prompt_range, output_range, config.vocab_size, _special_ids(model_dir, config), seed
+        num_requests, prompt_range, output_range, config.vocab_size, special_ids(model_dir, config), seed
     )
     max_len = max(len(r.prompt) for r in requests) + max(r.output_len for r in requests)
     if max_len > config.max_model_len:

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     alias_distributions()
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.entrypoints.cli.main import main as vllm_main  # only now: vLLM reads the alias and device at import
 
     sys.argv = ["vllm", *argv]
     result = vllm_main()

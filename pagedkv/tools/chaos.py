@@ -52,12 +52,14 @@ from blockd import protocol as bp
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.embedded_redis import find_redis_server
 from blockd.errors import BlockdError
+from common import processes
 from common.auth import ClientCurve, KeySet, generate
 from common.net import free_port
 from common.tokens import pack_tokens
 from executor import protocol as ep
 from executor.params import SamplingParams
 from pagedkv.bench.common import table_lines
+from pagedkv.tools.model_gen import write_model
 
 INTRUDER = "executor-intruder"  # an any-pool executor key in the attacker's hands (the cross-pool scenario)
 MODEL = dict(hidden_size=128, layers=2, heads=4, kv_heads=2, vocab_size=512, max_position=512, seed=0)
@@ -95,8 +97,7 @@ class Service:
         self.idle_rss = 0
 
     def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = processes.start(self.argv, self.log, env=self.env)
 
     @property
     def pid(self) -> int:
@@ -121,14 +122,8 @@ class Service:
 
     def stop(self) -> None:
         self.retired = True
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            processes.stop([self.process])  # continued first, should a scenario have left it stopped
 
 
 class Stack:
@@ -153,13 +148,13 @@ class Stack:
         redis_argv = [find_redis_server(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", ""]
         redis_argv += ["--appendonly", "no", "--dir", str(root / "redis")]
         self._add("redis", redis_argv)
-        blockd_argv = [py, "-m", "blockd.server", "--endpoint", self.blockd, "--log-level", "warning"]
+        blockd_argv = [py, "-m", "blockd.main", "--endpoint", self.blockd, "--log-level", "warning"]
         blockd_argv += ["--redis-url", f"redis://127.0.0.1:{self.redis_port}/0", "--state-dir", str(root / "blockd")]
         blockd_argv += ["--keys", str(self.keys_dir)]
         self._add("blockd", blockd_argv)
         for i, endpoint in enumerate(self.executors):
             self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
-        gateway_argv = [py, "-m", "gateway.server", "--model", str(model_dir), "--executors", ",".join(self.executors)]
+        gateway_argv = [py, "-m", "gateway.main", "--model", str(model_dir), "--executors", ",".join(self.executors)]
         gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port), "--executor-timeout", "2"]
         gateway_argv += ["--keys", str(self.keys_dir), "--api-key", self.api_key]
         self._add("gateway", [*gateway_argv, "--log-level", "warning"])
@@ -167,7 +162,7 @@ class Stack:
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
 
     def executor_argv(self, endpoint: str, pool_id: str) -> list[str]:
-        argv = [sys.executable, "-m", "executor.server", "--model", str(self.model_dir), "--device", "cpu"]
+        argv = [sys.executable, "-m", "executor.main", "--model", str(self.model_dir), "--device", "cpu"]
         argv += ["--blockd", self.blockd, "--bind", endpoint, "--pool-id", pool_id, "--kv-cache-memory", "8MiB"]
         argv += ["--keys", str(self.keys_dir)]
         return [*argv, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--log-level", "warning"]
@@ -208,10 +203,12 @@ class Stack:
 
     def wait_healthy(self, timeout_s: float) -> float:
         started = time.monotonic()
-        while not self.healthy():
-            if time.monotonic() - started > timeout_s:
-                raise click.ClickException(f"the stack did not become healthy in {timeout_s:g} s; logs in {self.root}")
-            time.sleep(0.3)
+        try:
+            processes.wait_until(lambda: self.healthy() or None, timeout_s)
+        except processes.NotReady:
+            raise click.ClickException(
+                f"the stack did not become healthy in {timeout_s:g} s; logs in {self.root}"
+            ) from None
         return time.monotonic() - started
 
     def stop(self) -> None:
@@ -370,19 +367,16 @@ def _kill9(stack: Stack, name: str) -> None:
 def _duplicate_pool(stack: Stack, findings: Findings) -> None:
     argv = stack.executor_argv(f"tcp://127.0.0.1:{free_port()}", "executor-0")
     log = stack.root / "duplicate.log"
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
+    process = processes.start(argv, log, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         code = process.wait(timeout=120)
         findings.notes.append(f"duplicated pool id: the second executor exited with {code}")
         if code == 0:
             findings.problem("the executor with a duplicated --pool-id exited 0")
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
         findings.problem("an executor with a duplicated --pool-id kept running for 120 s")
+    finally:
+        processes.stop([process])
 
 
 def _blockd_call(socket: zmq.Socket, frame: bytes, timeout_s: float = 5.0) -> tuple[float, bytes | None]:
@@ -835,8 +829,6 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
 
 
 def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict[str, Any]:
-    from pagedkv.tools.model_gen import write_model
-
     started = time.monotonic()
     model_dir = write_model(root / "tiny-chaos", arch="llama", quiet=True, dtype="float32", **MODEL)
     stack = Stack(root, model_dir)

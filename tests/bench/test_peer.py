@@ -8,29 +8,27 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from pagedkv.bench.peer import (
-    QUICK_WORKLOADS,
-    WORKLOADS,
-    BenchRequest,
-    Divergence,
-    RunResult,
-    bench_peer,
-    build_workload,
-    check_near_tie,
-    compare_outputs,
+from pagedkv.bench.peer import bench_peer
+from pagedkv.bench.peer_driver import process_cpu_seconds, process_state, tree_cpu_seconds, tree_pids
+from pagedkv.bench.peer_equality import Divergence, check_near_tie, compare_outputs
+from pagedkv.bench.peer_rounds import (
+    RunRecord,
+    busy_neighbour,
     medians,
     paused,
     ratio_against_best,
     run_rounds,
     schedule,
 )
-from pagedkv.bench.peer_driver import process_cpu_seconds, process_state, tree_cpu_seconds, tree_pids
+from pagedkv.bench.peer_systems import RunResult
+from pagedkv.bench.peer_workloads import QUICK_WORKLOADS, WORKLOADS, build_workload
+from pagedkv.bench.throughput import BenchRequest, make_workload
+from tests.support.waiting import wait_for
 
 FAKE_DRIVER = Path(__file__).with_name("fake_vllm_driver.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +46,6 @@ def test_workloads_are_the_issues() -> None:
 
 
 def test_default_workload_is_make_workloads() -> None:
-    from pagedkv.bench.throughput import make_workload
-
     spec = WORKLOADS["default"]
     built = build_workload(spec, 4096, {0, 1}, seed=3)
     assert built == make_workload(256, (16, 256), (16, 256), 4096, {0, 1}, 3)
@@ -115,10 +111,10 @@ def test_the_other_systems_processes_are_paused_during_each_run_and_go_on_after(
     a, b = SystemWithAHelper("pagedkv", log), SystemWithAHelper("vllm", log)
     a.other, b.other = b, a
     try:
-        deadline = time.monotonic() + 10
-        while len(tree_pids(a.helper.pid)) < 2 or len(tree_pids(b.helper.pid)) < 2:  # the shells' sleeps
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(
+            lambda: len(tree_pids(a.helper.pid)) >= 2 and len(tree_pids(b.helper.pid)) >= 2,
+            what="each shell's child (its sleep) to start",
+        )
         requests = [BenchRequest("r0", [5, 6], 4)]
         run_rounds("w", requests, [a, b], 2)
         assert a.seen == b.seen == [["T", "T"], ["T", "T"]]  # the other's shell and its child, in every run
@@ -179,8 +175,6 @@ def test_ratio_is_against_the_faster_vllm_setting() -> None:
 
 
 def test_medians_of_an_even_count_average_the_middle_two() -> None:
-    from pagedkv.bench.peer import RunRecord
-
     records = [RunRecord("w", i, "s", 1.0, t, 0.0, [], None) for i, t in enumerate([10, 40, 20, 30])]
     assert medians(records) == {"s": 25}
 
@@ -227,12 +221,7 @@ def test_cpu_seconds_of_a_process_tree() -> None:
         stdin=subprocess.PIPE,
     )
     try:
-        import time
-
-        deadline = time.monotonic() + 30
-        while process_cpu_seconds(child.pid) < 0.25 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_cpu_seconds(child.pid) >= 0.25
+        wait_for(lambda: process_cpu_seconds(child.pid) >= 0.25, timeout_s=30, what="the child's 0.3 s of CPU")
         own = process_cpu_seconds(os.getpid())  # read first: it only grows
         assert tree_cpu_seconds(os.getpid()) >= own + 0.25  # the child is counted
     finally:
@@ -351,14 +340,8 @@ def test_noisy_neighbour_rounds_report_each_systems_fall(tiny_models: dict[str, 
 
 
 def test_the_busy_neighbour_burns_a_core_and_is_gone_after() -> None:
-    from pagedkv.bench.peer import busy_neighbour
-    from pagedkv.bench.peer_driver import process_cpu_seconds
-
     with busy_neighbour(limit_s=30) as proc:
-        deadline = time.monotonic() + 10
-        while process_cpu_seconds(proc.pid) < 0.3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_cpu_seconds(proc.pid) >= 0.3
+        wait_for(lambda: process_cpu_seconds(proc.pid) >= 0.3, what="the neighbour to burn 0.3 s of CPU")
     assert proc.poll() is not None
 
 

@@ -310,8 +310,13 @@ def test_serve_quick_against_a_fake_vllm(tiny_models: dict[str, Path], tmp_path:
             assert load[system]["completed"] == 16 and load[system]["failed"] == 0
             assert load[system]["output_tokens"] == 16 * 8 and load[system]["output_tok_s"] > 0
             assert len(load[system]["load_before"]) == 3
-        assert ratios["tok_s"] == pytest.approx(load["pagedkv"]["output_tok_s"] / load["vllm"]["output_tok_s"], 1e-3)
-        assert ratios["ttft_p50"] == pytest.approx(load["pagedkv"]["ttft_p50_ms"] / load["vllm"]["ttft_p50_ms"], 1e-3)
+        # The ratios are rounded to 4 places: 5e-5 apart at most, a lot of a small ratio on a loaded machine.
+        assert ratios["tok_s"] == pytest.approx(
+            load["pagedkv"]["output_tok_s"] / load["vllm"]["output_tok_s"], 1e-3, 5e-5
+        )
+        assert ratios["ttft_p50"] == pytest.approx(
+            load["pagedkv"]["ttft_p50_ms"] / load["vllm"]["ttft_p50_ms"], 1e-3, 5e-5
+        )
         assert out["aim_met"][name] in (True, False)
     assert out["loads"]["concurrent16"]["load"]["request_rate"] == "inf"
     assert out["workload"] == {"prompts": 16, "input_len": 32, "output_len": 8, "warmups": 4}

@@ -150,10 +150,12 @@ def _usage_chunk(prompt: int, completion: int, cached: int | None) -> SimpleName
 
 class ScriptedClient:
     """Stands in for AsyncOpenAI: `completions.create` streams the chunks `script(kwargs)` returns (an exception
-    in them is raised there), `delay_s` apart; it records every call and how many streams were open at once."""
+    in them is raised there), yielding to the other streams before each, so streams overlap, and moving its clock
+    (`now`, for `stream_one(clock=...)`) `step_s` on per chunk; it records every call and how many streams were
+    open at once."""
 
-    def __init__(self, script: Any, delay_s: float = 0.0) -> None:
-        self.script, self.delay_s = script, delay_s
+    def __init__(self, script: Any, step_s: float = 0.0) -> None:
+        self.script, self.step_s, self.now = script, step_s, 0.0
         self.calls: list[dict[str, Any]] = []
         self.open = self.most_open = 0
         self.completions = self
@@ -167,7 +169,8 @@ class ScriptedClient:
         self.most_open = max(self.most_open, self.open)
         try:
             for chunk in chunks:
-                await asyncio.sleep(self.delay_s)
+                await asyncio.sleep(0)  # a yield to the other streams, not a wait
+                self.now += self.step_s
                 if isinstance(chunk, BaseException):
                     raise chunk
                 yield chunk
@@ -177,9 +180,9 @@ class ScriptedClient:
 
 def test_stream_one_times_text_chunks_and_reads_the_final_usage() -> None:
     client = ScriptedClient(lambda kw: [_chunk("a"), _chunk(""), _chunk("bc"), _usage_chunk(12, 3, 8)], 0.01)
-    result = asyncio.run(stream_one(client, "m", ServeRequest([5, 6, 7], 3)))
+    result = asyncio.run(stream_one(client, "m", ServeRequest([5, 6, 7], 3), clock=lambda: client.now))
     assert result.error is None and len(result.chunk_times) == 2  # the empty chunk carries no text
-    assert result.ttft is not None and result.ttft >= 0.01 and all(g >= 0.015 for g in result.gaps)
+    assert result.ttft == pytest.approx(0.01) and result.gaps == pytest.approx([0.02])  # "bc" two chunks after "a"
     assert (result.prompt_tokens, result.completion_tokens, result.cached_tokens) == (12, 3, 8)
     (call,) = client.calls
     assert call["prompt"] == [5, 6, 7] and call["max_tokens"] == 3 and call["stream"] is True
@@ -200,9 +203,7 @@ def test_stream_one_records_failures_instead_of_raising() -> None:
 
 
 def test_run_requests_keeps_order_and_the_concurrency_limit() -> None:
-    client = ScriptedClient(
-        lambda kw: [_chunk("x")] * kw["max_tokens"] + [_usage_chunk(1, kw["max_tokens"], 0)], delay_s=0.002
-    )
+    client = ScriptedClient(lambda kw: [_chunk("x")] * kw["max_tokens"] + [_usage_chunk(1, kw["max_tokens"], 0)])
     requests = [ServeRequest([i + 4], 1 + i % 5) for i in range(20)]
     done: list[int] = []
     results, seconds = asyncio.run(run_requests(client, "m", requests, 3, lambda: done.append(1)))

@@ -93,7 +93,7 @@ def test_operator_commands_work_with_the_operator_key(keyed_blockd: BlockdProces
         options = ["--endpoint", keyed_blockd.endpoint, "--timeout", "2"]
         if args[0] == "--key-name":
             options, args = [*options, *args[:2]], args[2:]
-        command = [sys.executable, "-m", "blockd.cli", *options, *args]
+        command = [sys.executable, "-m", "blockd.admin", *options, *args]
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
 
     for args in (["stats"], ["pools"], ["seq", "s"], ["check"], ["reset-prefix-cache", "ex0"]):
@@ -181,7 +181,7 @@ def test_an_any_pool_executor_key_is_still_fenced_by_the_epoch(tmp_path: Path) -
 
 def test_beyond_loopback_without_keys_blockd_refuses_to_start(tmp_path: Path) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "blockd.server", "--no-persistence", "--endpoint", f"tcp://0.0.0.0:{port}"]
+    command = [sys.executable, "-m", "blockd.main", "--no-persistence", "--endpoint", f"tcp://0.0.0.0:{port}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PAGEDKV_KEYS", None)
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)

@@ -14,7 +14,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import zipfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from blockd.kv_events import END_SEQ, KvEventPublisher
 from blockd.manager import BlockManager, PoolEvents
 from common.net import free_port
 from tests.support.processes import BlockdProcess
+from tests.support.waiting import wait_for
 
 VLLM_VERSION = "0.33.0"
 SOURCES = {"kv_events": "vllm/distributed/kv_events.py", "kv_cache_utils": "vllm/v1/core/kv_cache_utils.py"}
@@ -244,9 +244,8 @@ def test_replay_sends_from_the_asked_sequence_number(vllm: types.ModuleType) -> 
                 manager.pools["p"].admit(f"s{i}", [i] * 16)
                 manager.pools["p"].commit(f"s{i}", 16)
             publisher.flush()
-        deadline = time.monotonic() + 5
-        while subscriber.replay_from(0) < 3 and time.monotonic() < deadline:  # the thread publishes shortly
-            time.sleep(0.05)
+        # the thread publishes shortly
+        wait_for(lambda: subscriber.replay_from(0) >= 3, timeout_s=5, what="three batches to replay")
         assert sorted(subscriber.batches) == [2, 3, 4], "only the last buffer_steps batches are kept"
         subscriber.batches.clear()
         assert subscriber.replay_from(4) == 1 and list(subscriber.batches) == [4]
@@ -282,10 +281,12 @@ def test_blockd_publishes_with_kv_events_endpoint(tmp_path: Path, vllm: types.Mo
             pool.admit("a", tokens)
             assert pool.commit("a", len(tokens)) == 2
             pool.free("a")
-            deadline = time.monotonic() + 10
-            while len(subscriber.batches) < 2 and time.monotonic() < deadline:
+
+            def two_batches() -> bool:
                 subscriber.replay_from(0)
-                time.sleep(0.05)
+                return len(subscriber.batches) >= 2
+
+            wait_for(two_batches, what="two batches")
         rebuilt = rebuild(vllm, subscriber.batches)
         assert list(rebuilt) == ["kv@executor-0@tiny"] and len(rebuilt["kv@executor-0@tiny"]) == 2
     finally:

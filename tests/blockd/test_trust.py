@@ -17,7 +17,7 @@ from blockd.manager import Limits
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.tokens import pack_tokens
 from kernels import validate
-from tests.support.waiting import wait_for
+from tests.support.waiting import holds_throughout, wait_for
 
 BS = 4
 
@@ -95,14 +95,13 @@ def test_requests_with_another_epoch_are_refused_and_change_nothing(start_blockd
     # Heartbeats with the wrong epoch do not keep a silent pool alive: its lease runs out, and then a new epoch
     # may take the pool (clean).
     with daemon.client() as attacker:
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
+
+        def pool_gone() -> bool:
             with pytest.raises(BlockdError) as info:
                 attacker.call(p.Heartbeat, pool_id="ex0", epoch=guess)
-            if info.value.code == ErrorCode.UNKNOWN_POOL:
-                break
-            time.sleep(0.1)
-        assert info.value.code == ErrorCode.UNKNOWN_POOL
+            return info.value.code == ErrorCode.UNKNOWN_POOL
+
+        wait_for(pool_gone, timeout_s=3, interval_s=0.1, what="the lease to run out despite the heartbeats")
     successor = pool_client(daemon, epoch=guess)
     assert state_of(daemon)["blocks_in_use"] == 0 and not successor.seqs
     # The old owner comes back: it is fenced (never re-registers over its successor).
@@ -198,7 +197,9 @@ def test_heartbeat_thread_keeps_the_lease_through_a_step_longer_than_the_lease(s
     ex.admit("a", list(range(9)))
     ex.start_heartbeats()
     try:
-        time.sleep(2.5)  # a forward pass four times the lease: this thread says nothing to blockd meanwhile
+        # A forward pass four times the lease: this thread says nothing to blockd meanwhile, and the lease must not
+        # run out, which only watching for that long can show (blockd's log, not a request that would renew it).
+        holds_throughout(lambda: "lease expired" not in daemon.log(), 2.5, what="the lease")
         assert ex.heartbeats_running
         ex.append("a", [1])
         assert ex.resyncs == 0  # the pool was never lost: no re-registration was needed
@@ -208,8 +209,7 @@ def test_heartbeat_thread_keeps_the_lease_through_a_step_longer_than_the_lease(s
         ex.stop_heartbeats()
     assert "lease expired" not in daemon.log()
     # Without the thread, the same silence loses the pool (and the next call re-syncs).
-    time.sleep(2.0)
-    assert "lease expired" in daemon.log()
+    wait_for(lambda: "lease expired" in daemon.log(), timeout_s=10, what="the lease to expire")
     ex.append("a", [2])
     assert ex.resyncs == 1
 

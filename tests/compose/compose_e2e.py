@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from tests.support import waiting
+
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ["-f", str(ROOT / "compose" / "docker-compose.yml"), "-f", str(ROOT / "compose" / "docker-compose.cpu.yml")]
 PROJECT = "pagedkv-e2e"
@@ -115,18 +117,13 @@ def inspect(container: str, template: str) -> str:
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (httpx.HTTPError, subprocess.CalledProcessError, ValueError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        else:
-            if last and not isinstance(last, str):
-                return last
-        time.sleep(interval_s)
-    raise Failed(f"timed out after {timeout_s:g} s waiting for {what}; last: {last}")
+    """tests.support.waiting's, a probe that raises counting as not yet (a container still starting), and Failed."""
+    try:
+        return waiting.wait_for(
+            probe, timeout_s, interval_s, what, retry_on=(httpx.HTTPError, subprocess.CalledProcessError, ValueError)
+        )
+    except AssertionError as exc:
+        raise Failed(str(exc)) from None
 
 
 def free_port() -> int:
@@ -347,10 +344,13 @@ def run_steps(compose: Compose, base: str, client: Any, args: argparse.Namespace
     # the only allocator of KV blocks.)
     say(f"docker kill {blockd[:12]} (blockd)")
     subprocess.run(["docker", "kill", blockd], check=True, capture_output=True)
-    time.sleep(5)
-    state = inspect(blockd, "{{.State.Status}}")
-    say(f"  after 5 s blockd is {state!r}: Docker applies no restart policy after `docker kill`")
-    check(state == "exited", f"blockd is {state!r} after docker kill")
+    wait_for("blockd to exit", lambda: inspect(blockd, "{{.State.Status}}") == "exited", 30, 0.5)
+    # That Docker does NOT restart it only shows by watching it stay down for a while.
+    try:
+        waiting.holds_throughout(lambda: inspect(blockd, "{{.State.Status}}") == "exited", 5, 0.5, "blockd down")
+    except AssertionError as exc:
+        raise Failed(f"blockd is {inspect(blockd, '{{.State.Status}}')!r} after docker kill: {exc}") from None
+    say("  for 5 s blockd stayed exited: Docker applies no restart policy after `docker kill`")
     compose.run("up", "-d", "--wait", "blockd")
     wait_for(
         "both executors re-registered at blockd", lambda: pools_at_blockd(compose) >= {"executor-0", "executor-1"}, 120

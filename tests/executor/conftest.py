@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +10,7 @@ import pytest
 
 from executor.client import ExecutorUnavailable
 from tests.support.processes import BlockdProcess, ExecutorProcess
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -50,15 +51,16 @@ def start_executor(tmp_path: Path) -> Iterator[Callable[..., ExecutorProcess]]:
 def _let_it_hand_blocks_back(executor: ExecutorProcess, timeout_s: float = 10.0) -> None:
     """Gives an idle executor time to send its last frees before the kill: a sequence that finished while
     another ran is freed within a few steps, not at once (the blockd fixture's leak check judges the result)."""
-    deadline = time.monotonic() + timeout_s
     try:
         with executor.client(timeout_s=2) as client:
-            while time.monotonic() < deadline:
+
+            def handed_back() -> bool:
                 load = client.load()
                 if not load.blockd_reachable or load.running or load.waiting:
-                    return  # not idle: whatever it holds is the test's to explain
-                if load.free_blocks == load.num_blocks:
-                    return
-                time.sleep(0.05)
+                    return True  # not idle: whatever it holds is the test's to explain
+                return load.free_blocks == load.num_blocks
+
+            with contextlib.suppress(AssertionError):  # still held: the blockd fixture's leak check says what
+                wait_for(handed_back, timeout_s, what="the executor's last frees")
     except ExecutorUnavailable:  # a dead or wedged executor has nothing more to hand back
         return

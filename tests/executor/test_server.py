@@ -198,7 +198,7 @@ def test_sigterm_aborts_in_flight_requests_returns_blocks_and_unregisters(tiny_m
 
 def test_cli_help_and_startup_errors(tiny_models, tmp_path):
     help_text = subprocess.run(
-        [sys.executable, "-m", "executor.server", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "executor.main", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     for flag in (
         "--model",
@@ -213,7 +213,7 @@ def test_cli_help_and_startup_errors(tiny_models, tmp_path):
         "--dtype",
     ):
         assert flag in help_text
-    base = [sys.executable, "-m", "executor.server", "--model", str(tiny_models["llama"])]
+    base = [sys.executable, "-m", "executor.main", "--model", str(tiny_models["llama"])]
     cases = [
         (["--device", "tpu"], 2, "--device"),
         (["--kv-cache-memory", "0.5"], 2, "CUDA"),

@@ -159,8 +159,8 @@ def test_usage_hides_cached_tokens_unless_reported() -> None:
 @pytest.mark.parametrize(
     "command",
     [
-        ["executor.server", "--bind", "tcp://0.0.0.0:{port}"],
-        ["gateway.server", "--host", "0.0.0.0", "--port", "{port}"],
+        ["executor.main", "--bind", "tcp://0.0.0.0:{port}"],
+        ["gateway.main", "--host", "0.0.0.0", "--port", "{port}"],
     ],
 )
 def test_beyond_loopback_without_keys_a_service_refuses_to_start(command: list[str]) -> None:

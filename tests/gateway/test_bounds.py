@@ -1,6 +1,6 @@
 """The gateway's bounds, checked before any work, against a real stack (blockd, two executors, the gateway as
 processes): body size (413), JSON depth (400), content type (415), a batch counted per prompt x n against
---max-queue, huge inputs that leave the executors in rotation, and metric labels that stay few.
+--max-queued-sequences, huge inputs that leave the executors in rotation, and metric labels that stay few.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MAX_QUEUE = 8
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     model_dir = tiny_model(tmp_path_factory.mktemp("bounds-model"), "tiny-bounds")
     with local_stack(
-        model_dir, tmp_path_factory.mktemp("bounds-logs"), gateway_args=["--max-queue", str(MAX_QUEUE)]
+        model_dir, tmp_path_factory.mktemp("bounds-logs"), gateway_args=["--max-queued-sequences", str(MAX_QUEUE)]
     ) as running:
         yield running
 
@@ -103,9 +103,10 @@ def test_huge_inputs_are_refused_quickly_and_executors_stay_in_rotation(stack: L
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set():
+        while True:  # a sample every 0.2 s until told to stop
             healths.append(httpx.get(f"{stack.url}/health", timeout=10).status_code)
-            time.sleep(0.2)
+            if stop.wait(0.2):
+                return
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -141,6 +142,6 @@ def test_route_labels_stay_few_whatever_the_paths(stack: LocalStack) -> None:
 
 def test_a_bad_body_limit_is_a_usage_error() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "gateway.server", "--max-body-bytes", "lots"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gateway.main", "--max-body-bytes", "lots"], capture_output=True, text=True, timeout=60
     )
     assert run.returncode == 2 and "--max-body-bytes" in run.stderr

@@ -159,7 +159,7 @@ def test_a_full_queue_answers_429(stack: LocalStack, model_dir: Path, tmp_path: 
         stack.executor_endpoints,
         stack.blockd_endpoint,
         tmp_path / "gw.log",
-        "--max-queue",
+        "--max-queued-sequences",
         "1",
         "--executor-timeout",
         "60",

@@ -14,6 +14,7 @@ from common.net import free_port
 from executor import protocol as ep
 from executor.params import SamplingParams
 from gateway.executors import ExecutorLink, ExecutorLost
+from tests.support.waiting import holds_throughout_async, wait_for_async
 
 INFO = ep.Info(
     pool_id="fake-0",
@@ -61,11 +62,9 @@ class FakeExecutor:
         self.socket.close()
 
 
-async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+def _block_the_event_loop(seconds: float) -> None:
+    """What a huge prompt tokenized on the loop does: nothing else runs on it meanwhile (the scenario, not a wait)."""
+    time.sleep(seconds)
 
 
 def test_a_busy_event_loop_is_not_a_silent_executor() -> None:
@@ -75,12 +74,13 @@ def test_a_busy_event_loop_is_not_a_silent_executor() -> None:
         link = ExecutorLink(fake.endpoint, context, timeout_s=0.5, compatible=lambda info: None)
         link.start()
         try:
-            await _until(lambda: link.healthy)
-            time.sleep(1.5)  # the loop blocked for three timeouts (a huge prompt tokenized on it, say)
-            await asyncio.sleep(0.3)
-            assert link.healthy
+            await wait_for_async(lambda: link.healthy)
+            _block_the_event_loop(1.5)  # three timeouts
+            # What came in meanwhile is read before silence is judged: the link must not be lost after the block,
+            # which only watching it for a while shows.
+            await holds_throughout_async(lambda: link.healthy, 0.3, what="the link's health")
             fake.answering = False
-            await _until(lambda: not link.healthy, timeout_s=5)  # a real silence is still seen
+            await wait_for_async(lambda: not link.healthy, timeout_s=5)  # a real silence is still seen
         finally:
             await link.close()
             await fake.close()
@@ -96,14 +96,14 @@ def test_requests_on_a_silent_executor_are_aborted_there() -> None:
         link = ExecutorLink(fake.endpoint, context, timeout_s=0.5, compatible=lambda info: None)
         link.start()
         try:
-            await _until(lambda: link.healthy)
+            await wait_for_async(lambda: link.healthy)
             queue = link.submit("req-1", [1, 2, 3], SamplingParams(max_tokens=4))
-            await _until(lambda: any(isinstance(m, ep.Submit) for _, m in fake.received))
+            await wait_for_async(lambda: any(isinstance(m, ep.Submit) for _, m in fake.received))
             (submitter,) = {i for i, m in fake.received if isinstance(m, ep.Submit)}
             fake.answering = False  # stopped, not dead: what it is sent is read once it goes on
             lost = await asyncio.wait_for(queue.get(), timeout=5)
             assert isinstance(lost, ExecutorLost)
-            await _until(lambda: any(isinstance(m, ep.Abort) for _, m in fake.received))
+            await wait_for_async(lambda: any(isinstance(m, ep.Abort) for _, m in fake.received))
             aborts = [(i, m) for i, m in fake.received if isinstance(m, ep.Abort)]
             assert [(i, m.request_id) for i, m in aborts] == [(submitter, "req-1")]
         finally:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from common.tokenizer_resolution import resolve
 from gateway.text import PromptError, Tokenizer, clean_up_tokenization
 from tests.support.models import TINY, TINY_ARCHS
 
@@ -52,6 +53,11 @@ TEXT = st.lists(PIECES, max_size=8).map("".join)
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def resolved(model_dir: Path) -> Tokenizer:
+    """The gateway's tokenizer, resolved in this process (the gateway resolves it in a child, then caches it)."""
+    return Tokenizer(model_dir, resolution=resolve(model_dir))
+
+
 def reference(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
@@ -64,7 +70,7 @@ def hf_chat_ids(hf: PreTrainedTokenizerBase, messages: list[dict[str, Any]], **k
 @pytest.fixture(scope="module", params=TINY_ARCHS)
 def pair(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> tuple[Tokenizer, PreTrainedTokenizerBase]:
     """(ours, transformers') for one architecture's tiny model."""
-    return Tokenizer(tiny_models[request.param]), reference(tiny_models[request.param])
+    return resolved(tiny_models[request.param]), reference(tiny_models[request.param])
 
 
 # ---------------------------------------------------------------------------------------------- each architecture
@@ -192,7 +198,7 @@ DOCUMENTS = [{"title": "Doc 1", "text": "Some text, ünïcode."}]
 )
 def test_template_features_render_as_in_transformers(variant: Callable[..., Path], extra: dict[str, Any]) -> None:
     model_dir = variant({"chat_template": FEATURES})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     for add_generation_prompt in (True, False):
         expected = hf_chat_ids(hf, FEATURE_CHAT, add_generation_prompt=add_generation_prompt, **extra)
         assert ours.encode_chat(FEATURE_CHAT, add_generation_prompt, **extra) == expected
@@ -203,7 +209,7 @@ def test_template_features_render_as_in_transformers(variant: Callable[..., Path
 
 def test_template_file_wins_over_the_config(variant: Callable[..., Path]) -> None:
     model_dir = variant(files={"chat_template.jinja": "FILE{% for m in messages %}|{{ m.content }}{% endfor %}"})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     assert ours.decode(ours.encode_chat(CHATS[1])).startswith("FILE|Be brief.")
     assert ours.encode_chat(CHATS[1]) == hf_chat_ids(hf, CHATS[1], add_generation_prompt=True)
 
@@ -214,7 +220,7 @@ def test_named_templates_pick_tool_use_when_tools_are_given(variant: Callable[..
         {"name": "tool_use", "template": "TOOLS{{ tools | length }}{{ messages[0].content }}"},
     ]
     model_dir = variant({"chat_template": templates})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     messages = [{"role": "user", "content": "hi"}]
     assert ours.decode(ours.encode_chat(messages)) == "DEFAULThi"
     assert ours.decode(ours.encode_chat(messages, tools=TOOLS)) == "TOOLS1hi"
@@ -233,7 +239,7 @@ def test_special_tokens_written_as_objects(variant: Callable[..., Path]) -> None
             "chat_template": "{{ bos_token }}|{{ eos_token }}",
         }
     )
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     messages = [{"role": "user", "content": "x"}]
     assert (
         ours.encode_chat(messages) == hf_chat_ids(hf, messages, add_generation_prompt=True) == [0, *ours.encode("|"), 1]
@@ -242,25 +248,25 @@ def test_special_tokens_written_as_objects(variant: Callable[..., Path]) -> None
 
 
 def test_raise_exception_and_bad_templates_are_prompt_errors(variant: Callable[..., Path]) -> None:
-    ours = Tokenizer(variant({"chat_template": "{{ raise_exception('only user turns, please') }}"}))
+    ours = resolved(variant({"chat_template": "{{ raise_exception('only user turns, please') }}"}))
     with pytest.raises(PromptError, match="only user turns, please"):
         ours.encode_chat([{"role": "user", "content": "x"}])
     hf = reference(variant({"chat_template": "{{ raise_exception('only user turns, please') }}"}))
     with pytest.raises(jinja2.TemplateError, match="only user turns, please"):
         hf.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
     with pytest.raises(PromptError, match="could not render"):
-        Tokenizer(variant({"chat_template": "{% for %}"})).encode_chat([{"role": "user", "content": "x"}])
-    sandboxed = Tokenizer(variant({"chat_template": "{{ messages.__class__.__mro__ }}"}))
+        resolved(variant({"chat_template": "{% for %}"})).encode_chat([{"role": "user", "content": "x"}])
+    sandboxed = resolved(variant({"chat_template": "{{ messages.__class__.__mro__ }}"}))
     with pytest.raises(PromptError):
         sandboxed.encode_chat([{"role": "user", "content": "x"}])
-    mutating = Tokenizer(variant({"chat_template": "{{ messages.append(1) }}"}))
+    mutating = resolved(variant({"chat_template": "{{ messages.append(1) }}"}))
     with pytest.raises(PromptError):
         mutating.encode_chat([{"role": "user", "content": "x"}])
 
 
 def test_strftime_now_is_available(variant: Callable[..., Path]) -> None:
     model_dir = variant({"chat_template": "{{ strftime_now('%Y') }}"})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     messages = [{"role": "user", "content": "x"}]
     assert ours.encode_chat(messages) == hf_chat_ids(hf, messages, add_generation_prompt=True)
     assert ours.decode(ours.encode_chat(messages)).isdigit()
@@ -269,7 +275,7 @@ def test_strftime_now_is_available(variant: Callable[..., Path]) -> None:
 def test_none_fields_of_messages_are_dropped_as_transformers_drops_them(variant: Callable[..., Path]) -> None:
     template = "{% for m in messages %}{{ m.role }}:{{ m.name if m.name is defined else '-' }};{% endfor %}"
     model_dir = variant({"chat_template": template})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     messages = [{"role": "user", "content": "x", "name": None}, {"role": "user", "content": "y", "name": "bob"}]
     assert ours.decode(ours.encode_chat(messages)) == "user:-;user:bob;"
     assert ours.encode_chat(messages) == hf_chat_ids(hf, messages, add_generation_prompt=True)
@@ -277,7 +283,7 @@ def test_none_fields_of_messages_are_dropped_as_transformers_drops_them(variant:
 
 def test_clean_up_is_skipped_for_bpe_as_transformers_skips_it(variant: Callable[..., Path]) -> None:
     model_dir = variant({"clean_up_tokenization_spaces": True})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     ids = ours.encode("a , b . c ? don 't")
     assert ours.decode(ids) == hf.decode(ids) == "a , b . c ? don 't"
 
@@ -292,23 +298,24 @@ def test_clean_up_applies_to_word_level_tokenizers(tmp_path: Path) -> None:
     backend.save(str(tmp_path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]", "clean_up_tokenization_spaces": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    ours, hf = Tokenizer(tmp_path), reference(tmp_path)
+    ours, hf = resolved(tmp_path), reference(tmp_path)
     ids = ours.encode("hello , world . it 's do n't ? ! zzz")
     assert ids == hf.encode("hello , world . it 's do n't ? ! zzz")
     assert ours.decode(ids) == hf.decode(ids) == clean_up_tokenization("hello , world . it 's do n't ? ! [UNK]")
     assert ours.decode(ids) == "hello, world. it's don't?! [UNK]"
+    detokenizer = ours.detokenizer()
+    streamed = "".join([*(detokenizer.add([i]) for i in ids), detokenizer.flush()])
+    assert streamed == hf.decode(ids, skip_special_tokens=True), "cleaned up as it streams too"
     config["clean_up_tokenization_spaces"] = False
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    assert (
-        Tokenizer(tmp_path).decode(ids) == reference(tmp_path).decode(ids) == "hello , world . it 's do n't ? ! [UNK]"
-    )
+    assert resolved(tmp_path).decode(ids) == reference(tmp_path).decode(ids) == "hello , world . it 's do n't ? ! [UNK]"
 
 
-def test_add_bos_and_eos_token_apply_only_without_a_post_processor(variant: Callable[..., Path]) -> None:
+def test_add_bos_and_eos_token_are_as_transformers_applies_them(variant: Callable[..., Path]) -> None:
+    """transformers 5 lets tokenizer.json's post-processor decide; without one, it adds nothing either."""
     flags = {"add_bos_token": True, "add_eos_token": True}
-    kept = variant(flags)  # tokenizer.json's post-processor decides, as in transformers 5
-    plain = Tokenizer(variant()).encode("hi")
-    assert Tokenizer(kept).encode("hi") == reference(kept).encode("hi") == plain
+    plain = resolved(variant()).encode("hi")
+    assert resolved(variant(flags)).encode("hi") == reference(variant(flags)).encode("hi") == plain
 
     def without_post_processor(model_dir: Path) -> Path:
         spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
@@ -316,18 +323,44 @@ def test_add_bos_and_eos_token_apply_only_without_a_post_processor(variant: Call
         (model_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
         return model_dir
 
-    assert Tokenizer(without_post_processor(variant(flags))).encode("hi") == [0, *plain, 1]
-    assert Tokenizer(without_post_processor(variant({"add_bos_token": True}))).encode("hi") == [0, *plain]
-    assert Tokenizer(without_post_processor(variant())).encode("hi") == plain
+    for config in (flags, {"add_bos_token": True}, {}):
+        model_dir = without_post_processor(variant(config))
+        assert resolved(model_dir).encode("hi") == reference(model_dir).encode("hi")
 
 
 def test_special_tokens_the_config_adds_are_added_as_in_transformers(variant: Callable[..., Path]) -> None:
     extra = [*SPECIAL[2:], "<|tool|>"]
     model_dir = variant({"additional_special_tokens": extra, "extra_special_tokens": extra})
-    ours, hf = Tokenizer(model_dir), reference(model_dir)
+    ours, hf = resolved(model_dir), reference(model_dir)
     assert ours.vocab_size == len(hf) == TINY["vocab_size"] + 1
     assert ours.special_ids == set(hf.all_special_ids)
     ids = ours.encode("a<|tool|>b <|im_end|>")
     assert ids == hf.encode("a<|tool|>b <|im_end|>") and TINY["vocab_size"] in ids
     for skip in (False, True):
         assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_off_as_in_transformers(variant: Callable[..., Path]) -> None:
+    model_dir = variant()
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 1,
+        "pad_type_id": 0,
+        "pad_token": SPECIAL[1],
+    }
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    text = "a prompt longer than four tokens, shorter than sixty-four"
+    ids = resolved(model_dir).encode(text)
+    assert ids == reference(model_dir).encode(text) and 4 < len(ids) < 64
+
+
+def test_split_special_tokens_spells_them_as_text_as_in_transformers(variant: Callable[..., Path]) -> None:
+    model_dir = variant({"split_special_tokens": True})
+    text = f"{SPECIAL[2]}user\nhi{SPECIAL[3]}"
+    ids = resolved(model_dir).encode(text)
+    assert ids == reference(model_dir).encode(text)
+    assert not set(ids) & {2, 3}, "the markers are spelled as text, not their special ids"

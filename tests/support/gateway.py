@@ -8,18 +8,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 
+from common import processes
 from common.net import free_ports
 from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
 from tests.support.models import TINY
-from tests.support.waiting import wait_for
+from tests.support.waiting import wait_for as wait_for  # re-exported: the gateway tests poll with it
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ def local_stack(model_dir: Path, log_dir: Path, **options: Any) -> LocalStack:
 
 
 class GatewayProcess:
-    """A gateway process of its own (`python -m gateway.server`), for instance in front of a stack's executors."""
+    """A gateway process of its own (`python -m gateway.main`), for instance in front of a stack's executors."""
 
     def __init__(
         self, model_dir: Path, executors: list[str], blockd: str, log: Path, *extra: str, keys_dir: Path | None = None
@@ -52,12 +52,12 @@ class GatewayProcess:
             env["PAGEDKV_KEYS"] = str(keys_dir)
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log.open("wb")
-        self.process = subprocess.Popen(
+        self.log = log
+        self.process = processes.start(
             [
                 sys.executable,
                 "-m",
-                "gateway.server",
+                "gateway.main",
                 "--model",
                 str(model_dir),
                 "--executors",
@@ -68,26 +68,25 @@ class GatewayProcess:
                 str(self.port),
                 *extra,
             ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            log,
             env=env,
         )
 
     def wait_listening(self) -> None:
-        def answers() -> bool:
-            assert self.process.poll() is None, "the gateway exited"
+        def alive() -> None:
+            assert self.process.poll() is None, f"the gateway exited:\n{processes.tail(self.log)}"
+
+        def answers() -> bool | None:
             try:
                 httpx.get(f"{self.url}/health", timeout=2)
                 return True
             except httpx.TransportError:
-                return False
+                return None
 
-        wait_for(answers, timeout_s=60, what="the gateway to listen")
+        processes.wait_until(answers, 60, check=alive)
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=15)
-        self.log.close()
+        processes.stop([self.process])
 
 
 # ---------------------------------------------------------------------------------------------- what they report
@@ -125,7 +124,7 @@ def stack_env(stack: LocalStack) -> dict[str, str]:
 
 def blockd_stats(stack: LocalStack) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "blockd.cli", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
+        [sys.executable, "-m", "blockd.admin", "--endpoint", stack.blockd_endpoint, "stats", "--json"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -141,12 +140,17 @@ def blocks_in_use(stack: LocalStack) -> dict[str, int]:
 
 def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools: set[str] | None = None) -> None:
     """Until no live sequence holds a block (in `pools`, or in any pool)."""
-    deadline = time.monotonic() + timeout_s
-    while (
-        held := {k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)}
-    ) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not held, f"blocks still held by live sequences: {held}"
+    held: dict[str, int] = {}
+
+    def none_held() -> bool:
+        held.clear()
+        held.update({k: v for k, v in blocks_in_use(stack).items() if v and (pools is None or k in pools)})
+        return not held
+
+    try:
+        wait_for(none_held, timeout_s, 0.2, "no live blocks")
+    except AssertionError:
+        raise AssertionError(f"blocks still held by live sequences: {held}") from None
 
 
 # ---------------------------------------------------------------------------------------------- references

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -17,6 +16,7 @@ import redis
 
 from blockd.client import BlockdClient, BlockdUnavailable
 from blockd.embedded_redis import EmbeddedRedis
+from common import processes
 from common.auth import ClientCurve
 from common.net import free_port
 from executor import protocol as ep
@@ -38,15 +38,15 @@ def _until_it_answers(
 ) -> T:
     """ask() until it answers instead of raising `unavailable`; RuntimeError with the log if the process exits
     first or `timeout_s` passes. (Each ask waits out its own client timeout: no sleep needed between them.)"""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def alive() -> None:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with {process.returncode}:\n{log()}")
-        try:
-            return ask()
-        except unavailable:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come up:\n{log()}") from None
+
+    try:
+        return processes.wait_until(processes.answer(ask, unavailable), timeout_s, check=alive, poll_s=0)
+    except processes.NotReady:
+        raise RuntimeError(f"{name} did not come up:\n{log()}") from None
 
 
 class RedisProcess:
@@ -91,11 +91,9 @@ class BlockdProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> None:
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "blockd.server", "--endpoint", self.endpoint, *self.args],
-            stdout=log,
-            stderr=log,
+        self.process = processes.start(
+            [sys.executable, "-m", "blockd.main", "--endpoint", self.endpoint, *self.args],
+            self.log_path,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         with BlockdClient(self.endpoint, timeout_s=0.5, curve=self.curve) as client:
@@ -113,9 +111,11 @@ class BlockdProcess:
         self.process.wait()
 
     def terminate(self) -> int:
+        """SIGTERM (SIGKILL after the grace period); its exit code."""
         assert self.process is not None
-        self.process.terminate()
-        return self.process.wait(timeout=20)
+        (stopped,) = processes.stop([self.process])
+        assert stopped.returncode is not None
+        return stopped.returncode
 
     def client(self, timeout_s: float = 3.0, curve: ClientCurve | None = None) -> BlockdClient:
         return BlockdClient(self.endpoint, timeout_s=timeout_s, curve=curve or self.curve)
@@ -131,7 +131,7 @@ class ExecutorProcess:
         command = [
             sys.executable,
             "-m",
-            "executor.server",
+            "executor.main",
             "--model",
             str(model),
             "--blockd",
@@ -144,9 +144,7 @@ class ExecutorProcess:
             "8",
             *args,
         ]
-        self.process = subprocess.Popen(
-            command, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
+        self.process = processes.start(command, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout_s: float = 60.0) -> ep.Info:
         with ExecutorClient(self.endpoint, timeout_s=0.5) as client:

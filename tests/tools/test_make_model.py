@@ -16,14 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from common.default_model import ensure_default_model
-from executor.checkpoint import (
-    CheckpointError,
-    RopeConfig,
-    UnsupportedModel,
-    iter_weights,
-    load_config,
-    weight_files,
-)
+from executor.checkpoint import iter_weights, load_config, weight_files
+from executor.model_config import CheckpointError, RopeConfig, UnsupportedModel
 from executor.models.families import SUPPORTED_ARCHITECTURES
 from pagedkv.tools.model_gen import ModelSpecError, write_model
 from pagedkv.tools.model_gen.cli import make_model

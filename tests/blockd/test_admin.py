@@ -146,7 +146,7 @@ def test_check_reports_a_corrupted_pool_with_exit_status_1():
     import zmq
     from click.testing import CliRunner
 
-    from blockd import cli as blockd_cli
+    from blockd import admin as blockd_admin
     from blockd.manager import BlockManager
     from blockd.persistence import NoPersistence
     from blockd.server import BlockdServer
@@ -164,10 +164,10 @@ def test_check_reports_a_corrupted_pool_with_exit_status_1():
         ex.register()
         ex.admit("s", list(range(6)))
         runner = CliRunner()
-        assert runner.invoke(blockd_cli.main, ["--endpoint", endpoint, "check"]).exit_code == 0
+        assert runner.invoke(blockd_admin.main, ["--endpoint", endpoint, "check"]).exit_code == 0
 
         manager.pools["gpu0"].refcount[ex.seqs["s"].blocks[0]] += 1  # a leaked reference
-        result = runner.invoke(blockd_cli.main, ["--endpoint", endpoint, "check"])
+        result = runner.invoke(blockd_admin.main, ["--endpoint", endpoint, "check"])
         assert result.exit_code == 1
         assert "I2 block" in result.output and "1 invariant violation(s)" in result.output
     finally:

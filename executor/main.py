@@ -1,0 +1,371 @@
+"""`pagedkv-executor`, the executor's entry point: its options, checked; the model loaded, the engine assembled and
+registered at blockd (waiting for it, and for a predecessor's lease on the pool); then the serving loop
+(executor/server.py) until SIGTERM. Exit status: 69 blockd unreachable, 78 the pool held by another live
+executor, 75 the pool taken over later.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+import structlog
+import torch
+import zmq
+
+from blockd.client import BlockdUnavailable, PoolClient, PoolFenced
+from blockd.protocol import DEFAULT_ENDPOINT as DEFAULT_BLOCKD
+from common.auth import KeysError, KeySet, Role, ServerAuth, unkeyed_refusal
+from common.clicks import insecure_option, keys_option
+from common.limits import SUPPORTED_BLOCK_SIZES
+from common.logs import configure_logging
+from common.units import parse_size
+from executor import protocol as ep
+from executor.engine import Engine, EngineLimits
+from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
+from executor.model_config import CheckpointError, UnsupportedModel
+from executor.runner import DTYPES, load_model
+from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
+from executor.step_budget import DEFAULT_MAX_STEP_MS
+
+log = structlog.get_logger("executor")
+
+EX_FENCED = 75  # the pool was taken over by another executor while this one ran
+EX_POOL_HELD = 78  # at start: another live executor holds this --pool-id
+
+
+def _device(spec: str) -> torch.device:
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise click.BadParameter(f"{spec!r} is not a device: use cpu, cuda or cuda:N", param_hint="--device") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise click.BadParameter("CUDA was asked for but no CUDA device is available", param_hint="--device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise click.BadParameter(
+                f"{spec}: this machine has {torch.cuda.device_count()} CUDA devices", param_hint="--device"
+            )
+    elif device.type != "cpu":
+        raise click.BadParameter(f"{spec!r}: use cpu, cuda or cuda:N", param_hint="--device")
+    return device
+
+
+def _default_pool_id(bind: str, device: torch.device) -> str:
+    return f"{socket.gethostname()}-{device}-{bind.rsplit(':', 1)[-1]}".replace("/", "-")
+
+
+@click.command(
+    context_settings={
+        "show_default": True,
+        "help_option_names": ["-h", "--help"],
+        "auto_envvar_prefix": "PAGEDKV_EXECUTOR",
+    }
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="PAGEDKV_EXECUTOR_MODEL",
+    help="Checkpoint directory (config.json + safetensors + tokenizer). Default: the generated "
+    "default model (see `pagedkv make-model`), created on first use.",
+)
+@click.option("--device", "device_spec", default="cpu", envvar="PAGEDKV_EXECUTOR_DEVICE", help="cpu, cuda or cuda:N.")
+@click.option(
+    "--blockd",
+    "blockd_endpoint",
+    default=DEFAULT_BLOCKD,
+    envvar="PAGEDKV_EXECUTOR_BLOCKD",
+    help="blockd's ZeroMQ endpoint.",
+)
+@click.option("--bind", default=ep.DEFAULT_BIND, help="Where gateways reach this executor (ZeroMQ ROUTER).")
+@click.option("--pool-id", default=None, help="This executor's pool name at blockd. Default: host-device-port.")
+@click.option(
+    "--block-size",
+    type=click.Choice([str(b) for b in SUPPORTED_BLOCK_SIZES]),
+    default="16",
+    help="Tokens per KV block.",
+)
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KV cache size in blocks (overrides --kv-cache-memory).",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    help="KV cache size: bytes like 2GiB, or on CUDA a fraction of the free device memory after "
+    "loading the model, like 0.9. Default: 256MiB on CPU, 0.9 on CUDA.",
+)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, help="Most sequences in one step.")
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    help="Token budget of one step (decode tokens plus prefill chunks).",
+)
+@click.option(
+    "--max-step-ms",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_MAX_STEP_MS,
+    help="Target duration of one step, in milliseconds: each step's token budget is sized from the measured cost "
+    "of the steps before it so that a step lasts about this long (--max-num-batched-tokens stays the cap, and "
+    "every running sequence still gets its decode token). It bounds the wait of streams already decoding while a "
+    "burst of long prompts is prefilled, and keeps any step from running for seconds on a slow device or a busy "
+    "host. 0: no time bound, the token budget alone.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", *DTYPES]),
+    default="auto",
+    help="Weights and KV dtype. auto: the checkpoint's (float32 for bfloat16 checkpoints on CPU).",
+)
+@click.option(
+    "--kernels",
+    type=click.Choice(["auto", "triton", "torch", "reference"]),
+    default="auto",
+    help="Attention kernels: auto = Triton on CUDA, the CPU backend on CPU (native C++ kernels, built on first use, "
+    "else torch; PAGEDKV_CPU_KERNELS); reference = the tests' oracle.",
+)
+@click.option("--seed", type=int, default=None, help="Seed of the sampler for requests without their own.")
+@click.option(
+    "--adapt-threads/--fixed-threads",
+    default=True,
+    show_default=True,
+    help="On the CPU, shrink torch's thread team while other processes keep cores busy (an OpenMP team is as "
+    "fast as its slowest thread), and grow it back when they stop; --fixed-threads keeps torch's own count.",
+)
+@click.option(
+    "--pin-threads/--no-pin-threads",
+    default=False,
+    show_default=True,
+    help="On the CPU, keep each of torch's worker threads on one core (the engine's own thread stays free). Off by "
+    "default: on the 2-core VM it measured no faster alone, and a pinned worker cannot move off a core another "
+    "pinned process (a vLLM beside it) is using.",
+)
+@click.option(
+    "--blockd-wait",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    help="Seconds to wait for blockd at startup before giving up (exit 69).",
+)
+@click.option(
+    "--pool-wait",
+    type=click.FloatRange(min=0),
+    default=15.0,
+    help="Seconds to wait at startup while another live executor holds --pool-id (a predecessor's lease may "
+    "still run) before giving up (exit 78).",
+)
+@click.option(
+    "--max-message-bytes",
+    default="8MiB",
+    help="Largest message a gateway may send; ZeroMQ cuts off a peer that sends more.",
+)
+@click.option(
+    "--max-queued-requests",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_QUEUED_REQUESTS,
+    help="Requests held at once (running or waiting); more are rejected with queue_full.",
+)
+@keys_option(
+    "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
+    "pool's executor key (pool-POOL, else executor).",
+)
+@insecure_option("Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).")
+@click.option(
+    "--fault-stall-step",
+    "stall_spec",
+    default=None,
+    hidden=True,
+    help="TEST ONLY, fault injection: N:SECONDS makes step N (counted from 1) last SECONDS longer.",
+)
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def main(
+    model_dir,
+    device_spec,
+    blockd_endpoint,
+    bind,
+    pool_id,
+    block_size,
+    num_blocks,
+    kv_cache_memory,
+    max_num_seqs,
+    max_num_batched_tokens,
+    max_step_ms,
+    dtype,
+    kernels,
+    seed,
+    adapt_threads,
+    pin_threads,
+    blockd_wait,
+    pool_wait,
+    max_message_bytes,
+    max_queued_requests,
+    keys_dir,
+    insecure,
+    stall_spec,
+    log_level,
+) -> None:
+    """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
+
+    Every option can also be set by an environment variable: PAGEDKV_EXECUTOR_ and the option's name in
+    capitals with underscores (PAGEDKV_EXECUTOR_MODEL, PAGEDKV_EXECUTOR_KV_CACHE_MEMORY, ...)."""
+    configure_logging("executor", log_level)
+    refusal = unkeyed_refusal("the executor", bind, keys_dir, insecure)
+    if refusal:
+        raise click.UsageError(refusal)
+    device = _device(device_spec)
+    if max_num_batched_tokens < max_num_seqs:
+        raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
+    budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
+    stall = _stall(stall_spec) if stall_spec else None
+    try:
+        message_limit = parse_size(max_message_bytes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-message-bytes") from None
+    if model_dir is None:
+        from common.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    log.info("loading_model", model=str(model_dir), device=str(device))
+    try:
+        loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
+    except (CheckpointError, UnsupportedModel) as exc:
+        raise click.ClickException(str(exc)) from None
+    block_size_int = int(block_size)
+    blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    pool_id = pool_id or _default_pool_id(bind, device)
+    keys = curve = None
+    if keys_dir is not None:
+        try:
+            keys = KeySet(keys_dir)
+            curve = keys.executor_client(pool_id)
+        except KeysError as exc:
+            raise click.ClickException(str(exc)) from None
+    # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
+    engine = Engine.assemble(
+        loaded,
+        blockd_endpoint,
+        pool_id=pool_id,
+        num_blocks=blocks,
+        block_size=block_size_int,
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None),
+        backend=kernels,
+        seed=seed,
+        retry_for_s=2.0,
+        curve=curve,
+        adapt_threads=adapt_threads,
+        pin_threads=pin_threads,
+    )
+    runner = engine.runner
+    _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
+    engine.pool.start_heartbeats()
+    info = ep.Info(
+        pool_id=pool_id,
+        model_id=loaded.config.model_id,
+        model_dir=str(Path(model_dir).resolve()),
+        max_model_len=loaded.config.max_model_len,
+        vocab_size=loaded.config.vocab_size,
+        block_size=block_size_int,
+        num_blocks=blocks,
+        device=str(device),
+        eos_token_ids=list(loaded.config.eos_token_ids),
+    )
+    auth = None
+    if keys is not None:
+        try:
+            auth = ServerAuth(zmq.Context.instance(), keys, (Role.GATEWAY, Role.OPERATOR))
+        except KeysError as exc:
+            raise click.ClickException(str(exc)) from None
+    server = ExecutorServer(
+        engine,
+        bind,
+        info,
+        max_message_bytes=message_limit,
+        max_queued_requests=max_queued_requests,
+        auth=auth,
+        stall=stall,
+    )
+    log.info(
+        "executor_ready",
+        model=str(model_dir),
+        architecture=loaded.config.architecture,
+        model_id=loaded.config.model_id,
+        parameters=sum(p.numel() for p in loaded.model.parameters()),
+        max_model_len=loaded.config.max_model_len,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        device=str(device),
+        load_s=round(loaded.load_s, 2),
+        kv_blocks=blocks,
+        kv_tokens=blocks * block_size_int,
+        kv_bytes=runner.kv_cache_bytes,
+        kernels=kernels,
+        max_step_ms=max_step_ms or None,
+        bind=bind,
+        pool_id=pool_id,
+        epoch=engine.pool.epoch_fingerprint,
+        blockd=blockd_endpoint,
+        auth="curve" if auth is not None else "none",
+        pid=os.getpid(),
+    )
+
+    def stop(*_: object) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.serve()
+    except Fenced as exc:
+        click.echo(f"error: pool {pool_id} is not this executor's any more: {exc}", err=True)
+        sys.exit(EX_FENCED)
+    log.info("executor_stopped", pool_id=pool_id)
+
+
+def _stall(spec: str) -> StepStall:
+    step, _, seconds = spec.partition(":")
+    try:
+        stall = StepStall(int(step), float(seconds))
+    except ValueError:
+        raise click.BadParameter(f"{spec!r} is not N:SECONDS", param_hint="--fault-stall-step") from None
+    if stall.step < 1 or stall.seconds < 0:
+        raise click.BadParameter("N is at least 1 and SECONDS at least 0", param_hint="--fault-stall-step")
+    log.warning("fault_injection_armed", option="--fault-stall-step", step=stall.step, seconds=stall.seconds)
+    return stall
+
+
+def _register(pool: PoolClient, endpoint: str, wait_s: float, pool_wait_s: float) -> None:
+    """blockd may still be starting (compose, `pagedkv serve`): wait for it, saying so. If another live executor
+    holds the pool, wait up to pool_wait_s (a predecessor's lease may be running out), then exit 78."""
+    deadline = time.monotonic() + wait_s
+    held_until = time.monotonic() + pool_wait_s
+    while True:
+        try:
+            pool.register()
+            return
+        except PoolFenced as exc:
+            if time.monotonic() >= held_until:
+                log.error("pool_held", pool_id=pool.pool_id, reason=exc.message)
+                click.echo(f"error: {exc.message}", err=True)
+                sys.exit(EX_POOL_HELD)
+            log.info("waiting_for_pool", pool_id=pool.pool_id, reason=exc.message)
+            time.sleep(min(0.5, max(held_until - time.monotonic(), 0.0)))
+            pool.fenced = None
+        except BlockdUnavailable:
+            if time.monotonic() > deadline:
+                log.error("blockd_unreachable", blockd=endpoint, waited_s=wait_s)
+                sys.exit(69)
+            log.info("waiting_for_blockd", blockd=endpoint)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
