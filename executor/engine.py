@@ -19,6 +19,7 @@ import torch
 from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
+from executor.kv_budget import pool_window
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, ModelRunner
@@ -81,6 +82,7 @@ class Engine:
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             blocks=pool,
+            sliding_window=pool.sliding_window,
             max_step_ms=limits.max_step_ms,
         )
         self.loop = StepLoop(
@@ -135,6 +137,7 @@ class Engine:
             block_size=block_size,
             model_id=loaded.config.model_id,
             retry_for_s=retry_for_s,
+            sliding_window=pool_window(loaded.config),
         )
         return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads, pin_threads=pin_threads)
 
@@ -162,7 +165,7 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens, "
                 "including at least one to generate",
             )
-        capacity = self.loop.max_seq_tokens
+        capacity = self.loop.max_prompt_tokens
         if len(prompt) + 1 > capacity:
             raise RequestRejected(
                 ep.RejectCode.CAPACITY_EXCEEDED,
