@@ -85,6 +85,10 @@ class ExecutorLink:
         self.last_heard = 0.0
         self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
         self.work: dict[str, _Work] = {}  # by request id, while in flight
+        # A load report counts the work of every gateway as it was when it was asked for; this gateway's own part
+        # of it is what `work` held then (replies come in the order of the asks), the rest is other gateways'.
+        self._own_at_ask: deque[int] = deque(maxlen=64)
+        self._others_queued = 0
         self.tokens_per_s: float | None = None  # measured: tokens the executor computes per second of steps
         self._mark: ep.LoadReport | None = None  # the load report the throughput is measured from
         self._long_step_logged: int | None = None  # the step count of the long step logged last
@@ -112,9 +116,12 @@ class ExecutorLink:
     def queued_tokens(self) -> int:
         """Tokens the requests in flight here may still need computed (prompts not started, choices' max_tokens
         left): an upper bound, as a choice may stop early. What the executor reports for all its gateways' requests,
-        or what this gateway counts of its own, if more (it is up to date between load reports)."""
-        reported = self.load.queued_tokens if self.load else 0
-        return max(reported, sum(w.remaining() for w in self.work.values()))
+        and this gateway's own, counted up to date: the other gateways' part of the last report, plus its own now
+        (a report that still counts a request of this gateway's that has since finished must not shut the door)."""
+        return self._others_queued + self._own_queued()
+
+    def _own_queued(self) -> int:
+        return sum(w.remaining() for w in self.work.values())
 
     def drain_s(self) -> float | None:
         """Seconds of work queued here at the measured throughput; None until a throughput is measured."""
@@ -259,6 +266,8 @@ class ExecutorLink:
         for message in messages:
             with contextlib.suppress(zmq.Again):
                 self._sync.send(ep.encode(message), zmq.NOBLOCK)
+                if type(message) is ep.GetLoad:
+                    self._own_at_ask.append(self._own_queued())
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
@@ -292,6 +301,8 @@ class ExecutorLink:
         elif kind is ep.LoadReport:
             self._measure(message)
             self.load = message
+            own_then = self._own_at_ask.popleft() if self._own_at_ask else 0
+            self._others_queued = max(0, message.queued_tokens - own_then)
         elif kind is ep.Info:
             if self.info is not None and self.info.pool_id != message.pool_id:
                 log.info("executor_replaced", executor=self.endpoint, pool_id=message.pool_id)
@@ -363,5 +374,7 @@ class ExecutorLink:
         lost = ExecutorLost(self.endpoint, reason)
         streams, self.streams = self.streams, {}
         self.work = {}
+        self._own_at_ask.clear()
+        self._others_queued = 0
         for stream in streams.values():
             stream.put_nowait(lost)
