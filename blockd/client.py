@@ -1,19 +1,8 @@
 """The client library of blockd, used by executors, gateways and blockd-cli.
 
-`BlockdClient` is one DEALER connection with timeouts: a request that gets no answer within the timeout raises
-`BlockdUnavailable` (never a hang), and a late answer to it is recognised by its id and discarded.
-
-`PoolClient` is an executor's side of its pool. It mirrors the executor's live sequences (tokens, block tables,
-computed tokens) and the generation of every block from the replies it receives, so that after a blockd restart
-or an expired lease it can re-register and re-send them: blockd rebuilds refcounts from this mirror, and a step
-that got no answer is sent again only after that re-sync, which undoes whatever part of it blockd had applied.
-The mirror also counts how many of its tables hold each block: blockd's refcounts (invariant I2), so the executor
-knows, without asking, how many blocks are free; it is the only block accounting on the executor's side.
-Every request that changes the pool carries its epoch; when blockd answers `stale_epoch` (another executor took
-the pool over while this one was silent past its lease) the client raises `PoolFenced` and never re-registers:
-the pool is not this executor's any more. `start_heartbeats` renews the lease from a thread of its own (with its
-own socket), so a forward pass longer than the lease does not lose the pool.
-A client is not thread-safe: use one per thread.
+`BlockdClient` is one connection with timeouts; `PoolClient` is an executor's side of its pool, mirroring its
+sequences so that it can re-sync after a blockd restart or an expired lease (docs/architecture.md,
+"Registration, leases and re-sync"). A client is not thread-safe: use one per thread.
 """
 
 from __future__ import annotations
@@ -46,7 +35,9 @@ class BlockdUnavailable(ConnectionError):
 
 
 class BlockdClient:
-    """A connection to blockd. Every call either returns its result, raises BlockdError, or BlockdUnavailable."""
+    """A connection to blockd (one DEALER). Every call either returns its result, raises BlockdError, or raises
+    BlockdUnavailable when no answer comes within the timeout (never a hang); a late answer to it is recognised
+    by its id and discarded."""
 
     def __init__(
         self,
@@ -213,7 +204,9 @@ class PoolClient:
         self.retry_for_s = retry_for_s
         self.seqs: dict[str, MirroredSequence] = {}
         self.generations: list[int] = [0] * num_blocks
-        self.refcount: list[int] = [0] * num_blocks  # tables of `seqs` that hold each block
+        # Tables of `seqs` that hold each block: blockd's refcounts (I2), so the free count needs no question;
+        # the only block accounting on the executor's side.
+        self.refcount: list[int] = [0] * num_blocks
         self.blocks_in_use = 0  # blocks with a nonzero refcount
         self.lease_timeout_s: float | None = None
         self.resyncs = 0

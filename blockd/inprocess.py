@@ -1,12 +1,9 @@
 """blockd in the caller's process: a `BlockdClient` whose socket is a `BlockManager` right here.
 
-`InProcessBlockd` is the production `BlockdClient` (request ids, error replies, result decoding: the same code)
-with its ZeroMQ socket swapped for a loopback that decodes each request frame, applies it to a `BlockManager` in
-this process and encodes the reply, exactly as the daemon does on the wire. A `PoolClient` over it behaves as
-over a real blockd, minus ZeroMQ, the process boundary and blockd's own CPU time running elsewhere: what
-`pagedkv bench throughput --blockd inprocess` compares against, so that the cost of running blockd as its own
-service is a ratio. It answers what an executor's pool client sends (register, unregister, heartbeat, step) and
-lookups; no leases expire and nothing is persisted.
+The production `BlockdClient` with its ZeroMQ socket swapped for a loopback that decodes each request, applies
+it and encodes the reply as the daemon does, so that `pagedkv bench throughput --blockd compare` can price
+running blockd as its own service. It answers what a pool client sends and lookups; no leases expire and nothing
+is persisted.
 """
 
 from __future__ import annotations

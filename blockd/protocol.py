@@ -1,18 +1,7 @@
 """blockd's wire protocol: every message a client and the daemon exchange, and its codec.
 
-Transport: ZeroMQ, a ROUTER on the daemon and a DEALER per client; one frame = one request or one reply,
-MessagePack encoded and schema-checked by msgspec. Every request carries the protocol version `v` and a request
-id `id` that its reply echoes. A request is a map with an `op` tag naming its type.
-
-Token ids are sent packed (see PackedTokens). One scheduler step of an executor is one `step` request carrying
-every admit, append, commit, slide, fork and free of that step; the reply holds one result per op, in order. Ops are
-independent: one failing (say, out of blocks) leaves the others applied and changes nothing itself.
-
-Fencing: every request that changes a pool (`step`, `heartbeat`, `unregister`, and `reset_prefix_cache` sent by
-an executor) carries the pool's epoch, a random number its executor drew at start and only blockd and that
-executor know. A request with another epoch is refused with `stale_epoch` and changes nothing; `register` with a
-new epoch while the pool's lease runs is refused with `pool_held`. No reply carries an epoch: `pools` and `stats`
-show a short fingerprint of it (blockd.hashing.epoch_fingerprint), which the executor logs at start.
+MessagePack frames over ZeroMQ, schema-checked by msgspec; the ops, the fencing by epoch and the error codes are
+told in docs/architecture.md ("Protocol", "Registration, leases and re-sync").
 """
 
 from __future__ import annotations
@@ -154,6 +143,9 @@ class Heartbeat(Request, tag="heartbeat"):
 
 
 class Step(Request, tag="step"):
+    """Every op of one scheduler step; the reply holds one result per op, in order. Ops are independent: one
+    failing (say, out of blocks) leaves the others applied and changes nothing itself."""
+
     pool_id: Name
     epoch: int
     ops: Annotated[list[StepOp], msgspec.Meta(max_length=MAX_STEP_OPS)]

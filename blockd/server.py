@@ -1,14 +1,8 @@
 """The blockd daemon: a ZeroMQ ROUTER answering block-manager requests, one at a time, on one thread. Its
 entry point (`blockd`: the options, the daemon assembled from them) is blockd/main.py.
 
-One thread owns all state, so no request ever waits on a lock; Redis writes happen on a writer thread behind
-it (see persistence.py), and Prometheus is served from its own thread.
-
-Every input is bounded before work is done on it: a message over --max-message-bytes is cut off by ZeroMQ
-(MAXMSGSIZE) before it is read, each peer's receive queue holds at most --receive-queue messages (RCVHWM), and
---max-pools, --max-blocks-per-pool, --block-sizes and --max-lookup-tokens bound what one request may ask for.
-Error codes (blockd.errors.ErrorCode): stale_epoch, pool_held (fencing); too_many_pools, pool_too_large,
-unsupported_block_size, too_many_tokens, too_large (bounds); and the codes of malformed requests.
+One thread owns all state, so no request ever waits on a lock; every input is bounded before work is done on it
+(docs/architecture.md, "Protocol" and "The daemon").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The checkpoint's tokenizer as transformers resolves it, computed once in a child process and cached.
 
-This module is transformers-free (the gateway imports it); transformers, and the torch it may pull in, loads only
-in the child: `resolve` runs `python -m common.tokenizer_resolution MODEL_DIR OUT` when no resolution of these
-tokenizer files is cached, and reads the JSON it writes. The cache ($PAGEDKV_HOME/tokenizers, ~/.cache/pagedkv
-by default) is keyed by a fingerprint of every file AutoTokenizer may read (all but the weights) and of the
-transformers and tokenizers versions, so an edited tokenizer_config.json or an upgrade resolves again, and a
-restart does not.
+This module is transformers-free (the gateway imports it): `resolve` runs `python -m common.tokenizer_resolution`
+when no resolution of these tokenizer files is cached; the cache and its key are told in docs/architecture.md
+("gateway").
 """
 
 from __future__ import annotations

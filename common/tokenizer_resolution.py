@@ -1,15 +1,8 @@
 """A checkpoint's tokenizer as transformers' AutoTokenizer builds it, resolved into data the gateway can load.
 
-AutoTokenizer does more than read tokenizer.json: it picks a class from tokenizer_config.json and config.json,
-and some classes rebuild the pipeline (Qwen2Tokenizer its split pattern and NFC, LlamaTokenizer its Metaspace,
-GemmaTokenizer its normalizer), add BOS/EOS, add special tokens the files only name, patch regexes. The one way
-to tokenize exactly as transformers does is to let transformers build the tokenizer and keep what it built: the
-backend `tokenizers` pipeline (as JSON) and the few facts transformers applies around it in Python (named special
-tokens, the special ids, the clean-up on decode, whether special tokens in text are split).
-
-Run as `python -m common.tokenizer_resolution MODEL_DIR OUT_FILE`: the gateway starts it once per checkpoint
-(common.tokenizer_cache), so the gateway itself never imports transformers (nor torch). Exit status 1 and one
-line on stderr when AutoTokenizer cannot load the checkpoint.
+Run as `python -m common.tokenizer_resolution MODEL_DIR OUT_FILE` by common.tokenizer_cache, once per checkpoint,
+so that the gateway never imports transformers (nor torch); why AutoTokenizer must build it is told in
+docs/architecture.md ("gateway"). Exit status 1 and one line on stderr when it cannot load the checkpoint.
 """
 
 from __future__ import annotations

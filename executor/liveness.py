@@ -1,15 +1,8 @@
 """The executor's liveness beacon: a thread of its own that tells every gateway, every `ALIVE_INTERVAL_S`, that
 the process is alive, whatever the step loop is doing.
 
-Liveness is kept apart from progress: a step of seconds (a big model, a long prefill, a loaded host) sends no
-delta and answers no question until it ends, and a gateway that judged that silence as death would fail every
-stream of a live executor. The beacon needs the interpreter only for a moment each interval: torch's kernels,
-the native CPU kernels (ctypes) and CUDA waits release the GIL, and in a long pure-Python stretch CPython hands
-the GIL to another thread every switch interval (5 ms), so neither starves it. What it cannot outlive is the
-process (killed, or stopped: SIGSTOP stops every thread), which is what the gateway's lease detects.
-
-The serving socket is the step loop's; the beacon sends on it under the server's lock (held by the loop only
-while it reads or sends, never during a step: a lock is the full barrier ZeroMQ asks of a socket shared that way).
+Liveness is kept apart from progress, so that a step of seconds does not look like death to a gateway; why the
+thread is not starved is told in docs/architecture.md ("Failures").
 """
 
 from __future__ import annotations
@@ -25,6 +18,9 @@ log = structlog.get_logger("executor")
 
 
 class LivenessBeacon:
+    """`send` is the server's: it sends on the step loop's socket under the server's lock, held by the loop only
+    while it reads or sends, never during a step (a lock is the full barrier ZeroMQ asks of a shared socket)."""
+
     def __init__(
         self,
         send: Callable[[ep.Alive], None],

@@ -2,12 +2,8 @@
 forward pass each batch; the hidden states after the final norm are pooled per prompt (last token, mean or the
 first (CLS) token), optionally truncated to fewer dimensions (Matryoshka) and L2-normalised.
 
-The pass is a plain no-cache one: each batch's K/V goes to a scratch cache of this module's own, overwritten
-by the next batch, never to the pool blockd allocates. An embedding needs every prompt token's hidden state
-for mean and CLS pooling, and a prefix the cache supplied has K/V but no hidden states, so prefix hits could
-only ever serve last-token pooling; and nothing is decoded after the prompt, so holding its blocks, or
-entering them into the prefix index, would buy nothing. The pass uses the same layers and kernels as
-generation (`PagedCausalLM.final_hidden` over paged attention), so its numerics are the serving path's.
+The pass is a plain no-cache one on a scratch cache of this module's own, never the pool blockd allocates; why
+the prefix cache cannot serve it is told in docs/architecture.md ("Embeddings").
 """
 
 from __future__ import annotations

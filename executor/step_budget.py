@@ -1,14 +1,10 @@
 """A step's token budget sized by time (--max-step-ms): from the measured cost of the steps before, as many tokens
 as fit in the target duration, never more than --max-num-batched-tokens.
 
-A step's cost is modelled as `overhead + per_token * tokens` (decode tokens and prefill tokens alike: the linear
-layers dominate), fitted by least squares over recent steps with exponential forgetting, so it follows a model
-warming up, a host getting busier, contexts growing. While the steps seen do not vary enough in size to separate
-overhead from per-token cost, the budget scales the last steps' size by target / measured time instead: that
-overshoots at most once and converges, and never shrinks steps in a spiral (small steps looking dear per token).
-Decode tokens always run (the scheduler hands them out first): the budget limits the prefill that joins them.
-
-It also counts what it was shown (seconds, tokens), the executor's measured throughput in its load reports.
+A step's cost is modelled as `overhead + per_token * tokens` (decode and prefill tokens alike: the linear layers
+dominate), fitted by least squares over recent steps with exponential forgetting, so it follows a model warming
+up, a host getting busier, contexts growing. Decode tokens always run: the budget limits the prefill that joins
+them. It also counts what it was shown, the executor's measured throughput in its load reports.
 """
 
 from __future__ import annotations
@@ -83,6 +79,8 @@ class StepBudget:
             overhead, per_token = fit
             wanted = (self.target_s - overhead) / per_token
         else:
+            # No fit yet: scale the last steps' size by target / measured time. That overshoots at most once and
+            # converges, and never shrinks steps in a spiral (small steps looking dear per token).
             s = self._sums
             mean_x, mean_y = s.x / s.w, s.y / s.w
             wanted = mean_x * self.target_s / mean_y if mean_y > 0 else float(self.max_tokens)

@@ -1,11 +1,6 @@
 """Structured output with xgrammar: a request's constraint (a JSON schema, regex, choice or EBNF grammar,
 `executor.params.GrammarSpec`) compiled against the checkpoint's tokenizer, a grammar matcher per sequence, and
 the token bitmask of every constrained row of a batch applied to the batch's logits in one masked op.
-
-Compilation never runs on the step's thread: `Grammars.compile` hands it to a small thread pool and returns a
-future, kept in an LRU cache keyed by the spec, so the same schema is compiled once (cache hits are counted).
-The first structured request also builds the compiler itself there (xgrammar's import, the tokenizer and its
-`TokenizerInfo`), so an executor that never sees one pays nothing, not even the import.
 """
 
 from __future__ import annotations
@@ -115,7 +110,12 @@ def _clean(message: str) -> str:
 
 
 class Grammars:
-    """Compiled grammars for one checkpoint: compiled off the step's thread, cached per spec (LRU)."""
+    """Compiled grammars for one checkpoint: compiled off the step's thread, cached per spec (LRU).
+
+    `compile` hands the work to a small thread pool and returns a future, kept in the cache, so the same schema is
+    compiled once (hits are counted). The first structured request also builds the compiler itself there
+    (xgrammar's import, the tokenizer and its `TokenizerInfo`), so an executor that never sees one pays nothing,
+    not even the import."""
 
     def __init__(
         self,

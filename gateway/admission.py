@@ -1,14 +1,6 @@
 """Overload decided at the door (--max-queue-delay): a new request is refused at once, 429 with Retry-After,
 when the work already queued would keep it waiting past the bound; once accepted, it is served however long
-that takes (completed, or cancelled by its client), never failed for being slow.
-
-The wait is estimated per executor in rotation: the tokens its requests may still need computed (prompts not
-started, choices' max_tokens left; `ExecutorLink.queued_tokens`: the executor's count, for every gateway, or this
-gateway's own, if more), over the tokens per second its
-steps measured (`ExecutorLink.tokens_per_s`, from its load reports). A request is refused only when every
-executor in rotation has a measure and all of them are past the bound (the router picks the least loaded); an
-executor not yet measured could take it, so it is admitted. The counts are an upper bound (a choice may stop
-before its max_tokens, a cached prefix is not computed): the door errs towards refusing early, not failing late.
+that takes, never failed for being slow (docs/architecture.md, "A request", step 2).
 """
 
 from __future__ import annotations
@@ -35,7 +27,10 @@ class Door:
         self.max_queue_delay_s = max_queue_delay_s or None  # None (or 0): no bound, only --max-queued-sequences
 
     def estimated_wait_s(self) -> float | None:
-        """The shortest estimated wait for a new request, or None if some executor in rotation is unmeasured."""
+        """The shortest estimated wait for a new request (the router picks the least loaded), or None if some
+        executor in rotation is unmeasured: that one could take it. Each wait is an upper bound (a choice may stop
+        before its max_tokens, a cached prefix is not computed): the door errs towards refusing early, not failing
+        late."""
         waits = [link.drain_s() for link in self.links()]
         if not waits or any(w is None for w in waits):
             return None

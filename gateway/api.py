@@ -1,11 +1,8 @@
 """The OpenAI HTTP API as this gateway accepts it: request bodies, validated, and how they map to sampling.
 
-Unknown fields are refused (a setting that would be silently ignored is worse than an error); fields OpenAI
-defines that pagedkv does not implement are accepted only at their neutral value. Extensions, with vLLM's names
-and meaning: `top_k`, `stop_token_ids`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `bad_words`
-(words: each is banned with and without a leading space, as vLLM does), `allowed_token_ids`, `priority` (0 only:
-requests are served first come, first served), `request_id`. Structured output (`response_format`,
-`structured_outputs`, `guided_*`) is on both endpoints: see gateway.structured.
+Unknown fields are refused; OpenAI's fields that pagedkv does not implement are accepted only at their neutral
+value; the extensions (vLLM's names and meaning) are listed in docs/architecture.md ("A request", step 1).
+Structured output (`response_format`, `structured_outputs`, `guided_*`) is gateway.structured's.
 """
 
 from __future__ import annotations
@@ -76,9 +73,10 @@ class GenerationRequest(StructuredOutputFields):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
+    # Each word banned with and without a leading space, as vLLM does.
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORD_STRINGS)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
-    priority: int = 0
+    priority: int = 0  # 0 only: requests are served first come, first served
     request_id: str | None = Field(default=None, max_length=200)
     # vLLM's output settings
     include_stop_str_in_output: bool = False

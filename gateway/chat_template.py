@@ -1,11 +1,7 @@
 """Chat templates: found in a checkpoint and rendered the way transformers' `apply_chat_template` renders them.
 
-A checkpoint's template is Jinja written for transformers, so it is rendered in the same kind of environment: a
-sandbox that cannot change the data it is given, `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension
-and transformers' `{% generation %}` tag, a `tojson` filter that keeps non-ASCII text, and the globals
-`raise_exception` and `strftime_now`. The template sees `messages`, `add_generation_prompt`, `tools`, `documents`
-and the named special tokens (`bos_token`, `eos_token`, ...). Templates come from Hugging Face repositories, so
-they are untrusted code: that is why the environment is a sandbox.
+A checkpoint's template is Jinja written for transformers, so it is rendered in the same kind of environment
+(`_environment`); templates come from model repositories, so they are untrusted code: that is why it is a sandbox.
 """
 
 from __future__ import annotations
@@ -128,6 +124,9 @@ def _compile(source: str) -> jinja2.Template:
 
 @cache
 def _environment() -> ImmutableSandboxedEnvironment:
+    """transformers' kind of environment: a sandbox that cannot change the data it is given, `trim_blocks` and
+    `lstrip_blocks`, the `loopcontrols` extension and the `{% generation %}` tag, a `tojson` that keeps non-ASCII
+    text, and the globals `raise_exception` and `strftime_now`."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )

@@ -1,13 +1,7 @@
 """Anthropic's Messages API as this gateway accepts it (/v1/messages, /v1/messages/count_tokens): the request
 bodies, validated, and made into the chat request the rest of the gateway runs (gateway.api's
 ChatCompletionRequest), so that the chat template, tool calls and forced tool grammars are the chat endpoint's.
-
-A system prompt (a string or text blocks) becomes the system message; text blocks are joined; an assistant's
-`tool_use` blocks become its tool calls and a user's `tool_result` blocks tool messages (before the user's text).
-`tools` (name, description, input_schema) become functions; `tool_choice` auto / any / tool / none map to
-auto / required / a named function / none (`disable_parallel_tool_use`: parallel_tool_calls false).
-Unknown fields are refused, as on the OpenAI routes; `metadata` and `cache_control` are accepted and ignored
-(they change nothing generated); images, documents and extended thinking are refused.
+What maps to what: docs/architecture.md ("A request", step 8).
 """
 
 from __future__ import annotations

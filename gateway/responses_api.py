@@ -1,13 +1,6 @@
 """OpenAI's Responses API as this gateway accepts it (/v1/responses): the request body, validated, and made into
-the chat request the rest of the gateway runs (gateway.api's ChatCompletionRequest).
-
-`input` is a string (one user message) or items: messages (role user / assistant / system / developer, content a
-string or input_text / output_text parts), `function_call` and `function_call_output` items (what a previous
-response's output and the caller's tool results are); `instructions` become the system message (never carried
-over from a previous response, as OpenAI's); `previous_response_id` puts the stored conversation before `input`.
-Function tools (name, description, parameters), `tool_choice` (none / auto / required / {"type": "function",
-"name"}), `text.format` (text, json_object, json_schema: the chat endpoint's response_format) and
-`max_output_tokens`, `temperature`, `top_p`. Unknown fields and other tool types are refused.
+the chat request the rest of the gateway runs (gateway.api's ChatCompletionRequest). What maps to what:
+docs/architecture.md ("A request", step 8).
 """
 
 from __future__ import annotations

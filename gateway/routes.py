@@ -1,11 +1,7 @@
 """The gateway's HTTP app: OpenAI's completions, chat completions, embeddings (gateway.embeddings) and models
 routes, Anthropic's messages (gateway.messages_routes), OpenAI's responses (gateway.responses_routes), health and
-metrics, and the error handlers that answer in OpenAI's error shape (Anthropic's on its routes).
-
-A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
-prompts x n against --max-queued-sequences), tokenized off the event loop (the gateway's text pool), checked
-against the context length, then handed with its endpoint (gateway.completions, gateway.chat) to
-`exchange.respond`, which runs its generations and answers in the endpoint's shape.
+metrics, and the error handlers that answer in OpenAI's error shape (Anthropic's on its routes). A request's way
+through it, up to `exchange.respond`: docs/architecture.md ("A request").
 """
 
 from __future__ import annotations

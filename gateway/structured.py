@@ -2,14 +2,8 @@
 vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`, on completions and chat completions alike.
 
-The gateway checks their shape and hands the executor a compact `GrammarSpec` (kind and source text); whether a
-schema, regex or grammar is valid is decided where it is compiled, in the executor (xgrammar imports torch, which
-the gateway never does), whose refusal comes back as a 400 that names the parameter.
-
-JSON output is compact by default (no whitespace but the ", " and ": " separators): a model free to put any
-whitespace between elements, as a weak one will, can fill max_tokens with blanks and never close the object.
-`structured_outputs.any_whitespace: true` (or vLLM's `disable_any_whitespace: false`) allows runs of whitespace,
-bounded by the executor (executor.structured.MAX_WHITESPACE). Tool calls forced by tool_choice are compact too.
+The gateway checks their shape and hands the executor a compact `GrammarSpec`; whether a schema, regex or
+grammar is valid is decided where it is compiled, in the executor (docs/architecture.md, "A request").
 """
 
 from __future__ import annotations
@@ -137,7 +131,8 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSpec:
 
 def _any_whitespace(value: dict[str, Any]) -> bool:
     """Whether structured_outputs allows whitespace runs: `any_whitespace`, or vLLM's `disable_any_whitespace`
-    (the opposite); compact when neither is given."""
+    (the opposite); compact when neither is given: a model free to put any whitespace between elements, as a
+    weak one will, can fill max_tokens with blanks and never close the object."""
     allowed, disabled = value.get("any_whitespace"), value.get("disable_any_whitespace")
     if allowed is not None and disabled is not None and allowed == disabled:
         raise invalid_request(

@@ -1,16 +1,8 @@
 """Text in and out: prompts to token ids (chat template included), token ids back to text as they stream.
 
-`Tokenizer` is the checkpoint's tokenizer as transformers' AutoTokenizer builds it, resolved once in a child process
-(common.tokenizer_cache) and run here with the `tokenizers` library, without transformers, which would import
-torch: encoding, decoding and chat prompts come out as AutoTokenizer gives them (tests compare the two).
-
-`Detokenizer` turns a growing list of token ids into text increments without ever splitting a multi-byte
-character: byte-level BPE tokens can end mid-character, and such a tail decodes to U+FFFD until the next token
-completes it, so text is released only up to the last complete character. It decodes a short window (the
-tokens since the last release plus a few before, for context such as leading spaces), not the whole output.
-
-`StopMatcher` finds stop strings in that text. Text that could still be the start of a stop string is held back
-until it is either ruled out or completed, so a client never sees any part of the stop string.
+`Tokenizer` is the checkpoint's tokenizer as AutoTokenizer builds it, run with the `tokenizers` library and not
+transformers (which imports torch); `Detokenizer` releases streamed text only up to the last complete character;
+`StopMatcher` holds back text that could begin a stop string (docs/architecture.md, "gateway").
 """
 
 from __future__ import annotations
@@ -193,6 +185,10 @@ class Tokenizer:
 
 
 class Detokenizer:
+    """A growing list of token ids to text increments, never splitting a multi-byte character: a byte-level BPE
+    token can end mid-character, and such a tail decodes to U+FFFD until the next token completes it. It decodes
+    a short window (the tokens since the last release plus a few before), not the whole output."""
+
     # Tokens decoded before the unreleased ones, so that the window decodes them as it would in context.
     CONTEXT_TOKENS = 4
 
@@ -253,7 +249,8 @@ def _extends(text: str, before: str) -> bool:
 
 
 class StopMatcher:
-    """Cuts generated text at the first stop string."""
+    """Cuts generated text at the first stop string. Text that could still begin a stop string is held back until
+    it is ruled out or completed, so a client never sees any part of the stop string."""
 
     def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]

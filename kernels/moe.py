@@ -1,17 +1,7 @@
 """Mixture-of-experts feed-forward: each token through its top-k experts, weighted and summed.
 
-`experts()` is the public call. Expert e maps a token x to
-`w_down[e] @ act(w_gate_up[e] @ x + b_gate_up[e]) + b_down[e]`, where the gate is the first I rows of the
-gate_up product and up the last I; the token's output is the sum over its k choices of weight x expert output.
-Backends (`kernels.dispatch.resolve_backend`):
-
-- "torch" (auto on the CPU): the token-expert pairs sorted by expert, one matmul pair per expert some token
-  chose, then one weighted scatter-add into the output; experts no token chose are never read;
-- "triton" (auto on CUDA): `kernels.triton_moe`, the same grouping done by one fused kernel;
-- "reference": a plain loop over tokens and choices, float64 when the inputs are: the tests' oracle.
-
-Matmuls run in the weights' dtype (float32 accumulation); the activation, the weighting and the sum over the
-k choices in float32 (float64 for float64 inputs); the result is rounded to hidden's dtype once.
+`experts()` is the public call; the backends ("torch", "triton", "reference"), the maths and the numerics are in
+docs/kernels.md, "Mixture of experts".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """The fused mixture-of-experts kernel: every token's top-k experts in one launch (`kernels.moe` calls it).
 
-The token-expert pairs are sorted by expert on the device (no host sync) and each expert's run padded to whole
-tiles of BLOCK_M rows, so a tile holds rows of one expert only. A program takes one tile and one chunk of
-BLOCK_I intermediate columns: the gate and up products of its rows for that chunk (a K loop over H), the
-activation in float32, then that chunk's share of the down product over every H column, weighted by each row's
-routing weight and atomically added (float32) into its token's output row. The atomics make the sum over the
-chunks and the k choices order-free, so float32 results may differ from run to run in the last bits.
-
+The tile plan, the fused program and its atomic float32 sum are told in docs/kernels.md ("Mixture of experts").
 Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
 """
 

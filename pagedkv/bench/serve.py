@@ -1,39 +1,7 @@
 """`pagedkv bench serve`: a whole stack under streaming OpenAI clients, and prefix routing against round-robin.
 
-**Serving load.** `--requests` completions, `--clients` of them in flight at once (each client sends its next
-request as soon as its last one ends), against a stack this bench starts (`--executors`, `--model`, `--device`,
-`--kv-cache-memory`, prefix routing) or one already running at `--url`. Prompts are lists of random token ids in
-[4, 500) (past the special tokens 0-3, below the vocabulary of any test model), prompt and output lengths uniform
-in `--prompt-range` and `--output-range`; every request streams (`stream_options.include_usage`), is greedy and
-passes `ignore_eos` (an extension the gateway takes, like vLLM) so that it generates exactly its `max_tokens`.
-Reported: completed requests/s and output tokens/s over the phase's wall time; TTFT (sending to the first chunk
-that carries text) and inter-token latency (gaps between successive text-carrying chunks of one request, pooled
-over all requests: a chunk carrying several tokens counts as one gap, there is no telling) at p50 and p99; errors
-(a failed request, or a stream that ends without its usage chunk); and the cached fraction of prompt tokens (near
-zero for random prompts, unless a running stack already saw this seed's workload).
-
-**Prefix routing against round-robin.** `--prefix-groups` groups of `--group-size` requests; the requests of a
-group share one random prefix of `--prefix-tokens` tokens and each has its own random suffix of
-`--suffix-tokens` (the suffixes of a group, and the prefixes of different groups, start with distinct tokens, so
-nothing is shared by chance). The same workload runs against two fresh stacks started one after the other (no
-persistence, so nothing is cached to start with), one routing by prefix and one round-robin, each with
-`--executors` executors:
-
-1. a few tiny random requests warm the stack up (untimed);
-2. the *leaders*, the first request of every group, all at once: each computes its group's prefix on some
-   executor and commits its blocks, so that blockd knows who holds it. They all finish before step 3, which
-   makes the starting state the same for both policies and leaves no race between a prefix being computed and
-   its followers arriving;
-3. the *followers*, the other `--group-size` - 1 requests of every group, in one shuffled order (the same for
-   both stacks), `--clients` at a time. Only these are measured: TTFT p50/p99 and the cached fraction (the sum of
-   `usage.prompt_tokens_details.cached_tokens` over the sum of `prompt_tokens`, from each stream's final usage
-   chunk). Prefix routing should send each follower where its prefix lives (fraction near prefix / (prefix +
-   suffix), short prefills, low TTFT); round-robin lands on the holder only by chance, and otherwise recomputes
-   the prefix, which then also lives on a second executor.
-
-Ratios: TTFT round-robin / prefix (above 1: prefix routing answers sooner) and cached fraction prefix /
-round-robin. Tables go to stdout, progress bars to stderr; the last line of stdout is one JSON object of every
-figure and parameter (also written to `--json PATH`).
+Workloads, phases and the definition of each figure: docs/benchmarks.md, "serving". Tables go to stdout, progress
+bars to stderr; the last stdout line is one JSON object of every figure and parameter (also `--json PATH`).
 """
 
 from __future__ import annotations
@@ -170,6 +138,7 @@ class RequestResult:
 
     @property
     def gaps(self) -> list[float]:
+        # A chunk carrying several tokens counts as one gap: there is no telling them apart.
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
@@ -380,6 +349,8 @@ async def measure_routing(
     async with _client(base_url) as client:
         await _warm_up(client, model, seed, clients)
         with _bar(policy, len(workload.leaders) + len(workload.followers)) as bar:
+            # Every leader ends before any follower starts: the same starting state for both policies, and no
+            # race between a prefix being computed and its followers arriving.
             leaders, _ = await run_requests(client, model, workload.leaders, clients, lambda: bar.update(1))
             followers, seconds = await run_requests(client, model, workload.followers, clients, lambda: bar.update(1))
     summary = summarize(followers, seconds)

