@@ -1,7 +1,28 @@
 """The block pool: one executor's KV blocks, their refcounts, block tables, prefix index and free queue; no I/O.
 
-Its operations and invariants I1-I6 are told in docs/architecture.md ("The core"): `check()` verifies I1-I5
-(`blockd-cli check` on a live daemon); the tests compare the whole state around every failed operation for I6.
+How its operations work is told in docs/architecture.md ("The core"). I1-I5 hold in every state: `check()`
+verifies them (`blockd-cli check` on a live daemon). I6 is about a transition: the tests compare the whole state
+before and after every failed operation (tests/blockd/test_pool_model.py).
+
+ I1. Every block is either free (in the free queue, refcount 0) or referenced (refcount > 0), never both:
+     the free queue holds exactly the blocks whose refcount is 0.
+ I2. A block's refcount equals the number of times it appears in the block tables of live sequences;
+     so the sum of refcounts equals the number of non-hole entries of all block tables.
+ I3. The prefix index and the per-block hash agree both ways: index[h] == b  <=>  block_hash[b] == h.
+     A block carries a hash only while its KV holds exactly the tokens that hash names.
+ I4. A live sequence of n tokens and r reserved slots holds ceil((n + r) / block_size) blocks, its reserved
+     slots end at most one block past the block its next token goes into (r <= block_rule.reservable), its
+     committed blocks are full, and the blocks past its tokens (reserved slots only) are its alone (refcount 1).
+     Reserved slots are written before blockd hears of their tokens, so a shared open block (partly filled)
+     that holds some of one sequence's reserved slots is, for every other sequence holding it, its open block
+     too, with no reserved slots in it and no more tokens than the writer has there.
+     Holes: in a pool with a sliding window, a table's leading entries may be holes (HOLE, no block): blocks
+     handed back by `slide` because no future query reads them. Only leading entries, only full blocks of
+     registered tokens no query at or past the last registered token reads (block_rule.dead_blocks), and they
+     count in the table's length as the blocks they were.
+ I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
+     blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
+ I6. A failed operation changes nothing.
 """
 
 from __future__ import annotations
@@ -683,7 +704,7 @@ class BlockPool:
         )
 
     def check(self) -> list[str]:
-        """Verify the state invariants I1-I5 (docs/architecture.md, "The core"; I6 needs a before and an after:
+        """Verify the state invariants I1-I5 (this module's docstring; I6 needs a before and an after:
         the tests compare states); returns one line per violation (empty: all hold)."""
         problems: list[str] = []
         pid = self.spec.pool_id
