@@ -286,8 +286,10 @@ class StreamReader:
         return any(self._line(line.rstrip(b"\r").decode()) for line in lines)
 
     def _line(self, line: str) -> bool:
-        if self.outcome is not None or not line.startswith("data: "):
-            return self.outcome is not None
+        if self.outcome is not None:
+            return True
+        if not line.startswith("data: "):
+            return False
         data = line[6:]
         if data == "[DONE]":
             self.outcome = "ok"
