@@ -35,6 +35,5 @@ def test_gateway_events_counts_load_held_events(tmp_path: Path) -> None:
         "executor_out_of_rotation": 0,
         "stream_failed": 0,
         "request_refused": 1,
-        "longest_step_s": 3.25,
     }
     assert gateway_events(tmp_path / "absent.log")["stream_failed"] == 0
