@@ -20,8 +20,14 @@ bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized reg
 gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts, clients that disconnect
 mid-stream).
 
+Then the load-held phase (issue 26), each scenario alone on the stack with its own clients and 128-token answers:
+overload (Poisson arrivals at 3x the capacity measured with every slot busy, for --overload-seconds) and a step
+stalled for twice the gateway's --executor-timeout (executor-0 restarted with --fault-stall-step). Each counts
+accepted requests failed (must be 0), refusals as 429 before a request started (apart), wrong outputs and blocks
+still held once it drained.
+
 Afterwards: blocks still held once the load has drained (leaked), `blockd-cli check`, the slowest blockd reply,
-each service's peak RSS against its idle RSS. A table, then one JSON object as the last line.
+each service's peak RSS against its idle RSS. Tables, then one JSON object as the last line.
 """
 
 from __future__ import annotations
