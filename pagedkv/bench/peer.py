@@ -41,7 +41,7 @@ from pagedkv.bench.common import blockd_process, threads_option
 from pagedkv.bench.peer_equality import DEFAULT_TIE_TOLERANCE, equality
 from pagedkv.bench.peer_report import WorkloadReport, plot_runs, report_lines, workloads_json
 from pagedkv.bench.peer_rounds import RunRecord, medians, ratio_against_best, run_rounds
-from pagedkv.bench.peer_serve import run_serve_bench
+from pagedkv.bench.peer_serve import pagedkv_env, run_serve_bench
 from pagedkv.bench.peer_startup import StartupConfig, run_startup
 from pagedkv.bench.peer_systems import (
     DRIVER,
@@ -222,6 +222,14 @@ DEFAULT_RUNS = 3
     help="--serve: which loads to run (repeatable).",
 )
 @click.option(
+    "--serve-pagedkv-env",
+    "serve_pagedkv_env",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="--serve: an environment variable for `pagedkv serve` (repeatable), which is how its services take "
+    "options it has no flags for: PAGEDKV_EXECUTOR_MAX_STEP_MS=0, PAGEDKV_GATEWAY_EXECUTOR_TIMEOUT=1, ...",
+)
+@click.option(
     "--vllm-cli",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=Path(__file__).with_name("vllm_cli.py"),
@@ -256,6 +264,7 @@ def bench_peer(
     serve: bool,
     serve_prompts: int | None,
     serve_loads: tuple[str, ...],
+    serve_pagedkv_env: tuple[str, ...],
     vllm_cli: Path,
 ) -> None:
     if model_shape is not None:
@@ -282,6 +291,7 @@ def bench_peer(
             max_num_batched_tokens=max_num_batched_tokens,
             threads=threads,
             seed=seed,
+            pagedkv_env=pagedkv_env(serve_pagedkv_env),
         )
         return
     if quick:

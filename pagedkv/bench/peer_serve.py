@@ -392,6 +392,7 @@ class ServeSetup:
     vllm_bind: str | None  # VLLM_CPU_OMP_THREADS_BIND, or None for vLLM's default
     vllm_eager: bool
     pagedkv_threads: int | None  # OMP_NUM_THREADS of pagedkv's executor (None: pagedkv serve's choice)
+    pagedkv_env: Mapping[str, str] = field(default_factory=dict)  # --serve-pagedkv-env, over the bench's own
 
 
 def vllm_server(setup: ServeSetup, port: int, log: Path, cwd: Path) -> Server:
@@ -457,7 +458,38 @@ def pagedkv_server(setup: ServeSetup, port: int, log: Path, log_dir: Path) -> Se
     }
     if setup.pagedkv_threads is not None:
         env["OMP_NUM_THREADS"] = str(setup.pagedkv_threads)
+    env |= setup.pagedkv_env
     return Server("pagedkv", argv, env=env, log=log, port=port, model_name=setup.model_name)
+
+
+#: What the gateway's log says of load held: steps that ran past --executor-timeout (kept in rotation), executors
+#: taken for lost, streams failed, requests refused at the door.
+GATEWAY_EVENTS = ("executor_step_long", "executor_out_of_rotation", "stream_failed", "request_refused")
+
+
+def gateway_events(log: Path) -> dict[str, int]:
+    """Counts of GATEWAY_EVENTS in the gateway's JSON log."""
+    counts = dict.fromkeys(GATEWAY_EVENTS, 0)
+    with contextlib.suppress(OSError), open(log, errors="replace") as lines:
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("event") in counts:
+                counts[entry["event"]] += 1
+    return counts
+
+
+def pagedkv_env(assignments: Sequence[str]) -> dict[str, str]:
+    """--serve-pagedkv-env's NAME=VALUE pairs; a bad one is a usage error."""
+    env = {}
+    for assignment in assignments:
+        name, equals, value = assignment.partition("=")
+        if not equals or not name.startswith("PAGEDKV_"):
+            raise click.BadParameter(f"{assignment!r} is not PAGEDKV_NAME=VALUE", param_hint="'--serve-pagedkv-env'")
+        env[name] = value
+    return env
 
 
 # --------------------------------------------------------------------------------------------------- client
@@ -591,6 +623,7 @@ def run_serve_bench(
     seed: int,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     client_timeout_s: float | None = None,
+    pagedkv_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole `--serve` run; prints the tables and, last on stdout, the JSON object it returns."""
     echo = click.echo
@@ -622,6 +655,7 @@ def run_serve_bench(
         vllm_bind=bind,
         vllm_eager=vllm_eager,
         pagedkv_threads=threads,
+        pagedkv_env=dict(pagedkv_env or {}),
     )
     if client_timeout_s is None:  # generous: a starved 2-core machine, and 4 req/s takes prompts / 4 s at least
         client_timeout_s = 600.0 + workload.prompts * workload.output_len * 0.5
@@ -635,6 +669,7 @@ def run_serve_bench(
         f"limits:   KV {budget / 2**30:.3g} GiB each, max_num_seqs {max_num_seqs}, max_num_batched_tokens "
         f"{max_num_batched_tokens}, prefix caching on; pagedkv: 1 executor, blocks of {block_size}"
         + (f", {threads} threads" if threads else "")
+        + "".join(f", {name}={value}" for name, value in setup.pagedkv_env.items())
         + f"; vLLM: {python}, {vllm_threads_text}"
         + (", enforce_eager" if vllm_eager else "")
     )
@@ -644,6 +679,7 @@ def run_serve_bench(
 
     results: dict[str, dict[str, ServeFigures]] = {name: {} for name in names}
     startup_s: dict[str, float] = {}
+    gateway_log: dict[str, dict[str, int]] = {}  # per load: gateway_events after it (cumulative)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())
         tmp = stack.enter_context(_work_dir(progress))
@@ -672,6 +708,10 @@ def run_serve_bench(
                     run_client(argv, client_env, tmp, log, client_timeout_s)
                     server.check()
                     figures = read_result(tmp / result_name)
+                    if system == "pagedkv":
+                        events = gateway_events(tmp / "pagedkv-logs" / "gateway.log")
+                        progress(f"  [{name}] pagedkv's gateway so far: {json.dumps(events)}")
+                        gateway_log[name] = events
                     figures.load_before = loadavg
                     check_complete(figures, workload, f"{server.label} under load {name}")
                     results[name][system] = figures
@@ -711,6 +751,8 @@ def run_serve_bench(
         "block_size": block_size,
         "pagedkv_executors": 1,
         "pagedkv_threads": threads,
+        "pagedkv_env": setup.pagedkv_env,
+        "pagedkv_gateway_events": gateway_log,
         "vllm_python": str(python),
         "vllm_threads_bind": bind,
         "vllm_eager": vllm_eager,

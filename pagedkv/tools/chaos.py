@@ -20,12 +20,19 @@ bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized reg
 gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts, clients that disconnect
 mid-stream).
 
+Then the load-held phase (issue 26), each scenario alone on the stack with its own clients and 128-token answers:
+overload (Poisson arrivals at 3x the capacity measured with every slot busy, for --overload-seconds) and a step
+stalled for twice the gateway's --executor-timeout (executor-0 restarted with --fault-stall-step). Each counts
+accepted requests failed (must be 0), refusals as 429 before a request started (apart), wrong outputs and blocks
+still held once it drained.
+
 Afterwards: blocks still held once the load has drained (leaked), `blockd-cli check`, the slowest blockd reply,
-each service's peak RSS against its idle RSS. A table, then one JSON object as the last line.
+each service's peak RSS against its idle RSS. Tables, then one JSON object as the last line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -63,6 +70,13 @@ from pagedkv.tools.model_gen import write_model
 
 INTRUDER = "executor-intruder"  # an any-pool executor key in the attacker's hands (the cross-pool scenario)
 MODEL = dict(hidden_size=128, layers=2, heads=4, kv_heads=2, vocab_size=512, max_position=512, seed=0)
+EXECUTOR_TIMEOUT_S = 2.0  # the gateway's --executor-timeout: SIGSTOPs of an executor outlast it
+# The gateway's --max-queue-delay: short, so that even a short overload reaches the door's bound.
+MAX_QUEUE_DELAY_S = 2.0
+# Tokens each answer of the load-held scenarios holds: enough that the executors, not the HTTP clients, are what
+# an overload saturates.
+LOAD_MAX_TOKENS = 128
+PHASES = ("faults", "load")  # the fault and attack scenarios under greedy load; then the load-held scenarios
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
     "Once upon a time in a land far away",
@@ -155,7 +169,8 @@ class Stack:
         for i, endpoint in enumerate(self.executors):
             self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
         gateway_argv = [py, "-m", "gateway.main", "--model", str(model_dir), "--executors", ",".join(self.executors)]
-        gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port), "--executor-timeout", "2"]
+        gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port)]
+        gateway_argv += ["--executor-timeout", f"{EXECUTOR_TIMEOUT_S:g}", "--max-queue-delay", f"{MAX_QUEUE_DELAY_S:g}"]
         gateway_argv += ["--keys", str(self.keys_dir), "--api-key", self.api_key]
         self._add("gateway", [*gateway_argv, "--log-level", "warning"])
         self._stop = threading.Event()
@@ -248,28 +263,52 @@ def _ask(
             if response.status_code != 200:
                 return _refusal(response), ""
             return "ok", response.json()["choices"][0]["text"]
-        text = ""
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout) as response:
             if response.status_code != 200:
                 response.read()
                 return _refusal(response), ""
-            done = False
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
+            reader = StreamReader()
+            for chunk in response.iter_bytes():
+                if reader.feed(chunk):
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    return ("cut" if text else "refused:stream"), text
-                text += chunk["choices"][0]["text"]
-            if not done:
-                return ("cut" if text else "transport"), text
-        return "ok", text
+            return reader.result()
     except (httpx.HTTPError, ValueError, KeyError):
         return "transport", ""
+
+
+class StreamReader:
+    """A streamed completion's server-sent events into (outcome, text) as `_ask` gives. Fed raw bytes and split on
+    newlines only, as SSE says: text may hold U+2028 or U+0085, which a split into str lines (httpx's iter_lines)
+    takes for line ends, cutting an event's JSON."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.outcome: str | None = None
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """Reads what arrived; True once the stream has ended ([DONE], or an error event)."""
+        *lines, self._pending = (self._pending + chunk).split(b"\n")
+        return any(self._line(line.rstrip(b"\r").decode()) for line in lines)
+
+    def _line(self, line: str) -> bool:
+        if self.outcome is not None:
+            return True
+        if not line.startswith("data: "):
+            return False
+        data = line[6:]
+        if data == "[DONE]":
+            self.outcome = "ok"
+            return True
+        chunk = json.loads(data)
+        if "error" in chunk:
+            self.outcome = "cut" if self.text else "refused:stream"
+            return True
+        self.text += chunk["choices"][0]["text"]
+        return False
+
+    def result(self) -> tuple[str, str]:
+        return self.outcome or ("cut" if self.text else "transport"), self.text
 
 
 def _refusal(response: httpx.Response) -> str:
@@ -773,6 +812,292 @@ def _gateway_battery(stack: Stack, findings: Findings, prompts: int, disconnects
     findings.attacks += disconnects
 
 
+# ---------------------------------------------------------------------------------------------- load held
+
+SATURATING_CLIENTS = 16  # both executors' --max-num-seqs: every slot of the stack busy
+OVERLOAD_FACTOR = 3.0
+STALLED_STEP = 3  # the step of the restarted executor-0 that is stalled (one with requests in it)
+LOAD_CLIENT_TIMEOUT_S = 300.0  # an accepted request is never failed for being slow: its client waits
+
+
+@dataclass
+class Outcomes:
+    """What the clients of a load scenario got. A 429 is a refusal before the request started, allowed and counted
+    apart; any other outcome but a right answer (an error status, a stream cut or ended by an error, no answer) is
+    a failed request, which the scenario must not have."""
+
+    requests: int = 0
+    ok: int = 0
+    wrong: int = 0
+    refused_429: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+    wrong_examples: list[str] = field(default_factory=list)
+
+    def add(self, prompt: str, outcome: str, text: str, reference: str) -> None:
+        self.requests += 1
+        if outcome == "ok" and text == reference:
+            self.ok += 1
+        elif outcome == "ok":
+            self.wrong += 1
+            if len(self.wrong_examples) < 5:
+                self.wrong_examples.append(f"{prompt!r}: {text!r} != {reference!r}")
+        elif outcome == "refused:429":
+            self.refused_429 += 1
+        else:
+            self.failed[outcome] += 1
+
+
+async def _ask_async(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool) -> tuple[str, str]:
+    """`_ask` on an event loop, so that one thread can keep hundreds of requests in flight."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    try:
+        if not stream:
+            response = await client.post("/v1/completions", json=body)
+            if response.status_code != 200:
+                return _refusal(response), ""
+            return "ok", response.json()["choices"][0]["text"]
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return _refusal(response), ""
+            reader = StreamReader()
+            async for chunk in response.aiter_bytes():
+                if reader.feed(chunk):
+                    break
+            return reader.result()
+    except (httpx.HTTPError, ValueError, KeyError):
+        return "transport", ""
+
+
+class LoadClients:
+    """Greedy requests for the reference prompts from one event loop: closed-loop clients (each asks again once
+    answered) or open-loop Poisson arrivals (each request on its own, however many are in flight)."""
+
+    def __init__(self, stack: Stack, references: dict[str, str], max_tokens: int, seed: int) -> None:
+        self.url = stack.url
+        self.headers = stack.auth_headers
+        self.references = references
+        self.max_tokens = max_tokens
+        self.rng = random.Random(seed)
+        self.outcomes = Outcomes()
+
+    def _client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=LOAD_CLIENT_TIMEOUT_S, limits=limits)
+
+    async def _one(self, client: httpx.AsyncClient) -> None:
+        prompt = self.rng.choice(list(self.references))
+        outcome, text = await _ask_async(client, prompt, self.max_tokens, self.rng.random() < 0.5)
+        self.outcomes.add(prompt, outcome, text, self.references[prompt])
+
+    def closed_loop(self, clients: int, seconds: float) -> float:
+        """`clients` clients for `seconds`; the right answers per second they got (the stack's capacity when the
+        clients fill every slot)."""
+
+        async def run() -> float:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            ok_before = self.outcomes.ok
+
+            async def client_loop(client: httpx.AsyncClient) -> None:
+                while loop.time() - started < seconds:
+                    await self._one(client)
+
+            async with self._client() as client:
+                await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+            return (self.outcomes.ok - ok_before) / max(loop.time() - started, 1e-9)
+
+        return asyncio.run(run())
+
+    def open_loop(self, rate: float, seconds: float) -> int:
+        """Poisson arrivals at `rate` per second for `seconds`, then every request answered; how many were sent."""
+
+        async def run() -> int:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            tasks: list[asyncio.Task[None]] = []
+            async with self._client() as client:
+                due = started
+                while due - started < seconds:
+                    await asyncio.sleep(max(0.0, due - loop.time()))
+                    tasks.append(asyncio.create_task(self._one(client)))
+                    due += self.rng.expovariate(rate)
+                await asyncio.gather(*tasks)
+            return len(tasks)
+
+        return asyncio.run(run())
+
+
+@dataclass
+class LoadScenario:
+    name: str
+    seconds: float
+    load: str  # what the clients did
+    outcomes: Outcomes
+    leaked_blocks: int
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what the scenario itself saw go wrong
+
+    def row(self) -> list[str]:
+        o = self.outcomes
+        failed = sum(o.failed.values())
+        return [
+            self.name,
+            f"{self.seconds:.1f}",
+            self.load,
+            str(o.requests),
+            str(o.requests - o.refused_429),
+            str(failed),
+            str(o.refused_429),
+            str(o.wrong),
+            str(self.leaked_blocks),
+        ]
+
+    def as_json(self) -> dict[str, Any]:
+        o = self.outcomes
+        return {
+            "seconds": round(self.seconds, 1),
+            "load": self.load,
+            "requests": o.requests,
+            "accepted": o.requests - o.refused_429,
+            "ok": o.ok,
+            "accepted_failed": sum(o.failed.values()),
+            "failed_by_outcome": dict(o.failed),
+            "refused_429": o.refused_429,
+            "wrong_outputs": o.wrong,
+            "wrong_examples": o.wrong_examples,
+            "leaked_blocks": self.leaked_blocks,
+            "notes": self.notes,
+        }
+
+    def judge(self, findings: Findings) -> None:
+        o = self.outcomes
+        if o.failed:
+            findings.problem(f"{self.name}: {sum(o.failed.values())} requests failed ({dict(o.failed)})")
+        if o.wrong:
+            findings.problem(f"{self.name}: {o.wrong} wrong outputs, e.g. {o.wrong_examples[0]}")
+        if self.leaked_blocks:
+            findings.problem(f"{self.name}: {self.leaked_blocks} blocks still held once the load drained")
+        if not o.ok:
+            findings.problem(f"{self.name}: no request was answered")
+        for problem in self.problems:
+            findings.problem(f"{self.name}: {problem}")
+
+
+class GatewayWatch:
+    """The gateway's /health read twice a second from a thread of its own: the most requests it held in flight at
+    once, and the longest wait it estimated for a new request (queued tokens over measured tokens per second, the
+    shortest over its executors: what its door compares with --max-queue-delay)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.peak_in_flight = 0
+        self.peak_wait_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> GatewayWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                executors = httpx.get(f"{self.url}/health", timeout=2).json()["executors"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+            self.peak_in_flight = max(self.peak_in_flight, sum(e["in_flight"] or 0 for e in executors))
+            waits = [e["queued_tokens"] / e["tokens_per_s"] for e in executors if e.get("tokens_per_s")]
+            if waits and len(waits) == len(executors):
+                self.peak_wait_s = max(self.peak_wait_s, min(waits))
+
+
+def _overload(stack: Stack, references: dict[str, str], max_tokens: int, seconds: float) -> LoadScenario:
+    """Capacity first (right answers per second with every slot busy), then Poisson arrivals at 3x it for
+    `seconds`: the queue grows past --max-queue-delay, so new requests must get 429 at the door, and every one
+    let in must complete, right."""
+    started = time.monotonic()
+    clients = LoadClients(stack, references, max_tokens, seed=26)
+    capacity = clients.closed_loop(SATURATING_CLIENTS, max(3.0, min(10.0, seconds / 4)))
+    rate = OVERLOAD_FACTOR * max(capacity, 0.5)
+    with GatewayWatch(stack.url) as watch:
+        sent = clients.open_loop(rate, seconds)
+    leaked, _ = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
+    load = f"{rate:.1f} req/s ({OVERLOAD_FACTOR:g}x {capacity:.1f})"
+    scenario = LoadScenario(f"overload {OVERLOAD_FACTOR:g}x for {seconds:g} s", 0.0, load, clients.outcomes, leaked)
+    scenario.notes.append(
+        f"overload: capacity {capacity:.1f} req/s with {SATURATING_CLIENTS} clients, then {sent} arrivals at "
+        f"{rate:.1f} req/s for {seconds:g} s; at the gateway at most {watch.peak_in_flight} in flight, an estimated "
+        f"wait of at most {watch.peak_wait_s:.1f} s (--max-queue-delay {MAX_QUEUE_DELAY_S:g})"
+    )
+    scenario.seconds = time.monotonic() - started
+    return scenario
+
+
+def _log_since(path: Path, offset: int) -> str:
+    with open(path, "rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
+
+
+def _restart(stack: Stack, name: str, argv: list[str]) -> None:
+    """`name` stopped and started again by the supervisor with `argv`, back in the gateway's rotation."""
+    service = stack.services[name]
+    old = service.process
+    assert old is not None
+    service.argv = argv
+    service.signal(signal.SIGTERM)
+    processes.wait_until(lambda: (old.poll() is not None and service.process is not old) or None, 120)
+    endpoint = stack.executors[int(name.rsplit("-", 1)[1])]
+
+    def gateway_saw_it_go() -> bool | None:
+        try:
+            executors = httpx.get(f"{stack.url}/health", timeout=2).json()["executors"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        return any(e["endpoint"] == endpoint and not e["healthy"] for e in executors) or None
+
+    with contextlib.suppress(processes.NotReady):  # it may be back already: then it was seen going
+        processes.wait_until(gateway_saw_it_go, 30)
+    stack.wait_healthy(180)
+
+
+def _stalled_step(stack: Stack, references: dict[str, str], max_tokens: int) -> LoadScenario:
+    """executor-0 restarted with one step stalled for 2x the gateway's --executor-timeout, under every slot busy:
+    its liveness beacon must keep it in rotation, and no stream on it may fail."""
+    started = time.monotonic()
+    stall_s = 2 * EXECUTOR_TIMEOUT_S
+    service = stack.services["executor-0"]
+    plain = service.argv
+    executor_mark = service.log.stat().st_size
+    _restart(stack, "executor-0", [*plain, "--fault-stall-step", f"{STALLED_STEP}:{stall_s:g}"])
+    service.argv = plain  # armed for this start only
+    gateway_log = stack.services["gateway"].log
+    gateway_mark = gateway_log.stat().st_size
+    clients = LoadClients(stack, references, max_tokens, seed=27)
+    clients.closed_loop(SATURATING_CLIENTS, stall_s + 6.0)
+    leaked, _ = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
+    load = f"{SATURATING_CLIENTS} clients, step {STALLED_STEP} +{stall_s:g} s"
+    scenario = LoadScenario(f"step stalled {stall_s:g} s (2x timeout)", 0.0, load, clients.outcomes, leaked)
+    stalled = "fault_step_stalled" in _log_since(service.log, executor_mark)
+    lost = _log_since(gateway_log, gateway_mark).count("executor_out_of_rotation")
+    scenario.notes.append(
+        f"stalled step: executor-0's step {STALLED_STEP} {'stalled' if stalled else 'NEVER stalled'} for "
+        f"{stall_s:g} s (--executor-timeout {EXECUTOR_TIMEOUT_S:g}); the gateway took an executor out of rotation "
+        f"{lost} times meanwhile"
+    )
+    if not stalled:
+        scenario.problems.append(f"executor-0 never ran its step {STALLED_STEP} (no stall to survive)")
+    if lost:
+        scenario.problems.append(f"the gateway took an executor out of rotation {lost} times")
+    scenario.seconds = time.monotonic() - started
+    return scenario
+
+
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -828,51 +1153,94 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
     return scenarios
 
 
-def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict[str, Any]:
+def _fault_phase(
+    stack: Stack, references: dict[str, str], findings: Findings, quick: bool, clients: int, max_tokens: int
+) -> tuple[Tally, list[list[str]]]:
+    """The fault and attack scenarios, one after the other, under the greedy load; the load's tally and a row per
+    scenario."""
+    rows: list[list[str]] = []
+    load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
+    load.start()
+    time.sleep(2.0)
+    for name, action in _scenarios(stack, findings, quick):
+        before, failed_before = load.tally.requests, load.tally.failed
+        attacks, refused, unanswered = findings.attacks, findings.refused, findings.unanswered
+        t0 = time.monotonic()
+        _log(f"chaos: {name}")
+        try:
+            action()
+        except Exception as exc:  # a scenario that cannot run is a finding, not the end of the run
+            findings.problem(f"{name}: {exc!r}")
+        try:
+            recovered = stack.wait_healthy(timeout_s=180)
+        except click.ClickException as exc:
+            findings.problem(f"after {name}: {exc.message}")
+            recovered = float("nan")
+        time.sleep(1.0 if quick else 5.0)  # some load on the recovered stack
+        rows.append(
+            [
+                name,
+                f"{time.monotonic() - t0:.1f}",
+                f"{recovered:.1f}",
+                str(load.tally.requests - before),
+                str(load.tally.failed - failed_before),
+                str(findings.attacks - attacks),
+                str(findings.refused - refused),
+                str(findings.unanswered - unanswered),
+            ]
+        )
+    load.stop()
+    return load.tally, rows
+
+
+def _load_phase(
+    stack: Stack, references: dict[str, str], findings: Findings, max_tokens: int, overload_s: float
+) -> list[LoadScenario]:
+    """The load-held scenarios, each alone on the stack (its own clients, no other load), so that blocks still held
+    once it drained are its leak."""
+    scenarios: list[LoadScenario] = []
+    actions: list[tuple[str, Callable[[], LoadScenario]]] = [
+        ("overload", lambda: _overload(stack, references, max_tokens, overload_s)),
+        ("stalled step", lambda: _stalled_step(stack, references, max_tokens)),
+    ]
+    for name, action in actions:
+        _log(f"chaos: {name}")
+        try:
+            scenario = action()
+        except Exception as exc:  # a scenario that cannot run is a finding, not the end of the run
+            findings.problem(f"{name}: {exc!r}")
+            continue
+        scenario.judge(findings)
+        findings.notes.extend(scenario.notes)
+        scenarios.append(scenario)
+        try:
+            stack.wait_healthy(timeout_s=180)
+        except click.ClickException as exc:
+            findings.problem(f"after {name}: {exc.message}")
+    return scenarios
+
+
+def run_chaos(
+    root: Path, *, quick: bool, clients: int, max_tokens: int, phases: tuple[str, ...] = PHASES, overload_s: float = 60
+) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = write_model(root / "tiny-chaos", arch="llama", quiet=True, dtype="float32", **MODEL)
     stack = Stack(root, model_dir)
     findings = Findings()
-    scenario_rows: list[list[str]] = []
+    tally, scenario_rows, load_scenarios = Tally(), [], []
     _log(f"chaos: starting redis, blockd, 2 executors and a gateway; logs in {root}")
     try:
         stack.start(timeout_s=300)
         references = _references(stack.url, max_tokens, stack.auth_headers)
+        long_references = _references(stack.url, LOAD_MAX_TOKENS, stack.auth_headers) if "load" in phases else {}
         time.sleep(1.0)
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
-        load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
-        load.start()
-        time.sleep(2.0)
-        for name, action in _scenarios(stack, findings, quick):
-            before, failed_before = load.tally.requests, load.tally.failed
-            attacks, refused, unanswered = findings.attacks, findings.refused, findings.unanswered
-            t0 = time.monotonic()
-            _log(f"chaos: {name}")
-            try:
-                action()
-            except Exception as exc:  # a scenario that cannot run is a finding, not the end of the run
-                findings.problem(f"{name}: {exc!r}")
-            try:
-                recovered = stack.wait_healthy(timeout_s=180)
-            except click.ClickException as exc:
-                findings.problem(f"after {name}: {exc.message}")
-                recovered = float("nan")
-            time.sleep(1.0 if quick else 5.0)  # some load on the recovered stack
-            scenario_rows.append(
-                [
-                    name,
-                    f"{time.monotonic() - t0:.1f}",
-                    f"{recovered:.1f}",
-                    str(load.tally.requests - before),
-                    str(load.tally.failed - failed_before),
-                    str(findings.attacks - attacks),
-                    str(findings.refused - refused),
-                    str(findings.unanswered - unanswered),
-                ]
-            )
-        load.stop()
+        if "faults" in phases:
+            tally, scenario_rows = _fault_phase(stack, references, findings, quick, clients, max_tokens)
+        if "load" in phases:
+            load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
         leaked, check = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
         for service in stack.services.values():
             service.peak_rss = max(service.peak_rss, service.rss())
@@ -883,7 +1251,6 @@ def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict
         }
     finally:
         stack.stop()
-    tally = load.tally
     over_rss = [n for n, r in rss.items() if r["idle_mib"] and r["peak_mib"] > 2 * r["idle_mib"]]
     result: dict[str, Any] = {
         "quick": quick,
@@ -912,16 +1279,23 @@ def run_chaos(root: Path, *, quick: bool, clients: int, max_tokens: int) -> dict
         "notes": findings.notes,
         "problems": findings.problems,
         "wrong_examples": tally.wrong_examples,
+        "load_scenarios": {scenario.name: scenario.as_json() for scenario in load_scenarios},
     }
-    _print_tables(result, scenario_rows)
+    _print_tables(result, scenario_rows, [scenario.row() for scenario in load_scenarios])
     return result
 
 
-def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]]) -> None:
-    click.echo("")
-    columns = ["scenario", "seconds", "recovered in s", "requests", "failed", "attacks", "refused", "no answer"]
-    for line in table_lines(columns, scenario_rows):
-        click.echo(line)
+def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_rows: list[list[str]]) -> None:
+    if scenario_rows:
+        click.echo("")
+        columns = ["scenario", "seconds", "recovered in s", "requests", "failed", "attacks", "refused", "no answer"]
+        for line in table_lines(columns, scenario_rows):
+            click.echo(line)
+    if load_rows:
+        click.echo("")
+        columns = ["load scenario", "seconds", "load", "requests", "accepted", "accepted failed", "refused 429"]
+        for line in table_lines([*columns, "wrong outputs", "leaked blocks"], load_rows):
+            click.echo(line)
     click.echo("")
     rows = [
         ["requests", str(result["requests"])],
@@ -953,20 +1327,38 @@ def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]]) -> Non
 @click.option("--clients", type=click.IntRange(1, 64), default=4, help="Concurrent greedy clients.")
 @click.option("--max-tokens", type=click.IntRange(1, 64), default=8, help="Tokens each greedy answer holds.")
 @click.option(
+    "--only",
+    type=click.Choice(PHASES),
+    default=None,
+    help="Run one phase: faults (kills, pauses, attacks under greedy load) or load (overload at 3x capacity, a "
+    "step stalled for 2x the gateway's executor timeout). Default: both.",
+)
+@click.option(
+    "--overload-seconds",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="How long the overload scenario keeps arrivals at 3x the measured capacity.",
+)
+@click.option(
     "--keep",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Keep the logs and state in this directory (default: a temporary one, removed after).",
 )
-def chaos(quick: bool, clients: int, max_tokens: int, keep: Path | None) -> None:
+def chaos(
+    quick: bool, clients: int, max_tokens: int, only: str | None, overload_seconds: float, keep: Path | None
+) -> None:
     """Faults and attacks against a stack of real processes under greedy load; a table, then one JSON line.
 
     Exits 1 when an aim is missed: a wrong output, a leaked block, a failed check, a problem found."""
+    options: dict[str, Any] = dict(quick=quick, clients=clients, max_tokens=max_tokens, overload_s=overload_seconds)
+    options["phases"] = (only,) if only else PHASES
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
-        result = run_chaos(keep, quick=quick, clients=clients, max_tokens=max_tokens)
+        result = run_chaos(keep, **options)
     else:
         with tempfile.TemporaryDirectory(prefix="pagedkv-chaos-") as root:
-            result = run_chaos(Path(root), quick=quick, clients=clients, max_tokens=max_tokens)
+            result = run_chaos(Path(root), **options)
     missed = result["wrong_outputs"] or result["leaked_blocks"] or result["check"] != "ok" or result["problems"]
     sys.exit(1 if missed else 0)

