@@ -26,10 +26,15 @@ from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
 from executor import protocol as ep
+from executor.checkpoint import load_config
 from executor.engine import Engine, EngineLimits
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
-from executor.runner import DTYPES, load_model
+from executor.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
+from executor.parallel import Shard, make_shard
+from executor.parallel_group import WorkerGroup
+from executor.parallel_runner import ParallelRunner, broadcast_int
+from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced
 
 log = structlog.get_logger("executor")
@@ -163,6 +168,24 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     default=DEFAULT_MAX_QUEUED_REQUESTS,
     help="Requests held at once (running or waiting); more are rejected with queue_full.",
 )
+@click.option(
+    "--tensor-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Devices (worker processes) this executor spans: heads, MLP rows and the vocabulary split over them "
+    "(cuda:N..N+size-1 on CUDA, gloo between processes on the CPU). One pool at blockd either way.",
+)
+@click.option(
+    "--enable-expert-parallel/--no-enable-expert-parallel",
+    default=False,
+    help="With --tensor-parallel-size: split MoE experts whole by rank instead of slicing every expert.",
+)
+@click.option(
+    "--tensor-parallel-timeout",
+    type=click.FloatRange(min=0.5),
+    default=DEFAULT_TP_TIMEOUT_S,
+    help="Seconds a collective of the group may wait for a rank (dead or paused) before the whole group stops.",
+)
 @keys_option(
     "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
     "pool's executor key (pool-POOL, else executor).",
@@ -189,6 +212,9 @@ def main(
     pool_wait,
     max_message_bytes,
     max_queued_requests,
+    tensor_parallel_size,
+    enable_expert_parallel,
+    tensor_parallel_timeout,
     keys_dir,
     insecure,
     log_level,
@@ -215,13 +241,29 @@ def main(
         model_dir = ensure_default_model()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    log.info("loading_model", model=str(model_dir), device=str(device))
+    block_size_int = int(block_size)
+    parallel = None
+    if tensor_parallel_size > 1:
+        parallel = _start_group(
+            tensor_parallel_size,
+            enable_expert_parallel,
+            tensor_parallel_timeout,
+            model_dir,
+            device,
+            dtype,
+            kernels,
+            block_size_int,
+            log_level,
+        )
+    log.info("loading_model", model=str(model_dir), device=str(device), tensor_parallel_size=tensor_parallel_size)
     try:
-        loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
+        loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype], parallel and parallel[0])
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
-    block_size_int = int(block_size)
     blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    runner = None
+    if parallel is not None:
+        runner = _parallel_runner(loaded, blocks, block_size_int, kernels, tensor_parallel_timeout)
     pool_id = pool_id or _default_pool_id(bind, device)
     keys = curve = None
     if keys_dir is not None:
@@ -244,6 +286,7 @@ def main(
         curve=curve,
         adapt_threads=adapt_threads,
         pin_threads=pin_threads,
+        runner=runner,
     )
     runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
@@ -300,7 +343,60 @@ def main(
     except Fenced as exc:
         click.echo(f"error: pool {pool_id} is not this executor's any more: {exc}", err=True)
         sys.exit(EX_FENCED)
+    finally:
+        if parallel is not None:
+            _stop_group(runner, parallel[1])
     log.info("executor_stopped", pool_id=pool_id)
+
+
+def _start_group(
+    size: int,
+    expert_parallel: bool,
+    timeout_s: float,
+    model_dir: Path,
+    device: torch.device,
+    dtype: str,
+    kernels: str,
+    block_size: int,
+    log_level: str,
+) -> tuple[Shard, WorkerGroup]:
+    """Ranks 1..size-1 started and joined; rank 0's shard of the model (refused early if it does not split)."""
+    try:
+        shard = make_shard(load_config(model_dir), 0, size, expert_parallel)
+    except (CheckpointError, UnsupportedModel) as exc:
+        raise click.ClickException(str(exc)) from None
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise click.BadParameter(
+            f"{size} ranks from {device} need more than this machine's {torch.cuda.device_count()} CUDA devices",
+            param_hint="--tensor-parallel-size",
+        )
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share the cores
+    group = WorkerGroup.start(
+        size,
+        model_dir,
+        device,
+        dtype=dtype,
+        backend=kernels,
+        block_size=block_size,
+        expert_parallel=expert_parallel,
+        timeout_s=timeout_s,
+        log_level=log_level,
+    )
+    log.info("tensor_parallel_group_joined", size=size, expert_parallel=expert_parallel, workers=group.pids)
+    return shard, group
+
+
+def _parallel_runner(loaded: LoadedModel, blocks: int, block_size: int, kernels: str, timeout_s: float) -> ModelRunner:
+    """Rank 0's runner; the workers size their caches by rank 0's count (one pool, one set of block ids)."""
+    broadcast_int(blocks, loaded.device)
+    return ParallelRunner(loaded, num_blocks=blocks, block_size=block_size, backend=kernels, ping_s=timeout_s / 3)  # type: ignore[arg-type]
+
+
+def _stop_group(runner: ModelRunner | None, group: WorkerGroup) -> None:
+    if isinstance(runner, ParallelRunner):
+        runner.close()
+    group.stop()
 
 
 def _register(pool: PoolClient, endpoint: str, wait_s: float, pool_wait_s: float) -> None:
