@@ -102,6 +102,9 @@ class ParallelRunner(ModelRunner):
         self._last_op = time.monotonic()
         self._closed = False
         self.ping_s = ping_s
+        self.steps = 0
+        self.step_s = 0.0  # wall time of the steps' forward passes here, plan broadcast included
+        self.broadcast_s = 0.0  # of which sending the plan
         self._pinger = threading.Thread(target=self._ping_while_idle, name="tp-ping", daemon=True)
         self._pinger.start()
 
@@ -123,8 +126,14 @@ class ParallelRunner(ModelRunner):
     def execute(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> torch.Tensor:
         batch = self.build_batch(chunks, tables)
         with self._op():
+            started = time.perf_counter()
             send_batch(batch)
-            return self.model(batch, self.kv_caches, self.backend)
+            sent = time.perf_counter()
+            logits = self.model(batch, self.kv_caches, self.backend)
+            self.steps += 1
+            self.broadcast_s += sent - started
+            self.step_s += time.perf_counter() - started
+            return logits
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -134,8 +143,18 @@ class ParallelRunner(ModelRunner):
             broadcast(torch.tensor([x for pair in pairs for x in pair], device=self.device))
             super().copy_blocks(pairs)
 
+    def stats(self) -> dict[str, float]:
+        """The steps so far: how many, their time here, and how much of it went to collectives."""
+        return {
+            "steps": self.steps,
+            "step_s": round(self.step_s, 4),
+            "collective_s": round(self.collective_s + self.broadcast_s, 4),
+            "broadcast_s": round(self.broadcast_s, 4),
+        }
+
     def close(self) -> None:
-        """Tell the workers to stop (a clean shutdown: they exit 0)."""
+        """Tell the workers to stop (a clean shutdown: they exit 0); log the steps' time in collectives."""
+        log.info("tensor_parallel_stats", **self.stats())
         with self._lock:
             self._closed = True
             with contextlib.suppress(RuntimeError, dist.DistError):
