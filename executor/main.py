@@ -394,6 +394,7 @@ def _parallel_runner(loaded: LoadedModel, blocks: int, block_size: int, kernels:
 
 
 def _stop_group(runner: ModelRunner | None, group: WorkerGroup) -> None:
+    group.expect_exit()
     if isinstance(runner, ParallelRunner):
         runner.close()
     group.stop()

@@ -125,6 +125,10 @@ class WorkerGroup:
                     fail(f"rank {rank} (pid {process.pid}) exited with status {code}")
             time.sleep(_WATCH_S)
 
+    def expect_exit(self) -> None:
+        """From now on a worker's exit is a shutdown, not a failure (before telling them to stop)."""
+        self._stopping = True
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """After `ParallelRunner.close`: wait for the workers to exit, killing any that do not."""
         self._stopping = True

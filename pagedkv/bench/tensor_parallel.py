@@ -81,7 +81,7 @@ def run_size(
                 done += delta.finish_reason is not None
             seconds = time.perf_counter() - started
         executor.send_signal(signal.SIGTERM)
-        executor.wait(timeout=60)
+        exit_code = executor.wait(timeout=60)  # 0: the group stopped cleanly, its workers too
         stats = _stats(log)
     finally:
         processes.stop([p for p in (executor, blockd) if p is not None])
@@ -91,6 +91,7 @@ def run_size(
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_s": round(tokens / seconds, 2),
+        "exit_code": exit_code,
         **stats,
         "outputs": [outputs[f"r{i}"] for i in range(len(prompts))],
     }

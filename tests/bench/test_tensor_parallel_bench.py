@@ -19,6 +19,7 @@ def test_reports_tok_s_collectives_and_equal_outputs(tmp_path):
     report = json.loads(result.output.strip().splitlines()[-1])
     one, two = report["results"]
     assert report["same_outputs"] is True
+    assert one["exit_code"] == two["exit_code"] == 0  # SIGTERM stops a group cleanly
     assert one["tensor_parallel_size"] == 1 and "collective_s" not in one
     assert two["output_tokens"] == one["output_tokens"] == 12
     assert two["steps"] > 0 and 0 < two["collective_s"] <= two["step_s"]

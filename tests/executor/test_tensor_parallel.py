@@ -19,7 +19,7 @@ from executor.parallel import make_shard
 from executor.parallel_runner import EX_GROUP_FAILED
 from executor.params import SamplingParams
 from pagedkv.tools.model_gen import write_model
-from tests.executor.harness import hf_greedy_ignoring_eos, hf_logprobs, random_prompts
+from tests.executor.harness import hf_greedy, hf_greedy_ignoring_eos, hf_logprobs, random_prompts
 from tests.support.models import FAMILY_SPECS, TINY
 from tests.support.processes import BlockdProcess
 from tests.support.waiting import wait_for
@@ -94,6 +94,9 @@ def test_tp2_greedy_matches_transformers(name, flags, tp_model, blockd, start_ex
             assert len(logprobs) == MAX_TOKENS
             for position, entry in enumerate(logprobs):
                 assert abs(entry.logprob - reference[position, entry.token_id].item()) < 2e-3
+        if name == "llama":  # two choices share the prompt's last block: copy-on-write on every rank
+            pair = client.generate(prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2))
+            assert [tokens_of(c) for c in pair] == [hf_greedy(model, prompts[0], MAX_TOKENS)] * 2
 
 
 def _worker_pid(executor_pid: int) -> int:
@@ -125,6 +128,15 @@ def test_a_failed_rank_stops_the_group_and_the_pool_is_reclaimed(how, tp_model, 
         assert blockd.check() == []
     with pytest.raises(ExecutorUnavailable), executor.client(timeout_s=0.5) as client:
         client.info()
+    if how == "killed":  # a restarted group registers the pool under a new epoch and serves it
+        again = start_executor(
+            tp_model("llama"), short_lease_blockd.endpoint, "--tensor-parallel-size", "2", "--pool-id", "tp"
+        )
+        prompt = [5, 6, 7, 8]
+        with again.client() as client:
+            assert tokens_of(client.generate(prompt, PARAMS)[0]) == hf_greedy_ignoring_eos(
+                tp_model("llama"), prompt, MAX_TOKENS
+            )
 
 
 def _zombie(pid: int) -> bool:
