@@ -1,7 +1,8 @@
 """Tensor and expert parallelism: an executor of `--tensor-parallel-size 2` is two real processes (gloo on the
-CPU), one pool at blockd. Greedy outputs equal transformers' (logprobs within 2e-3) on Llama, Qwen3 (one KV head:
-replicated on both ranks, tied embeddings) and Qwen3-MoE (experts sliced, and split whole by rank); a rank that is
-killed or paused stops the whole group, and blockd takes the pool back by its lease: no block leaks."""
+CPU), one pool at blockd. Greedy outputs equal transformers' (logprobs within 2e-3) on Llama, Qwen3 (one KV head
+replicated on both ranks, tied embeddings, an odd vocabulary), Qwen3-MoE (experts sliced, and split whole by
+rank) and gpt-oss; a rank that is killed or paused stops the whole group, blockd takes the pool back by its
+lease (no block leaks), and a restarted group serves the pool again."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
 MODELS = {
     "llama": dict(arch="llama"),
-    "qwen3-kv1-tied": FAMILY_SPECS["qwen3-hd64-gqa4-tied"],
+    # An odd vocabulary: the last rank's rows of the (tied) embedding and head are padded.
+    "qwen3-kv1-tied": {**FAMILY_SPECS["qwen3-hd64-gqa4-tied"], "vocab_size": 509},
     "qwen3_moe": FAMILY_SPECS["qwen3_moe-e4k2"],
     "gpt_oss": FAMILY_SPECS["gpt_oss-w16-e4k2"],  # biases after a reduction, sinks by head, stacked experts
 }
@@ -62,7 +64,7 @@ def test_shards_split_heads_rows_vocab_and_replicate_kv_heads(tp_model):
     shards = [make_shard(config, rank, 2) for rank in range(2)]
     assert [s.heads for s in shards] == [(0, 2), (2, 4)]
     assert [s.kv_heads for s in shards] == [(0, 1), (0, 1)]  # the one KV head on both ranks
-    assert [s.vocab for s in shards] == [(0, 256), (256, 512)]
+    assert [s.vocab for s in shards] == [(0, 255), (255, 510)]  # 509 rows: the last shard padded by one
     moe = load_config(tp_model("qwen3_moe"))
     assert [make_shard(moe, r, 2, expert_parallel=True).experts for r in range(2)] == [(0, 2), (2, 4)]
     with pytest.raises(UnsupportedModel, match="4 attention heads do not split evenly"):
@@ -83,7 +85,7 @@ def test_tp2_greedy_matches_transformers(name, flags, tp_model, blockd, start_ex
     model = tp_model(name)
     executor = start_executor(model, blockd.endpoint, "--tensor-parallel-size", "2", *flags)
     assert "tensor_parallel_group_joined" in executor.log()
-    prompts = random_prompts([21, 5], vocab=512, seed=41)
+    prompts = random_prompts([21, 5], vocab=509, seed=41)
     with executor.client() as client:
         for prompt in prompts:
             (choice,) = client.generate(prompt, PARAMS)
