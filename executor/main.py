@@ -1,7 +1,8 @@
 """`pagedkv-executor`, the executor's entry point: its options, checked; the model loaded, the engine assembled and
 registered at blockd (waiting for it, and for a predecessor's lease on the pool); then the serving loop
 (executor/server.py) until SIGTERM. Exit status: 69 blockd unreachable, 78 the pool held by another live
-executor, 75 the pool taken over later.
+executor, 75 the pool taken over later, 70 a rank of its tensor-parallel group died or stopped answering
+(`--tensor-parallel-size`: the group is started before the model is loaded, executor/parallel_group.py).
 """
 
 from __future__ import annotations
