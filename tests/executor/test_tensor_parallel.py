@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from executor.checkpoint import load_config
+from executor.checkpoint import iter_weights, load_config
 from executor.client import ExecutorUnavailable, tokens_of
 from executor.model_config import UnsupportedModel
 from executor.parallel import make_shard
+from executor.parallel_load import iter_shard_weights
 from executor.parallel_runner import EX_GROUP_FAILED
 from executor.params import SamplingParams
 from pagedkv.tools.model_gen import write_model
@@ -146,3 +147,25 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_each_rank_reads_only_its_slices(name, tp_model):
+    """Loading by rank, without a group: the two ranks' tensors together hold the checkpoint once, plus the
+    replicated ones (norms, router) twice and the zeros standing in for rank 1's share of a reduced bias."""
+    model = tp_model(name)
+    config = load_config(model)
+    full = dict(iter_weights(model))
+    ranks = [dict(iter_shard_weights(model, config, make_shard(config, r, 2))) for r in range(2)]
+    assert ranks[0].keys() == ranks[1].keys() == full.keys()
+    for tensor_name, whole in full.items():
+        parts = [ranks[r][tensor_name] for r in range(2)]
+        if parts[0].shape == whole.shape:  # replicated, or a reduced bias (rank 0's, zeros on rank 1)
+            assert parts[0].equal(whole)
+            assert parts[1].equal(whole) or not parts[1].any(), tensor_name
+            continue
+        assert sum(p.numel() for p in parts) == whole.numel(), tensor_name  # split, nothing read twice
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    half = q.shape[0] // 2
+    assert ranks[0]["model.layers.0.self_attn.q_proj.weight"].equal(q[:half])
+    assert ranks[1]["model.layers.0.self_attn.q_proj.weight"].equal(q[half:])
