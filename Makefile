@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup k8s-tools compose-cli test lint serve bench-blockd peer-env compose-test clean
+.PHONY: setup k8s-tools langchain-env compose-cli test lint serve bench-blockd peer-env compose-test clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint k8s-tools compose-cli
+test: lint k8s-tools langchain-env compose-cli
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # What tests/deploy checks the Kubernetes manifests with: kubernetes-validate and checkov (pinned in
@@ -44,6 +44,20 @@ $(K8S_STAMP): deploy/k8s/tools-requirements.txt
 	$(K8S_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(K8S_VENV)/bin/python -m pip install --quiet -r deploy/k8s/tools-requirements.txt
 	touch $(K8S_STAMP)
+
+# langchain-openai, unchanged, for tests/gateway/test_langchain.py (tools/compat/langchain_check.py), in a virtual
+# environment of its own: it is a client of the gateway, never a dependency of pagedkv (it pulls no torch).
+LANGCHAIN_VENV  ?= .venv-langchain
+LANGCHAIN_STAMP := $(LANGCHAIN_VENV)/.installed
+export LANGCHAIN_VENV
+
+langchain-env: $(LANGCHAIN_STAMP)
+
+$(LANGCHAIN_STAMP): tools/compat/langchain-requirements.txt
+	$(PYTHON) -m venv $(LANGCHAIN_VENV)
+	$(LANGCHAIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LANGCHAIN_VENV)/bin/python -m pip install --quiet -r tools/compat/langchain-requirements.txt
+	touch $(LANGCHAIN_STAMP)
 
 # A whole local stack (blockd, executors, gateway) until Ctrl-C; e.g. make serve SERVE_ARGS='--executors 2'
 serve: setup

@@ -17,7 +17,11 @@ reserved there): the new tokens must not be written into a block someone else re
 reserved slot before blockd hears of its token, so of the sequences sharing a partly filled block at most one
 holds reserved slots in it (the fork's parent; the child starts with none, and copies before it reserves).
 
-blockd's pool grants by this rule (admit, append); the executor's scheduler estimates by it before it asks.
+A model whose every layer attends within a sliding window (a query at position q sees keys k with q - k < window)
+never reads a sequence's leading blocks again once its queries have moved past them: `dead_blocks` says how many.
+The executor hands them back (blockd's `slide`), leaving holes at the head of the table.
+
+blockd's pool grants by this rule (admit, append, slide); the executor's scheduler estimates by it before it asks.
 Pure arithmetic, no state: both sides pass in what they know.
 """
 
@@ -89,3 +93,12 @@ def growth(
     new_blocks = max(-(-(num_tokens + num_new_tokens + kept) // block_size) - table_blocks, 0)
     writes = writes_open_block(block_size, num_tokens, num_new_tokens, reserved, kept)
     return Growth(new_blocks, writes and open_block_shared)
+
+
+def dead_blocks(block_size: int, window: int | None, num_computed: int) -> int:
+    """Leading blocks no future query reads: the queries still to come are at positions >= `num_computed` and see
+    keys k with q - k < `window`, so every key at or before num_computed - window is dead. None: no window (every
+    key is read for ever)."""
+    if window is None:
+        return 0
+    return max(num_computed - window + 1, 0) // block_size

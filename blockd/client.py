@@ -30,11 +30,11 @@ import msgspec
 import zmq
 
 from blockd import protocol as p
-from blockd.block_rule import reserved_after, shared_blocks
+from blockd.block_rule import dead_blocks, reserved_after, shared_blocks
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.manager import DEFAULT_MAX_LOOKUP_TOKENS
-from blockd.pool import AdmitResult, AppendResult, TokenIds
+from blockd.pool import HOLE, AdmitResult, AppendResult, TokenIds
 from common.auth import ClientCurve
 from common.tokens import TOKEN_BYTES, as_packed, unpack_tokens
 
@@ -168,10 +168,11 @@ class BlockdClient:
 
 class MirroredSequence(msgspec.Struct):
     tokens: bytearray  # packed token ids
-    blocks: list[int]
+    blocks: list[int]  # its block table; leading entries may be HOLE (handed back by a slide)
     num_computed_tokens: int
     cache_salt: str | None = None
     reserved: int = 0  # slots past the tokens held for a token not registered yet (blockd.block_rule)
+    holes: int = 0  # leading entries of `blocks` that are HOLE
 
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)
@@ -199,12 +200,14 @@ class PoolClient:
         model_id: str,
         epoch: int | None = None,
         retry_for_s: float = 30.0,
+        sliding_window: int | None = None,
     ) -> None:
         self.client = client
         self.pool_id = pool_id
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_id = model_id
+        self.sliding_window = sliding_window  # every layer's window: blocks past it go back (p.Slide)
         # New at every process start, and not from `random`, which a caller may have seeded.
         self.epoch = epoch if epoch is not None else secrets.randbelow(2**62) + 1
         self.retry_for_s = retry_for_s
@@ -231,6 +234,8 @@ class PoolClient:
     def _hold(self, blocks: Sequence[int]) -> None:
         refcount = self.refcount
         for b in blocks:
+            if b == HOLE:
+                continue
             if refcount[b] == 0:
                 self.blocks_in_use += 1
             refcount[b] += 1
@@ -238,6 +243,8 @@ class PoolClient:
     def _release(self, blocks: Sequence[int]) -> None:
         refcount = self.refcount
         for b in blocks:
+            if b == HOLE:
+                continue
             refcount[b] -= 1
             if refcount[b] == 0:
                 self.blocks_in_use -= 1
@@ -253,6 +260,7 @@ class PoolClient:
             block_size=self.block_size,
             model_id=self.model_id,
             epoch=self.epoch,
+            sliding_window=self.sliding_window,
             sequences=[
                 p.LiveSequence(seq_id, bytes(s.tokens), s.blocks, s.num_computed_tokens, s.cache_salt, s.reserved)
                 for seq_id, s in self.seqs.items()
@@ -400,10 +408,21 @@ class PoolClient:
             seq.blocks.extend(outcome.blocks)
             self._hold(outcome.blocks)
         elif type(op) is p.Admit:
+            holes = 0
             for b, gen in zip(outcome.blocks, outcome.generations, strict=False):
-                gens[b] = gen
+                if b == HOLE:  # (leading only)
+                    holes += 1
+                else:
+                    gens[b] = gen
+            registered = len(op.tokens) // TOKEN_BYTES
+            if op.hold is not None:  # (blockd's rule: the cached prefix and `hold` tokens past it)
+                registered = min(registered, outcome.num_cached_tokens + max(op.hold, 1))
             self.seqs[op.seq_id] = MirroredSequence(
-                bytearray(op.tokens), list(outcome.blocks), outcome.num_cached_tokens, op.cache_salt
+                bytearray(op.tokens[: registered * TOKEN_BYTES]),
+                list(outcome.blocks),
+                outcome.num_cached_tokens,
+                op.cache_salt,
+                holes=holes,
             )
             self._hold(outcome.blocks)
         elif type(op) is p.Commit:
@@ -411,12 +430,20 @@ class PoolClient:
             seq.num_computed_tokens = max(seq.num_computed_tokens, op.num_computed_tokens)
         elif type(op) is p.Free:
             self._release(self.seqs.pop(op.seq_id).blocks)
+        elif type(op) is p.Slide:
+            seq = self.seqs[op.seq_id]
+            seq.num_computed_tokens = max(seq.num_computed_tokens, op.num_computed_tokens)
+            dead = dead_blocks(self.block_size, self.sliding_window, op.num_computed_tokens)
+            if dead > seq.holes:  # the blocks blockd released, by the same rule
+                self._release(seq.blocks[seq.holes : dead])
+                seq.blocks[seq.holes : dead] = [HOLE] * (dead - seq.holes)
+                seq.holes = dead
         elif type(op) is p.Fork:
             parent = self.seqs[op.parent_id]
             shared = parent.blocks[: shared_blocks(self.block_size, len(parent.tokens) // TOKEN_BYTES)]
             self._hold(shared)
             self.seqs[op.child_id] = MirroredSequence(
-                bytearray(parent.tokens), shared, parent.num_computed_tokens, parent.cache_salt
+                bytearray(parent.tokens), shared, parent.num_computed_tokens, parent.cache_salt, holes=parent.holes
             )
 
     def _one(self, op: p.StepOp) -> Any:
@@ -439,6 +466,9 @@ class PoolClient:
 
     def free(self, seq_id: str) -> int:
         return self._one(p.Free(seq_id)).freed
+
+    def slide(self, seq_id: str, num_computed_tokens: int) -> int:
+        return self._one(p.Slide(seq_id, num_computed_tokens)).released
 
 
 class _Heartbeats(threading.Thread):

@@ -16,7 +16,7 @@ import msgspec
 from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
-from blockd.pool import BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
+from blockd.pool import HOLE, BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 DEFAULT_MAX_POOLS = 64
@@ -136,7 +136,7 @@ class BlockManager:
 
     def register(self, req: p.Register) -> p.RegisterResult:
         self._check_register_bounds(req)
-        spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch)
+        spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch, req.sliding_window)
         previous = self.pools.get(req.pool_id)
         # A new epoch takes a pool over only once its lease ran out, or while it is dormant (no executor claimed it).
         if previous is not None and previous.spec.epoch != req.epoch and self._lease_alive(req.pool_id):
@@ -158,7 +158,8 @@ class BlockManager:
             raise BlockdError(
                 ErrorCode.POOL_MISMATCH,
                 f"pool {req.pool_id!r} was registered with {known.num_blocks} blocks of {known.block_size} tokens "
-                f"for model {known.model_id!r}, not {spec.num_blocks} of {spec.block_size} for {spec.model_id!r}",
+                f"for model {known.model_id!r} (sliding window {known.sliding_window}), not {spec.num_blocks} of "
+                f"{spec.block_size} for {spec.model_id!r} (sliding window {spec.sliding_window})",
             )
         if req.generations is not None and len(req.generations) != spec.num_blocks:
             raise BlockdError(
@@ -242,11 +243,13 @@ class BlockManager:
                 if type(op) is p.Append:
                     append(pool.append(op.seq_id, op.tokens, op.reserve))
                 elif type(op) is p.Admit:
-                    append(pool.admit(op.seq_id, op.tokens, op.cache_salt, reuse_prefix=op.reuse_prefix))
+                    append(pool.admit(op.seq_id, op.tokens, op.cache_salt, reuse_prefix=op.reuse_prefix, hold=op.hold))
                 elif type(op) is p.Commit:
                     append(p.CommitResult(pool.commit(op.seq_id, op.num_computed_tokens)))
                 elif type(op) is p.Free:
                     append(p.FreeResult(pool.free(op.seq_id)))
+                elif type(op) is p.Slide:
+                    append(p.SlideResult(pool.slide(op.seq_id, op.num_computed_tokens)))
                 else:
                     pool.fork(op.parent_id, op.child_id)
                     append(p.ForkResult())
@@ -288,7 +291,7 @@ class BlockManager:
                     num_tokens=pool.num_tokens(seq_id),
                     committed_blocks=seq.committed,
                     blocks=list(seq.table),
-                    refcounts=[pool.refcount[b] for b in seq.table],
+                    refcounts=[0 if b == HOLE else pool.refcount[b] for b in seq.table],
                 )
         where = f"pool {pool_id!r}" if pool_id is not None else "any pool"
         raise BlockdError(ErrorCode.UNKNOWN_SEQUENCE, f"no live sequence {seq_id!r} in {where}")

@@ -7,7 +7,7 @@ before and after every failed operation (tests/blockd/test_pool_model.py).
  I1. Every block is either free (in the free queue, refcount 0) or referenced (refcount > 0), never both:
      the free queue holds exactly the blocks whose refcount is 0.
  I2. A block's refcount equals the number of times it appears in the block tables of live sequences;
-     so the sum of refcounts equals the total length of all block tables.
+     so the sum of refcounts equals the number of non-hole entries of all block tables.
  I3. The prefix index and the per-block hash agree both ways: index[h] == b  <=>  block_hash[b] == h.
      A block carries a hash only while its KV holds exactly the tokens that hash names.
  I4. A live sequence of n tokens and r reserved slots holds ceil((n + r) / block_size) blocks, its reserved
@@ -16,6 +16,10 @@ before and after every failed operation (tests/blockd/test_pool_model.py).
      Reserved slots are written before blockd hears of their tokens, so a shared open block (partly filled)
      that holds some of one sequence's reserved slots is, for every other sequence holding it, its open block
      too, with no reserved slots in it and no more tokens than the writer has there.
+     Holes: in a pool with a sliding window, a table's leading entries may be holes (HOLE, no block): blocks
+     handed back by `slide` because no future query reads them. Only leading entries, only full blocks of
+     registered tokens no query at or past the last registered token reads (block_rule.dead_blocks), and they
+     count in the table's length as the blocks they were.
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
@@ -29,7 +33,7 @@ from typing import Final, Protocol
 
 import msgspec
 
-from blockd.block_rule import growth, reservable, reserved_after, shared_blocks, writes_open_block
+from blockd.block_rule import dead_blocks, growth, reservable, reserved_after, shared_blocks, writes_open_block
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
@@ -45,6 +49,9 @@ BlockRecord = tuple[bytes, int, int]
 Journal = dict[int, "BlockRecord | None"]
 
 _RECENTLY_FREED_MEMORY: Final = 4096
+
+#: A table entry whose block went back to the pool (`slide`): no future query of the sequence reads it.
+HOLE: Final = -1
 
 #: Token ids as a sequence of ints, or packed as little-endian uint32 bytes (the wire format).
 TokenIds = Sequence[int] | bytes | bytearray
@@ -80,6 +87,7 @@ class PoolSpec(msgspec.Struct, frozen=True):
     block_size: int
     model_id: str
     epoch: int
+    sliding_window: int | None = None  # every layer sees keys k from a query q with q - k < window (None: all)
 
 
 class SeqState(msgspec.Struct):
@@ -91,10 +99,11 @@ class SeqState(msgspec.Struct):
     committed: int  # leading blocks that are in the index or were offered to it
     extra: bytes  # extra key (model identity and cache salt) of its chain
     reserved: int = 0  # slots past its tokens held for tokens not registered yet (blockd.block_rule)
+    holes: int = 0  # leading table entries that are HOLE (blocks handed back by `slide`)
 
 
 class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
-    blocks: list[int]  # the whole block table
+    blocks: list[int]  # the whole block table (leading HOLEs: a cached prefix's blocks no query reads)
     generations: list[int]  # generation of each block of the table
     num_cached_tokens: int  # prompt tokens whose KV is already there (cached prefix)
 
@@ -152,6 +161,13 @@ def _written_ahead_problem(block: int, open_for: list[tuple[int, int]], holders:
     if len(writers) > 1 or holders != len(open_for) or max(filled for filled, _ in open_for) > writers[0]:
         return f"block {block} holds one sequence's reserved slots and another sequence reads or reserves them"
     return None
+
+
+def _leading_holes(table: Sequence[int]) -> int:
+    holes = 0
+    while holes < len(table) and table[holes] == HOLE:
+        holes += 1
+    return holes
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -269,21 +285,46 @@ class BlockPool:
     # --------------------------------------------------------------------------------------- operations
 
     def cached_prefix_blocks(self, hashes: Sequence[bytes], limit: int) -> list[int]:
-        """Blocks of the longest indexed chain among the first `limit` hashes."""
-        blocks: list[int] = []
+        """The table of the longest cached prefix among the first `limit` hashes: its indexed chain. With a
+        sliding window only the blocks the prefix's first query after it reads need be there (a block's hash
+        names its whole prefix, not the blocks before it): the others are HOLE. Its last block is always
+        indexed (a window of one reads none before a query's own key: no prefix is cached that no block holds)."""
         index = self.index
-        for h in hashes[:limit]:
+        window = self.spec.sliding_window
+        if window is None:
+            blocks: list[int] = []
+            for h in hashes[:limit]:
+                b = index.get(h)
+                if b is None:
+                    break
+                blocks.append(b)
+            return blocks
+        bs = self.block_size
+        found: list[int | None] = []
+        best = run_start = 0  # (run_start: where the indexed run ending at the current block starts)
+        for i, h in enumerate(hashes[:limit]):
             b = index.get(h)
+            found.append(b)
             if b is None:
-                break
-            blocks.append(b)
-        return blocks
+                run_start = i + 1
+            elif run_start <= dead_blocks(bs, window, (i + 1) * bs):
+                best = i + 1
+        holes = min(dead_blocks(bs, window, best * bs), max(best - 1, 0))
+        return [HOLE] * holes + [b for b in found[holes:best] if b is not None]
 
     def admit(
-        self, seq_id: str, tokens: TokenIds, cache_salt: str | None = None, *, reuse_prefix: bool = True
+        self,
+        seq_id: str,
+        tokens: TokenIds,
+        cache_salt: str | None = None,
+        *,
+        reuse_prefix: bool = True,
+        hold: int | None = None,
     ) -> AdmitResult:
         """Give a new sequence blocks for its whole prompt, reusing the longest cached prefix (unless
         `reuse_prefix` is False: then every token is computed, and its blocks are still committed as usual).
+        With `hold`, only the prompt's first `hold` tokens past the cached prefix are registered (and given
+        blocks): the executor appends the rest as its prefill reaches them (a sliding window's long prompt).
 
         At least the prompt's last token is left to compute (its logits are needed), so a fully cached prompt
         reuses all but its last block. All or nothing: if blocks are missing, nothing changes.
@@ -294,7 +335,7 @@ class BlockPool:
         if n == 0:
             raise BlockdError(ErrorCode.INVALID_REQUEST, "a sequence needs at least one prompt token")
         bs = self.block_size
-        if n > self.num_blocks * bs:  # checked before hashing: the whole pool could never hold it
+        if (n if hold is None else hold) > self.num_blocks * bs:  # before hashing: the pool could never hold it
             self.counters.admit_failures += 1
             raise BlockdError(
                 ErrorCode.TOO_MANY_TOKENS,
@@ -305,8 +346,12 @@ class BlockPool:
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs) if reuse_prefix else []
         refcount = self.refcount
         cached = len(hits) * bs
+        if hold is not None and cached + hold < n:
+            n = cached + max(hold, 1)  # (the hashes of tokens not registered yet are not kept)
+            packed, hashes = packed[: n * _TOKEN_BYTES], hashes[: n // bs]
         needed = growth(bs, cached, n - cached, len(hits)).blocks
-        reclaimed = sum(1 for b in hits if refcount[b] == 0)  # cached-free hits leave the free queue
+        holes = _leading_holes(hits)
+        reclaimed = sum(1 for b in hits[holes:] if refcount[b] == 0)  # cached-free hits leave the free queue
         counters = self.counters
         available = len(self.free_queue) - reclaimed
         if needed > available:
@@ -314,14 +359,14 @@ class BlockPool:
             raise self._shortfall(needed, available, f"admitting {seq_id!r}")
         free = self.free_queue
         journal = self.journal
-        for i, b in enumerate(hits):
+        for i, b in enumerate(hits[holes:], holes):
             if refcount[b] == 0:
                 del free[b]
                 if journal is not None:  # a cached prefix proved useful: persistence records its recency
                     journal[b] = (hashes[i], self.generation[b], self._clock)
             refcount[b] += 1
         table = hits + self._allocate(needed)
-        self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra)
+        self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra, holes=holes)
         full_blocks = n // bs
         counters.admits += 1
         counters.queried_blocks += full_blocks
@@ -330,7 +375,7 @@ class BlockPool:
         counters.hit_tokens += cached
         counters.granted_blocks += needed
         generation = self.generation
-        return AdmitResult(table, [generation[b] for b in table], cached)
+        return AdmitResult(table, [0 if b == HOLE else generation[b] for b in table], cached)
 
     def append(self, seq_id: str, tokens: TokenIds, reserve: int = 0) -> AppendResult:
         """Register `tokens` after the sequence's current tokens (they fill its reserved slots first), and keep
@@ -412,7 +457,7 @@ class BlockPool:
             if h in index:
                 continue
             b = table[i]
-            if block_hash[b] is not None:  # already indexed under its own hash (shared via fork)
+            if b == HOLE or block_hash[b] is not None:  # handed back, or indexed already (shared via fork)
                 continue
             index[h] = b
             block_hash[b] = h
@@ -431,10 +476,10 @@ class BlockPool:
         self._check_new_seq_id(child_id)
         refcount = self.refcount
         shared = parent.table[: shared_blocks(self.block_size, len(parent.tokens) // _TOKEN_BYTES)]
-        for b in shared:
+        for b in shared[parent.holes :]:
             refcount[b] += 1
         self.seqs[child_id] = SeqState(
-            bytearray(parent.tokens), shared, list(parent.hashes), parent.committed, parent.extra
+            bytearray(parent.tokens), shared, list(parent.hashes), parent.committed, parent.extra, holes=parent.holes
         )
         self._recently_freed.pop(child_id, None)
 
@@ -442,12 +487,41 @@ class BlockPool:
         """Release a sequence's blocks, tail first, so a chain's tail is evicted before its shared head."""
         seq = self._seq(seq_id)
         del self.seqs[seq_id]
-        self._release(reversed(seq.table))
-        self.counters.freed_blocks += len(seq.table)
+        held = seq.table[seq.holes :]
+        self._release(reversed(held))
+        self.counters.freed_blocks += len(held)
         self._recently_freed[seq_id] = None
         if len(self._recently_freed) > _RECENTLY_FREED_MEMORY:
             self._recently_freed.popitem(last=False)
-        return len(seq.table)
+        return len(held)
+
+    def slide(self, seq_id: str, num_computed_tokens: int) -> int:
+        """The sequence has computed its first `num_computed_tokens` tokens (registered ones): hand back the
+        leading blocks no query from there on reads (block_rule.dead_blocks), as a free does (tail first; one
+        with a hash stays a prefix hit until evicted), leaving holes in its table. Returns the blocks released."""
+        window = self.spec.sliding_window
+        if window is None:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST, f"pool {self.spec.pool_id!r} has no sliding window: every block is read"
+            )
+        seq = self._seq(seq_id)
+        n = len(seq.tokens) // _TOKEN_BYTES
+        if not 0 <= num_computed_tokens <= n:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"num_computed_tokens {num_computed_tokens} is outside [0, {n}] for {seq_id!r}: blocks of tokens "
+                "blockd has not heard of are not handed back",
+            )
+        dead = dead_blocks(self.block_size, window, num_computed_tokens)
+        if dead <= seq.holes:
+            return 0
+        table = seq.table
+        released = table[seq.holes : dead]
+        self._release(reversed(released))
+        table[seq.holes : dead] = [HOLE] * len(released)
+        seq.holes = dead
+        self.counters.freed_blocks += len(released)
+        return len(released)
 
     def free_all(self) -> int:
         """Free every live sequence (lease expiry, executor restart)."""
@@ -505,13 +579,22 @@ class BlockPool:
                 f"sequence {seq_id!r}: {n} tokens and {reserved} reserved slots need "
                 f"{_ceil_div(n + reserved, self.block_size)} blocks, the table has {len(table)}",
             )
-        for b in table:
+        holes = _leading_holes(table)
+        allowed = dead_blocks(self.block_size, self.spec.sliding_window, min(max(num_computed, 0), n))
+        if holes > allowed:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"sequence {seq_id!r}: {holes} leading holes where a query still reads (at most {allowed})",
+            )
+        held = table[holes:]
+        for b in held:
             if not 0 <= b < self.num_blocks:
-                raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: block {b} is not in the pool")
-        if len(set(table)) < len(table):
+                what = "a hole past its leading entries" if b == HOLE else f"block {b} is not in the pool"
+                raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: {what}")
+        if len(set(held)) < len(held):
             raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: its table names a block twice")
         tails = table[shared_blocks(self.block_size, n) :]
-        if any(self.refcount[b] for b in tails) or not self._tails().isdisjoint(table):
+        if any(self.refcount[b] for b in tails) or not self._tails().isdisjoint(held):
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
                 f"sequence {seq_id!r}: a block past its tokens (reserved slots only) is held by another sequence",
@@ -519,14 +602,14 @@ class BlockPool:
         open_blocks = self._open_blocks()
         if n % self.block_size:
             open_blocks.setdefault(table[n // self.block_size], []).append((n % self.block_size, reserved))
-        for b in open_blocks.keys() & set(table):
+        for b in open_blocks.keys() & set(held):
             if (problem := _written_ahead_problem(b, open_blocks[b], self.refcount[b] + 1)) is not None:
                 raise BlockdError(ErrorCode.INVALID_REQUEST, f"sequence {seq_id!r}: {problem}")
-        for b in table:
+        for b in held:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
-        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt), reserved)
+        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt), reserved, holes)
         self.commit(seq_id, min(max(num_computed, 0), n))
 
     def _open_blocks(self) -> dict[int, list[tuple[int, int]]]:
@@ -593,7 +676,7 @@ class BlockPool:
         fill: dict[int, int] = {}
         for seq in self.seqs.values():
             n = len(seq.tokens) // _TOKEN_BYTES
-            for i, b in enumerate(seq.table):
+            for i, b in enumerate(seq.table[seq.holes :], seq.holes):
                 used = min(bs, n - i * bs)
                 if used > fill.get(b, 0):
                     fill[b] = used
@@ -643,7 +726,14 @@ class BlockPool:
                 problems.append(
                     f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, more than its full blocks"
                 )
-            for b in seq.table:
+            holes = _leading_holes(seq.table)
+            allowed = dead_blocks(self.block_size, self.spec.sliding_window, n)
+            if holes != seq.holes or holes > allowed:
+                problems.append(
+                    f"{pid}: I4 sequence {seq_id!r} has {holes} leading holes (counted {seq.holes}), where at most "
+                    f"{allowed} blocks are past every query's window"
+                )
+            for b in seq.table[holes:]:
                 if not 0 <= b < self.num_blocks:
                     problems.append(f"{pid}: sequence {seq_id!r} names block {b} outside the pool")
                 else:

@@ -5,7 +5,7 @@ MessagePack encoded and schema-checked by msgspec. Every request carries the pro
 id `id` that its reply echoes. A request is a map with an `op` tag naming its type.
 
 Token ids are sent packed (see PackedTokens). One scheduler step of an executor is one `step` request carrying
-every admit, append, commit, fork and free of that step; the reply holds one result per op, in order. Ops are
+every admit, append, commit, slide, fork and free of that step; the reply holds one result per op, in order. Ops are
 independent: one failing (say, out of blocks) leaves the others applied and changes nothing itself.
 
 Fencing: every request that changes a pool (`step`, `heartbeat`, `unregister`, and `reset_prefix_cache` sent by
@@ -35,6 +35,9 @@ MAX_STEP_OPS: Final = 65_536
 #: without per-id work, and hashed as they are.
 PackedTokens = bytes
 Count = Annotated[int, msgspec.Meta(ge=0)]
+#: A block table entry: a block, or -1 (blockd.pool.HOLE) for one handed back by `slide`.
+TableEntry = Annotated[int, msgspec.Meta(ge=-1)]
+Window = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 #: Slots reserved past a sequence's tokens for tokens not registered yet (blockd.block_rule; the pool checks the
 #: exact bound, which depends on its block size: at most two blocks).
@@ -49,6 +52,7 @@ class Admit(msgspec.Struct, tag="admit"):
     tokens: PackedTokens
     cache_salt: str | None = None
     reuse_prefix: bool = True  # False: no prefix hit, every token is computed (e.g. for prompt logprobs)
+    hold: Count | None = None  # register only this many tokens past the cached prefix (blockd.pool.admit)
 
 
 class Append(msgspec.Struct, tag="append", omit_defaults=True):
@@ -62,6 +66,14 @@ class Commit(msgspec.Struct, tag="commit"):
     num_computed_tokens: Count
 
 
+class Slide(msgspec.Struct, tag="slide"):
+    """Hand back the sequence's leading blocks that no query from `num_computed_tokens` on reads (pools with a
+    sliding window: blockd.block_rule.dead_blocks); they become holes in its table."""
+
+    seq_id: Name
+    num_computed_tokens: Count
+
+
 class Fork(msgspec.Struct, tag="fork"):
     parent_id: Name
     child_id: Name
@@ -71,11 +83,15 @@ class Free(msgspec.Struct, tag="free"):
     seq_id: Name
 
 
-StepOp = Admit | Append | Commit | Fork | Free
+StepOp = Admit | Append | Commit | Slide | Fork | Free
 
 
 class CommitResult(msgspec.Struct, tag="commit"):
     added: int  # new prefix-index entries
+
+
+class SlideResult(msgspec.Struct, tag="slide"):
+    released: int  # blocks handed back (references dropped)
 
 
 class ForkResult(msgspec.Struct, tag="fork"):
@@ -92,7 +108,7 @@ class OpError(msgspec.Struct, tag="error", omit_defaults=True):
     missing_blocks: int = 0
 
 
-StepOpResult = AdmitResult | AppendResult | CommitResult | ForkResult | FreeResult | OpError
+StepOpResult = AdmitResult | AppendResult | CommitResult | SlideResult | ForkResult | FreeResult | OpError
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -103,7 +119,7 @@ class LiveSequence(msgspec.Struct):
 
     seq_id: Name
     tokens: PackedTokens
-    blocks: list[Count]
+    blocks: list[TableEntry]
     num_computed_tokens: Count
     cache_salt: str | None = None
     reserved: Reserved = 0
@@ -122,6 +138,7 @@ class Register(Request, tag="register"):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     model_id: Name
     epoch: int
+    sliding_window: Window | None = None  # every layer's: a block no query's window reaches goes back (`slide`)
     sequences: list[LiveSequence] = []
     generations: list[Count] | None = None  # the executor's generation of every block (for re-sync)
 

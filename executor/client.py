@@ -51,6 +51,7 @@ class ExecutorClient:
         self.socket.connect(endpoint)
         self._ids = itertools.count()
         self._backlog: list[ep.Outbound] = []  # messages that arrived while waiting for something else
+        self.last_alive: ep.Alive | None = None  # the executor's latest liveness beacon
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -81,13 +82,21 @@ class ExecutorClient:
         self.socket.send(ep.encode(ep.Abort(request_id=request_id, index=index)))
 
     def receive(self, timeout_s: float | None = None) -> ep.Outbound:
-        """The next message from the executor, or ExecutorUnavailable after the timeout."""
+        """The next message from the executor (its liveness beacons aside: the latest is `last_alive`), or
+        ExecutorUnavailable after the timeout."""
         if self._backlog:
             return self._backlog.pop(0)
         wait = self.timeout_s if timeout_s is None else timeout_s
-        if not self.socket.poll(int(wait * 1000)):
-            raise ExecutorUnavailable(f"executor at {self.endpoint} sent nothing within {wait:g} s")
-        return ep.decode_outbound(self.socket.recv())
+        deadline = time.monotonic() + wait
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.socket.poll(int(remaining * 1000) + 1):
+                raise ExecutorUnavailable(f"executor at {self.endpoint} sent nothing within {wait:g} s")
+            message = ep.decode_outbound(self.socket.recv())
+            if type(message) is ep.Alive:
+                self.last_alive = message
+                continue
+            return message
 
     def _query(self, message: ep.Message, reply_type: type) -> Any:
         self.socket.send(ep.encode(message))
@@ -101,6 +110,9 @@ class ExecutorClient:
                 reply = ep.decode_outbound(self.socket.recv())
                 if type(reply) is reply_type:
                     return reply
+                if type(reply) is ep.Alive:
+                    self.last_alive = reply
+                    continue
                 held.append(reply)  # a delta of a request in flight: keep it for receive()
         finally:
             self._backlog.extend(held)

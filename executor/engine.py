@@ -19,6 +19,7 @@ import torch
 from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
+from executor.kv_budget import pool_window
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, ModelRunner
@@ -45,6 +46,7 @@ class RequestRejected(ValueError):
 class EngineLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
 
 
 class Engine:
@@ -80,6 +82,8 @@ class Engine:
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             blocks=pool,
+            sliding_window=pool.sliding_window,
+            max_step_ms=limits.max_step_ms,
         )
         self.loop = StepLoop(
             scheduler,
@@ -136,6 +140,7 @@ class Engine:
             block_size=block_size,
             model_id=loaded.config.model_id,
             retry_for_s=retry_for_s,
+            sliding_window=pool_window(loaded.config),
         )
         return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads, pin_threads=pin_threads)
 
@@ -163,7 +168,7 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens, "
                 "including at least one to generate",
             )
-        capacity = self.loop.max_seq_tokens
+        capacity = self.loop.max_prompt_tokens
         if len(prompt) + 1 > capacity:
             raise RequestRejected(
                 ep.RejectCode.CAPACITY_EXCEEDED,
@@ -234,6 +239,9 @@ class Engine:
             preemptions=s.num_preemptions,
             steps=self.loop.steps,
             blockd_reachable=self.loop.blockd_reachable,
+            busy_s=round(s.step_budget.busy_s, 4),
+            computed_tokens=s.step_budget.computed_tokens,
+            step_token_budget=s.step_budget.tokens(),
         )
 
     # ------------------------------------------------------------------------------------------ the step

@@ -1,4 +1,5 @@
-"""How big the KV cache is: a number of blocks, a byte size, or (on CUDA) a fraction of free device memory."""
+"""How big the KV cache is: a number of blocks, a byte size, or (on CUDA) a fraction of free device memory; and
+the sliding window its blocks are handed back by."""
 
 from __future__ import annotations
 
@@ -67,3 +68,12 @@ def resolve_num_blocks(
     if blocks < 1:
         raise click.BadParameter(f"{size} bytes hold no block of {per_block} bytes", param_hint="--kv-cache-memory")
     return blocks
+
+
+def pool_window(config: ModelConfig) -> int | None:
+    """The sliding window blockd hands blocks back by: when every layer slides, the widest window (a block no
+    layer's window reaches is read by none); None when some layer reads every key."""
+    windows = config.sliding_windows
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)

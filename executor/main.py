@@ -35,8 +35,10 @@ from executor.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 from executor.parallel import Shard, make_shard
 from executor.parallel_group import WorkerGroup
 from executor.parallel_runner import ParallelRunner, broadcast_int
+from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
-from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced
+from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
+from executor.step_budget import DEFAULT_MAX_STEP_MS
 
 log = structlog.get_logger("executor")
 
@@ -117,6 +119,16 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     help="Token budget of one step (decode tokens plus prefill chunks).",
 )
 @click.option(
+    "--max-step-ms",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_MAX_STEP_MS,
+    help="Target duration of one step, in milliseconds: each step's token budget is sized from the measured cost "
+    "of the steps before it so that a step lasts about this long (--max-num-batched-tokens stays the cap, and "
+    "every running sequence still gets its decode token). It bounds the wait of streams already decoding while a "
+    "burst of long prompts is prefilled, and keeps any step from running for seconds on a slow device or a busy "
+    "host. 0: no time bound, the token budget alone.",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["auto", *DTYPES]),
     default="auto",
@@ -170,6 +182,33 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     help="Requests held at once (running or waiting); more are rejected with queue_full.",
 )
 @click.option(
+    "--task",
+    type=click.Choice(["generate", "embed"]),
+    default=None,
+    help="generate: completions and chat; embed: serve the checkpoint as an embedding model (/v1/embeddings: "
+    "prefill-only passes, hidden states after the final norm pooled per prompt). Default: generate.",
+)
+@click.option(
+    "--runner",
+    type=click.Choice(["generate", "pooling"]),
+    default=None,
+    help="vLLM's spelling of --task: pooling = embed.",
+)
+@click.option(
+    "--pooling-type",
+    type=click.Choice(["last", "mean", "cls"], case_sensitive=False),
+    default=None,
+    help="With --task embed: how a prompt's hidden states become one vector. Default: the checkpoint's "
+    "sentence-transformers config (modules.json, 1_Pooling/config.json), else last (decoder embedding models).",
+)
+@click.option(
+    "--allow-any-dimensions",
+    is_flag=True,
+    default=False,
+    help="With --task embed: accept `dimensions` (truncate, then normalise) even when config.json does not say the "
+    "model was trained for it (is_matryoshka, matryoshka_dimensions).",
+)
+@click.option(
     "--tensor-parallel-size",
     type=click.IntRange(min=1),
     default=1,
@@ -192,6 +231,13 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "pool's executor key (pool-POOL, else executor).",
 )
 @insecure_option("Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).")
+@click.option(
+    "--fault-stall-step",
+    "stall_spec",
+    default=None,
+    hidden=True,
+    help="TEST ONLY, fault injection: N:SECONDS makes step N (counted from 1) last SECONDS longer.",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(
     model_dir,
@@ -204,6 +250,7 @@ def main(
     kv_cache_memory,
     max_num_seqs,
     max_num_batched_tokens,
+    max_step_ms,
     dtype,
     kernels,
     seed,
@@ -213,11 +260,16 @@ def main(
     pool_wait,
     max_message_bytes,
     max_queued_requests,
+    task,
+    runner,
+    pooling_type,
+    allow_any_dimensions,
     tensor_parallel_size,
     enable_expert_parallel,
     tensor_parallel_timeout,
     keys_dir,
     insecure,
+    stall_spec,
     log_level,
 ) -> None:
     """Run one executor: load the model, hold the KV cache, serve gateways, keep blockd in step.
@@ -229,9 +281,15 @@ def main(
     if refusal:
         raise click.UsageError(refusal)
     device = _device(device_spec)
+    embed = _embedding_task(task, runner)
+    if not embed and (pooling_type or allow_any_dimensions):
+        raise click.UsageError("--pooling-type and --allow-any-dimensions apply to --task embed only")
+    if embed and tensor_parallel_size > 1:  # the embedder runs the model on rank 0 alone
+        raise click.UsageError("--task embed runs on one device: --tensor-parallel-size 1")
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
+    stall = _stall(stall_spec) if stall_spec else None
     try:
         message_limit = parse_size(max_message_bytes)
     except ValueError as exc:
@@ -261,10 +319,27 @@ def main(
         loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype], parallel and parallel[0])
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
-    blocks = resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
-    runner = None
+    embedder = None
+    if embed:  # its own scratch cache per pass (executor.pooling); the pool at blockd holds one block, unused
+        try:
+            pooling = read_pooling_config(loaded.model_dir, pooling_type, allow_any_dimensions)
+        except PoolingConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        embedder = Embedder(
+            loaded.model,
+            loaded.config,
+            pooling,
+            device=device,
+            dtype=loaded.dtype,
+            block_size=int(block_size),
+            max_batch_tokens=max_num_batched_tokens,
+            backend=kernels,
+        )
+        log.info("embedding_model", pooling=pooling.type.value, normalize=pooling.normalize)
+    blocks = 1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    group_runner = None
     if parallel is not None:
-        runner = _parallel_runner(loaded, blocks, block_size_int, kernels, tensor_parallel_timeout)
+        group_runner = _parallel_runner(loaded, blocks, block_size_int, kernels, tensor_parallel_timeout)
     pool_id = pool_id or _default_pool_id(bind, device)
     keys = curve = None
     if keys_dir is not None:
@@ -280,16 +355,16 @@ def main(
         pool_id=pool_id,
         num_blocks=blocks,
         block_size=block_size_int,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None),
         backend=kernels,
         seed=seed,
         retry_for_s=2.0,
         curve=curve,
         adapt_threads=adapt_threads,
         pin_threads=pin_threads,
-        runner=runner,
+        runner=group_runner,
     )
-    runner = engine.runner
+    model_runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
     engine.pool.start_heartbeats()
     info = ep.Info(
@@ -302,6 +377,7 @@ def main(
         num_blocks=blocks,
         device=str(device),
         eos_token_ids=list(loaded.config.eos_token_ids),
+        task="embed" if embed else "generate",
     )
     auth = None
     if keys is not None:
@@ -310,7 +386,14 @@ def main(
         except KeysError as exc:
             raise click.ClickException(str(exc)) from None
     server = ExecutorServer(
-        engine, bind, info, max_message_bytes=message_limit, max_queued_requests=max_queued_requests, auth=auth
+        engine,
+        bind,
+        info,
+        max_message_bytes=message_limit,
+        max_queued_requests=max_queued_requests,
+        auth=auth,
+        stall=stall,
+        embedder=embedder,
     )
     log.info(
         "executor_ready",
@@ -324,8 +407,9 @@ def main(
         load_s=round(loaded.load_s, 2),
         kv_blocks=blocks,
         kv_tokens=blocks * block_size_int,
-        kv_bytes=runner.kv_cache_bytes,
+        kv_bytes=model_runner.kv_cache_bytes,
         kernels=kernels,
+        max_step_ms=max_step_ms or None,
         bind=bind,
         pool_id=pool_id,
         epoch=engine.pool.epoch_fingerprint,
@@ -346,8 +430,29 @@ def main(
         sys.exit(EX_FENCED)
     finally:
         if parallel is not None:
-            _stop_group(runner, parallel[1])
+            _stop_group(group_runner, parallel[1])
     log.info("executor_stopped", pool_id=pool_id)
+
+
+def _stall(spec: str) -> StepStall:
+    step, _, seconds = spec.partition(":")
+    try:
+        stall = StepStall(int(step), float(seconds))
+    except ValueError:
+        raise click.BadParameter(f"{spec!r} is not N:SECONDS", param_hint="--fault-stall-step") from None
+    if stall.step < 1 or stall.seconds < 0:
+        raise click.BadParameter("N is at least 1 and SECONDS at least 0", param_hint="--fault-stall-step")
+    log.warning("fault_injection_armed", option="--fault-stall-step", step=stall.step, seconds=stall.seconds)
+    return stall
+
+
+def _embedding_task(task: str | None, runner: str | None) -> bool:
+    """Whether --task / --runner ask for an embedding model; they must agree when both are given."""
+    from_runner = None if runner is None else runner == "pooling"
+    from_task = None if task is None else task == "embed"
+    if from_runner is not None and from_task is not None and from_runner != from_task:
+        raise click.UsageError(f"--task {task} and --runner {runner} disagree")
+    return bool(from_task or from_runner)
 
 
 def _start_group(

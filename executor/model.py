@@ -177,21 +177,32 @@ class PagedCausalLM(nn.Module):
         backend: dispatch.Backend = "auto",
     ) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_indices), vocab]`; writes this step's K/V into `kv_caches`."""
-        h, delta = self.model.embed_tokens(batch.input_ids), None
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            rotary = self.local_rotary if layer.self_attn.rope == "local" else self.rotary
-            h, delta = layer(h, delta, batch, rotary, kv_cache, backend, check=i == 0)  # check metadata once
-        rows = batch.logits_indices  # only the rows that sample: the norm is per row
-        _, h = self.model.norm(h[rows], None if delta is None else delta[rows])
-        logits = self.lm_head(h)
+        logits = self.lm_head(self.final_hidden(batch, kv_caches, backend, batch.logits_indices))
         if self.collectives is not None:
             logits = self.collectives.gather_vocab(logits, self.config.vocab_size)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    @torch.inference_mode()
+    def final_hidden(
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: dispatch.Backend,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The hidden states after the final norm, of `rows` (every token when None); writes K/V as `forward`."""
+        h, delta = self.model.embed_tokens(batch.input_ids), None
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            rotary = self.local_rotary if layer.self_attn.rope == "local" else self.rotary
+            h, delta = layer(h, delta, batch, rotary, kv_cache, backend, check=i == 0)  # check metadata once
+        if rows is not None:  # only the rows wanted: the norm is per row
+            h, delta = h[rows], None if delta is None else delta[rows]
+        return self.model.norm(h, delta)[1]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by name; every parameter must be filled exactly once."""

@@ -1,6 +1,7 @@
 """The executor's ZeroMQ protocol, spoken by gateways (DEALER) to an executor (ROUTER): msgpack via msgspec,
 tagged by `type`, each message with the protocol version `v`. The messages and their bounds: docs/architecture.md
-("Gateway protocol").
+("Gateway protocol"). Unasked, every
+`ALIVE_INTERVAL_S`, the executor sends `Alive` from a thread of its own, so a long step is not silence.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from executor.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
+ALIVE_INTERVAL_S = 0.25  # how often an executor says it is alive; a gateway's lease is several of these
 
 
 class RejectCode(StrEnum):
@@ -30,6 +32,7 @@ class RejectCode(StrEnum):
     INVALID_GRAMMAR = "invalid_grammar"  # the structured-output constraint does not compile
     STRUCTURED_OUTPUT_UNAVAILABLE = "structured_output_unavailable"  # no tokenizer here, or xgrammar broken
     FORBIDDEN = "forbidden"  # with keys: the sender's role may not send this message
+    WRONG_TASK = "wrong_task"  # a submit to an embedding executor, or an embed to a generating one
 
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
@@ -59,7 +62,18 @@ class GetInfo(Message, tag="get_info"):
     pass
 
 
-Inbound = Submit | Abort | GetLoad | GetInfo
+class Embed(Message, tag="embed"):
+    """Pooled embeddings of prompts (an executor started with --task embed): answered by one `Embedded`."""
+
+    request_id: RequestId
+    prompts: list[bytes]  # packed token ids, one entry per input
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = (
+        None  # Matryoshka: keep the first `dimensions` (then normalise, if asked)
+    )
+    normalize: bool | None = None  # None: the model's own (its sentence-transformers Normalize module)
+
+
+Inbound = Submit | Abort | GetLoad | GetInfo | Embed
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -99,6 +113,21 @@ class LoadReport(Message, tag="load"):
     preemptions: int
     steps: int
     blockd_reachable: bool = True  # False while blockd is away: generation waits, nothing is lost
+    # Measured throughput, since the executor started: seconds spent in forward passes, and the tokens they
+    # computed (prefill and decode). A gateway estimates from them how long queued work will take.
+    busy_s: float = 0.0
+    computed_tokens: int = 0
+    step_token_budget: int = 0  # the token budget of the next step (--max-step-ms sizes it; 0: not reported)
+    # Tokens its requests (from every gateway) may still need computed: prompts' rest, choices' max_tokens left.
+    queued_tokens: int = 0
+
+
+class Alive(Message, tag="alive"):
+    """The executor's process is alive: sent by its liveness thread, whatever its step loop is doing."""
+
+    pool_id: str
+    steps: int  # steps that ran a forward pass so far: unchanged for long while one long step runs
+    step_s: float = 0.0  # how long the step in progress has run (0: between steps)
 
 
 class Info(Message, tag="info"):
@@ -111,9 +140,16 @@ class Info(Message, tag="info"):
     num_blocks: int
     device: str
     eos_token_ids: list[int]
+    task: str = "generate"  # "generate" | "embed" (--task): which requests this executor serves
 
 
-Outbound = Delta | Rejected | LoadReport | Info
+class Embedded(Message, tag="embedded"):
+    request_id: str
+    embeddings: list[bytes]  # one per prompt, in order: little-endian float32
+    prompt_tokens: int
+
+
+Outbound = Delta | Rejected | LoadReport | Info | Embedded | Alive
 
 _encoder = msgspec.msgpack.Encoder()
 _inbound = msgspec.msgpack.Decoder(Inbound)

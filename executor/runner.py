@@ -143,7 +143,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         rows: list[list[int]] = []
         for chunk in chunks:
-            table = tables[chunk.seq.seq_id].blocks
+            mirrored = tables[chunk.seq.seq_id]
+            table = mirrored.blocks
             start, n = chunk.start, len(chunk.token_ids)
             end = start + n
             input_ids.extend(chunk.token_ids)
@@ -157,7 +158,11 @@ class ModelRunner:
             seq_lens.append(end)
             if chunk.samples:
                 logits_indices.append(starts[-1] - 1)
-            rows.append(table[: -(-end // bs)])
+            row = table[: -(-end // bs)]
+            holes = mirrored.holes
+            if holes:  # blocks handed back: the kernels read none of them, any valid id will do
+                row = [0] * holes + row[holes:]
+            rows.append(row)
         for chunk, start in zip(chunks, starts, strict=False):  # then the rows prompt logprobs score, in order
             scored = chunk.scored_positions
             if scored:

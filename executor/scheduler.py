@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd import protocol as p
-from blockd.block_rule import growth, reservable, shared_blocks, to_block_end
+from blockd.block_rule import dead_blocks, growth, reservable, shared_blocks, to_block_end
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
+from blockd.pool import HOLE
 from common.tokens import TOKEN_BYTES, pack_tokens
 from executor.sequence import Sequence, Status
+from executor.step_budget import StepBudget
 
 
 class BlockView(Protocol):
@@ -63,6 +65,7 @@ class Purpose(enum.Enum):
     """What a planned op is for; `Scheduler.apply` takes in its answer by this."""
 
     COMMIT = "commit"  # computed full blocks into the prefix index
+    SLIDE = "slide"  # blocks past every query's sliding window go back
     FORK = "fork"  # a new choice starts sharing its parent's blocks
     FREE = "free"  # finished or aborted: its blocks go back
     PREEMPT = "preempt"  # its blocks go back; it is already queued again, to be recomputed
@@ -108,6 +111,13 @@ class StepOutcome:
 QUIET_STEPS = 16
 
 
+def window_blocks(block_size: int, window: int) -> int:
+    """Most blocks one decoding sequence of a sliding-window pool holds: its window's, the block its slides lag
+    by (they count committed tokens, a commit is due a block at a time and may wait QUIET_STEPS steps), and its
+    open block's room reserved past it (blockd.block_rule.reservable)."""
+    return -(-(window + QUIET_STEPS) // block_size) + 4
+
+
 class Scheduler:
     """The waiting queue, the running batch and each step's plan. `blocks` (the pool client's mirror) changes
     only when a step's answers arrive, before `apply`."""
@@ -121,11 +131,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         blocks: BlockView,
         watermark_blocks: int | None = None,
+        sliding_window: int | None = None,
+        max_step_ms: float | None = None,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's (the pool's): blocks no query reads any more go back
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The token budget of a step, sized by its measured cost to last about max_step_ms (None: the cap alone).
+        # At least every decode and a block of prefill, so that waiting requests are admitted however slow a step.
+        self.step_budget = StepBudget(max_num_batched_tokens, max_step_ms, min_tokens=max_num_seqs + block_size)
+        self.step_tokens = max_num_batched_tokens  # the budget of the step planned last (its plan and chunks)
         self.watermark = watermark_blocks if watermark_blocks is not None else max(1, num_blocks // 100)
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
@@ -137,6 +154,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.arrived = False  # a sequence was added since admissions were last planned
         self.quiet_steps = 0  # steps planned in a row without a round trip
+        self._computed: dict[int, int] = {}  # while a plan is made ahead: tokens computed once the step running ends
+        self._slid: dict[str, int] = {}  # sequences this plan slides -> the leading blocks they hand back
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -194,6 +213,22 @@ class Scheduler:
             plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, done))
             seq.committed_tokens = done
 
+    def _slide(self, plan: StepPlan, seq: Sequence) -> int:
+        """After its commit: hand back the blocks no query of the sequence reads any more; returns how many go
+        back to the pool. Counted from its committed tokens (computed and registered), so every block handed back
+        is in the prefix index first."""
+        done = seq.committed_tokens
+        mirrored = self.blocks.seqs[seq.seq_id]
+        dead = dead_blocks(self.block_size, self.sliding_window, done)
+        if dead <= mirrored.holes:
+            return 0
+        plan.add(Purpose.SLIDE, seq, p.Slide(seq.seq_id, done))
+        self._slid[seq.seq_id] = dead
+        if any(child.fork_parent == seq.seq_id for child in self.to_fork):
+            return 0  # a choice forked from it first (forks go first) holds them on
+        refcount = self.blocks.refcount
+        return sum(1 for b in mirrored.blocks[mirrored.holes : dead] if refcount[b] == 1)
+
     def _register_computed(self, plan: StepPlan, seq: Sequence) -> None:
         """Before a sequence's blocks go back: register its computed tokens that fill a block, and commit, so
         that its full blocks stay prefix hits. They lie in its reserved slots: no block is taken."""
@@ -204,11 +239,27 @@ class Scheduler:
             registered = seq.num_computed
         self._commit(plan, seq, registered)
 
+    def _held(self, seq: Sequence) -> int:
+        """Token slots blockd holds for the sequence: registered or reserved."""
+        return self.registered(seq) + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
+
+    def _hold_end(self, seq: Sequence) -> int:
+        """How far an append holds the sequence's tokens: every token known; with a sliding window, a prompt only
+        through what the next step can compute of it, so that its later blocks are taken as its prefill reaches
+        them while the earlier ones slide out."""
+        if self.sliding_window is None:
+            return len(seq.tokens)
+        reach = self._computed.get(id(seq), seq.num_computed) + self.max_num_batched_tokens
+        return max(min(len(seq.tokens), reach), self.registered(seq))
+
     def _room_left(self, seq: Sequence, sampling: set[int]) -> int:
         """Token slots blockd holds for the sequence (registered or reserved) past its known tokens and the one it
-        is sampling: below 0, the next step's tokens do not fit."""
-        held = self.registered(seq) + self.blocks.seqs[seq.fork_parent or seq.seq_id].reserved
-        return held - len(seq.tokens) - (id(seq) in sampling)
+        is sampling (a prompt held in part: past what the next step can compute of it): below 0, the next step's
+        tokens do not fit."""
+        end = self._hold_end(seq)
+        if end < len(seq.tokens):
+            return self._held(seq) - end
+        return self._held(seq) - len(seq.tokens) - (id(seq) in sampling)
 
     def _append_need(self, seq: Sequence, reserve: int, forking: set[str]) -> int:
         """Blocks the sequence's append takes (new blocks, plus a copy-on-write): it registers every token known
@@ -222,12 +273,15 @@ class Scheduler:
             table, reserved = len(mirrored.blocks), mirrored.reserved
             shared = n % bs != 0 and (self.blocks.refcount[mirrored.blocks[n // bs]] > 1 or seq.seq_id in forking)
         return growth(
-            bs, n, len(seq.tokens) - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve
+            bs, n, self._hold_end(seq) - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve
         ).blocks
 
     def _reserve(self, seq: Sequence, wide: bool) -> int:
         """Slots an append keeps reserved past the sequence's known tokens: to the end of the block after the
-        next token's (`wide`), or only to the end of the next token's block when blocks run short."""
+        next token's (`wide`), or only to the end of the next token's block when blocks run short; none for a
+        prompt held in part."""
+        if self._hold_end(seq) < len(seq.tokens):
+            return 0
         return (reservable if wide else to_block_end)(self.block_size, len(seq.tokens))
 
     def plan(self) -> StepPlan:
@@ -243,11 +297,19 @@ class Scheduler:
             return None
         return self._plan(chunks)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` tokens in `seconds`: what the budget of the steps planned after it is sized by."""
+        self.step_budget.observe(tokens, seconds)
+
     def _plan(self, ahead: list[Chunk] | None) -> StepPlan | None:
         plan = StepPlan()
+        self.step_tokens = self.step_budget.tokens()  # fixed for this step: its admissions and its chunks
         # A sequence sampling in the step now running (a plan made ahead) needs room for one more token, not
         # known yet.
         sampling = set() if ahead is None else {id(c.seq) for c in ahead if c.samples}
+        computed = {} if ahead is None else {id(c.seq): c.start + len(c.token_ids) for c in ahead}
+        self._computed = computed  # (tokens computed once the step now running ends, where it runs them)
+        self._slid = {}
         # Room for every token the next step computes. Most decode steps fit in the slots reserved before; where
         # they do not, an append registers the tokens known and reserves room past them.
         growing = [s for s in self.running if self._needs_room(s, sampling)]
@@ -261,14 +323,17 @@ class Scheduler:
             plan.add(Purpose.FORK, child, p.Fork(child.fork_parent, child.seq_id))
         while self.to_preempt:
             self._preempt(plan, self.to_preempt.pop())
+        slid = 0
         for seq in self.running:
             if seq.fork_parent is None:
                 self._commit(plan, seq)
+                if self.sliding_window is not None:
+                    slid += self._slide(plan, seq)
         for seq in self.to_free:
             self._register_computed(plan, seq)
         for seq in self.to_free:
             plan.add(Purpose.FREE, seq, p.Free(seq.seq_id))
-        free = self.blocks.free_blocks + sum(self._releases(s) for s in self.to_free)
+        free = self.blocks.free_blocks + slid + sum(self._releases(s) for s in self.to_free)
 
         forking = {child.fork_parent for child in self.to_fork if child.fork_parent is not None}
         wide = True
@@ -290,8 +355,7 @@ class Scheduler:
         free -= need
 
         # The token budget left once the running sequences have what they still need after this step.
-        computed = {} if ahead is None else {id(c.seq): c.start + len(c.token_ids) for c in ahead}
-        budget = self.max_num_batched_tokens
+        budget = self.step_tokens
         for seq in self.running:
             left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
             budget -= min(left, budget)
@@ -323,7 +387,7 @@ class Scheduler:
         return not (waiting_ops and self.quiet_steps >= QUIET_STEPS)
 
     def _append(self, plan: StepPlan, seq: Sequence, reserve: int) -> None:
-        tokens = pack_tokens(seq.tokens[self.registered(seq) :])
+        tokens = pack_tokens(seq.tokens[self.registered(seq) : self._hold_end(seq)])
         plan.add(Purpose.APPEND, seq, p.Append(seq.seq_id, tokens, reserve))
 
     def _renew(self, plan: StepPlan, free: int, growing: list[Sequence], sampling: set[int], forking: set[str]) -> None:
@@ -346,7 +410,7 @@ class Scheduler:
         """Admits alone, for requests that arrived after the step now starting was planned ahead: sent before
         it is scheduled, they join this step instead of the next. The running sequences' room is held already."""
         plan = StepPlan()
-        budget = self.max_num_batched_tokens
+        budget = self.step_tokens
         for seq in self.running:
             budget -= min(len(seq.tokens) - seq.num_computed, budget)
         self._admit(plan, self.blocks.free_blocks, budget)
@@ -361,7 +425,16 @@ class Scheduler:
         for seq in self.waiting:
             if free_slots <= 0 or budget <= 0:
                 break
+            hold = None
             worst = growth(self.block_size, 0, len(seq.tokens), 0).blocks
+            if worst > free - self.watermark and self.sliding_window is not None:
+                # A window: its prompt is held a step's tokens past its cached prefix at first, the later blocks
+                # taken as its prefill reaches them (`_hold_end`).
+                hold = self.max_num_batched_tokens
+                # Fresh blocks for those tokens, and the cached-free blocks a hit takes back from the free queue:
+                # at most those the first query past the hit reads (blockd.pool.cached_prefix_blocks).
+                reclaimed = max(1, -(-(self.sliding_window - 1) // self.block_size))
+                worst = growth(self.block_size, 0, min(len(seq.tokens), hold), 0).blocks + reclaimed
             if worst > free - self.watermark:
                 break  # first come, first served: nobody overtakes the head of the queue
             request = seq.request
@@ -373,7 +446,8 @@ class Scheduler:
                 if owner is not None and self._shared_tokens(seq, owner) > owner.committed_tokens:
                     continue  # its prefix is being computed for another: admitted once that is committed, a hit
                 pending.setdefault(key, seq)
-            plan.add(Purpose.ADMIT, seq, p.Admit(seq.seq_id, pack_tokens(seq.tokens), request.cache_salt, reuse))
+            admit = p.Admit(seq.seq_id, pack_tokens(seq.tokens), request.cache_salt, reuse, hold)
+            plan.add(Purpose.ADMIT, seq, admit)
             free -= worst
             free_slots -= 1
             budget -= 1
@@ -414,7 +488,8 @@ class Scheduler:
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it in the same step (forks go first) holds every block it had
         refcount = self.blocks.refcount
-        return sum(1 for b in self.blocks.seqs[seq.seq_id].blocks if refcount[b] == 1)
+        blocks = self.blocks.seqs[seq.seq_id].blocks[self._slid.get(seq.seq_id, 0) :]  # (a slide counted those)
+        return sum(1 for b in blocks if b != HOLE and refcount[b] == 1)
 
     def _victim(self) -> Sequence:
         return max(self.running, key=lambda s: s.admitted_order)
@@ -466,7 +541,7 @@ class Scheduler:
                 case Purpose.FREE:
                     if seq in self.to_free:
                         self.to_free.remove(seq)
-                case Purpose.COMMIT | Purpose.PREEMPT:
+                case Purpose.COMMIT | Purpose.SLIDE | Purpose.PREEMPT:
                     pass  # nothing to take in: the sequence's state already moved when it was planned
         for seq, _error in outcome.failed:
             self.finish(seq, "error")
@@ -491,8 +566,8 @@ class Scheduler:
         outcome.failed.append((entry.seq, error))
 
     def schedule(self, outcome: StepOutcome) -> list[Chunk]:
-        """Hand out the token budget: decodes first, then prefill chunks in admission order."""
-        budget = self.max_num_batched_tokens
+        """Hand out the step's token budget: decodes first, then prefill chunks in admission order."""
+        budget = self.step_tokens
         chunks: list[Chunk] = []
         newly = set(map(id, outcome.admitted))
         ordered = [s for s in self.running if id(s) not in newly and s.fork_parent is None]
@@ -502,6 +577,8 @@ class Scheduler:
             if budget <= 0:
                 break
             remaining = len(seq.tokens) - seq.num_computed
+            if self.sliding_window is not None:  # a prompt may be held in part (`_hold_end`)
+                remaining = min(remaining, self._held(seq) - seq.num_computed)
             take = min(remaining, budget)
             if take <= 0:
                 continue

@@ -6,6 +6,10 @@ engine step if there is work, send its deltas to the gateways that asked. The po
 a heartbeat thread of the pool client (its own socket), so a forward pass longer than the lease loses nothing.
 A bad message is answered with `Rejected` and changes nothing else.
 
+Liveness apart from progress: a beacon thread (executor/liveness.py) sends `Alive` to every gateway heard from
+in the last `PEER_TTL_S`, every `ALIVE_INTERVAL_S`, during steps too; the loop holds the socket's lock only while
+it reads or sends. A gateway that hears the beacon keeps this executor, and its streams, however long a step.
+
 Bounds, checked before any work: a message over --max-message-bytes is cut off by ZeroMQ (MAXMSGSIZE) unread;
 a submit past --max-queued-requests is rejected with `queue_full`; a prompt's length is checked (packed size,
 context length) before it is unpacked; an `Abort` is taken only from the connection that submitted the request
@@ -20,7 +24,10 @@ its own, and using it would mix another GPU's KV into its outputs.
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -30,13 +37,32 @@ from blockd.client import BlockdUnavailable, PoolFenced
 from common.auth import Principal, Role, ServerAuth
 from common.tokens import TOKEN_BYTES, unpack_tokens
 from executor import protocol as ep
+from executor.embedding import EmbedJob, start_embedding
 from executor.engine import Engine, RequestRejected
+from executor.liveness import LivenessBeacon
+from executor.pooling import Embedder
 from executor.sequence import Status
 
 log = structlog.get_logger("executor")
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+PEER_TTL_S = 30.0  # a gateway not heard from for this long (while the loop reads) gets no more beacons
+
+
+@dataclass(frozen=True)
+class StepStall:
+    """Fault injection, for tests only (--fault-stall-step): step number `step` is made `seconds` longer, in pure
+    Python (holding the GIL but for the interpreter's switch interval, the worst case for the beacon)."""
+
+    step: int
+    seconds: float
+
+    def spin(self) -> None:
+        log.warning("fault_step_stalled", step=self.step, seconds=self.seconds)
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            pass
 
 
 class Fenced(RuntimeError):
@@ -54,8 +80,14 @@ class ExecutorServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         auth: ServerAuth | None = None,
+        stall: StepStall | None = None,
+        alive_interval_s: float = ep.ALIVE_INTERVAL_S,
+        embedder: Embedder | None = None,
     ) -> None:
         self.engine = engine
+        self.stall = stall
+        self.embedder = embedder  # --task embed: Embed requests are served, Submit ones refused
+        self.embeds: deque[tuple[bytes, EmbedJob]] = deque()  # (the gateway connection, its job), first come first
         self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
         self.info = info
         self.max_queued_requests = max_queued_requests
@@ -71,19 +103,47 @@ class ExecutorServer:
         self.owners: dict[str, bytes] = {}  # request id -> the gateway connection it came from
         self.stopping = False
         self.last_blockd_contact = time.monotonic()
+        # The socket is shared with the beacon thread: every use is under this lock (never held during a step).
+        self.lock = threading.RLock()
+        self.peers: dict[bytes, float] = {}  # gateway connection -> when it was last heard from
+        self.step_started: float | None = None  # while a step runs
+        self.beacon = LivenessBeacon(self._beat, self._alive, alive_interval_s)
 
     def serve(self) -> None:
         """Serve until stopped; raises Fenced (after ending every request) if the pool is not ours any more."""
+        self.beacon.start()
         try:
             self._loop()
         except (Fenced, PoolFenced) as exc:
             reason = self.engine.pool.fenced or str(exc)
             log.error("pool_fenced", pool_id=self.engine.pool.pool_id, reason=reason)
-            self._fail_all()
+            self.beacon.stop()
+            with self.lock:
+                self._fail_all()
             self.engine.pool.stop_heartbeats()
             self.socket.close(linger=0)
             raise Fenced(reason) from None
         self._shutdown()
+
+    def _alive(self) -> ep.Alive:
+        started = self.step_started
+        return ep.Alive(
+            pool_id=self.engine.pool.pool_id,
+            steps=self.engine.steps,
+            step_s=0.0 if started is None else round(time.monotonic() - started, 3),
+        )
+
+    def _beat(self, alive: ep.Alive) -> None:
+        frame = ep.encode(alive)
+        with self.lock:
+            for identity in list(self.peers):
+                self.socket.send_multipart([identity, frame], zmq.NOBLOCK)  # a ROUTER drops, never blocks
+
+    def _forget_quiet_peers(self) -> None:
+        """Called just after a read, so a live gateway (it asks for load several times a second) is fresh."""
+        horizon = time.monotonic() - PEER_TTL_S
+        for identity in [i for i, seen in self.peers.items() if seen < horizon]:
+            del self.peers[identity]
 
     def _loop(self) -> None:
         engine = self.engine
@@ -94,15 +154,26 @@ class ExecutorServer:
         while not self.stopping:
             if pool.fenced:
                 raise Fenced(pool.fenced)
-            busy = engine.has_work()
-            events = dict(poller.poll(0 if busy else 50))
-            if events:
-                self._drain()
+            busy = engine.has_work() or bool(self.embeds)
+            with self.lock:
+                events = dict(poller.poll(0 if busy else 50))
+                if events:
+                    self._drain()
+                    self._forget_quiet_peers()
+            if self.embeds:
+                self._embed_pass()  # outside the lock: a forward pass, like a step
             if engine.has_work():
+                self.step_started = time.monotonic()
                 try:
-                    self._send(engine.step())
+                    deltas = engine.step()
+                    if self.stall is not None and engine.steps == self.stall.step:
+                        self.stall.spin()
+                        self.stall = None
                 except BlockdUnavailable:
                     continue  # the step stays pending; keep answering gateways meanwhile
+                finally:
+                    self.step_started = None
+                self._send(deltas)
                 self.last_blockd_contact = time.monotonic()
             elif pool.needs_resync or (
                 not pool.heartbeats_running and time.monotonic() - self.last_blockd_contact > heartbeat_s
@@ -144,8 +215,14 @@ class ExecutorServer:
             if len(frames) != 2:
                 continue  # not two frames: not one of ours
             identity, frame = frames[0].bytes, frames[1].bytes
-            if self.auth is not None and not self._allowed(identity, frame, self.auth.principal(frames[1])):
-                continue
+            if self.auth is not None:
+                principal = self.auth.principal(frames[1])
+                if not self._allowed(identity, frame, principal):
+                    continue
+                if principal is not None and principal.role is Role.GATEWAY:
+                    self.peers[identity] = time.monotonic()  # beacons go to gateways, not to operators' tools
+            else:
+                self.peers[identity] = time.monotonic()
             self._handle(identity, frame)
 
     def _allowed(self, identity: bytes, frame: bytes, principal: Principal | None) -> bool:
@@ -171,7 +248,8 @@ class ExecutorServer:
         return False
 
     def _reply(self, identity: bytes, message: ep.Message) -> None:
-        self.socket.send_multipart([identity, ep.encode(message)])
+        with self.lock:
+            self.socket.send_multipart([identity, ep.encode(message)])
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -190,8 +268,12 @@ class ExecutorServer:
                 ),
             )
             return
-        if type(message) is ep.Submit:
+        if type(message) is ep.Embed:
+            self._queue_embedding(identity, message)
+        elif type(message) is ep.Submit:
             try:
+                if self.embedder is not None:
+                    raise RequestRejected(ep.RejectCode.WRONG_TASK, "this executor serves embeddings (--task embed)")
                 self._check_submit(message)
                 self.engine.add_request(
                     message.request_id, unpack_tokens(message.prompt), message.params, message.cache_salt
@@ -216,9 +298,49 @@ class ExecutorServer:
                 return
             self._send(self.engine.abort(message.request_id, message.index))
         elif type(message) is ep.GetLoad:
-            self._reply(identity, self.engine.load())
+            load = msgspec.structs.replace(self.engine.load(), queued_tokens=self._queued_tokens())
+            if self.embeds:  # an embedding executor's load: the request in its pass, those queued behind it
+                load = msgspec.structs.replace(load, running=1, waiting=len(self.embeds) - 1)
+            self._reply(identity, load)
         elif type(message) is ep.GetInfo:
             self._reply(identity, self.info)
+
+    def _queued_tokens(self) -> int:
+        """What the requests here may still need computed, in tokens: an upper bound (a choice may stop before its
+        max_tokens), which gateways turn into a wait at this executor's measured throughput (gateway/admission.py)."""
+        total = 0
+        for request in self.engine.requests.values():
+            params, started = request.params, request.sequences
+            total += max(0, len(request.prompt) - max((s.num_computed for s in started), default=0))
+            total += sum(
+                max(0, params.max_tokens - s.num_generated) for s in started if s.status is not Status.FINISHED
+            )
+            total += (params.n - len(started)) * params.max_tokens  # choices not forked yet
+        return total
+
+    def _queue_embedding(self, identity: bytes, message: ep.Embed) -> None:
+        if len(self.embeds) >= self.max_queued_requests:
+            rejected = ep.Rejected(
+                request_id=message.request_id,
+                code=ep.RejectCode.QUEUE_FULL,
+                message=f"this executor holds {self.max_queued_requests} embedding requests already "
+                "(--max-queued-requests): try again later or another executor",
+            )
+            self._reply(identity, rejected)
+            return
+        job = start_embedding(self.embedder, message, self.engine.config)
+        if type(job) is ep.Rejected:
+            self._reply(identity, job)
+        else:
+            self.embeds.append((identity, job))
+
+    def _embed_pass(self) -> None:
+        """One forward pass of the oldest embedding request; its answer once its last pass is done."""
+        identity, job = self.embeds[0]
+        answer = job.step()
+        if answer is not None:
+            self.embeds.popleft()
+            self._reply(identity, answer)
 
     def _check_submit(self, message: ep.Submit) -> None:
         """What can be refused before the prompt is unpacked: the queue is full, or the prompt is malformed or
@@ -243,10 +365,11 @@ class ExecutorServer:
     def _send(self, deltas: list[ep.Delta | ep.Rejected]) -> None:
         """Deltas to the gateways that asked (and `Rejected` for a request refused after its submit: a
         structured-output grammar that did not compile)."""
-        for delta in deltas:
-            identity = self.owners.get(delta.request_id)
-            if identity is not None:
-                self.socket.send_multipart([identity, ep.encode(delta)])
+        with self.lock:
+            for delta in deltas:
+                identity = self.owners.get(delta.request_id)
+                if identity is not None:
+                    self.socket.send_multipart([identity, ep.encode(delta)])
         # Only after the whole batch: a request's choices can all finish in one step.
         for request_id in {d.request_id for d in deltas if type(d) is ep.Rejected or d.finish_reason is not None}:
             if request_id not in self.engine.requests:
@@ -265,6 +388,7 @@ class ExecutorServer:
             log.warning("blockd_unreachable", during="shutdown")
         except PoolFenced as exc:
             log.warning("pool_fenced", during="shutdown", reason=exc.message)
+        self.beacon.stop()
         engine.pool.stop_heartbeats()
         self.socket.close(linger=0)
 

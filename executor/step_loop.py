@@ -7,7 +7,8 @@ design of a step is in docs/architecture.md ("A step").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,7 +17,7 @@ import structlog
 from blockd import protocol as p
 from blockd.client import BlockdUnavailable, PoolClient
 from executor import protocol as ep
-from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan
+from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, window_blocks
 from executor.sequence import Request, Sequence, Status
 
 log = structlog.get_logger("executor")
@@ -71,15 +72,25 @@ class StepLoop:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         plan_ahead: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.scheduler = scheduler
+        self.clock = clock  # times each forward pass, which sizes the steps after it (--max-step-ms)
         self.pool = pool
         self.model = model
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.plan_ahead = plan_ahead  # False: every step planned after sampling and sent synchronously
-        # The longest a sequence can grow, alone in the cache above the admission watermark.
-        self.max_seq_tokens = (scheduler.num_blocks - scheduler.watermark) * scheduler.block_size
+        # The longest a sequence can grow, alone in the cache above the admission watermark; with a sliding
+        # window, as long as the model allows if its window's blocks fit (the blocks behind it go back as it runs).
+        room = scheduler.num_blocks - scheduler.watermark
+        whole = room * scheduler.block_size
+        window, bs = scheduler.sliding_window, scheduler.block_size
+        slides = window is not None and window_blocks(bs, window) <= room
+        self.max_seq_tokens = max(max_model_len, whole) if slides else whole
+        # A prompt held in part as its prefill goes (Scheduler._hold_end) needs its window and a step's tokens.
+        prefill_slides = window is not None and window_blocks(bs, window + scheduler.max_num_batched_tokens) <= room
+        self.max_prompt_tokens = max(max_model_len, whole) if prefill_slides else whole
         self.requests: dict[str, Request] = {}  # in progress, by id
         self.steps = 0  # steps that ran a forward pass
         self.blockd_reachable = True
@@ -168,7 +179,9 @@ class StepLoop:
         if chunks:
             self.steps += 1
             self._send_ahead(chunks)
+            started = self.clock()
             deltas += self._run(chunks)
+            scheduler.observe_step(sum(len(c.token_ids) for c in chunks), self.clock() - started)
         return StepReport(plan, outcome, chunks, deltas)
 
     def _admit_arrivals(self) -> StepOutcome:

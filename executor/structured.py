@@ -86,8 +86,8 @@ def _strict_strings(grammar: Any) -> Any:
 
 
 def _whitespace(spec: GrammarSpec) -> dict[str, Any]:
-    """Any whitespace between JSON's elements (vLLM's default), up to MAX_WHITESPACE characters a gap, or none
-    beyond ", " and ": " (vLLM's disable_any_whitespace)."""
+    """Whitespace runs between JSON's elements (asked for with any_whitespace), up to MAX_WHITESPACE characters a
+    gap; or none beyond ", " and ": " (the gateway's default: see gateway.structured)."""
     if spec.any_whitespace:
         return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE}
     return {"any_whitespace": False}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from executor.params import (
     MAX_BAD_WORD_TOKENS,
@@ -434,7 +434,7 @@ class ChatCompletionRequest(GenerationRequest):
         source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         if len(source) > MAX_GRAMMAR_CHARS:
             raise invalid_request(f"the tools' schemas are over {MAX_GRAMMAR_CHARS} characters", param="tools")
-        return GrammarSpec("json", source, param="tool_choice")
+        return GrammarSpec("json", source, any_whitespace=False, param="tool_choice")  # compact: see structured
 
     @property
     def token_limit(self) -> int | None:
@@ -463,6 +463,16 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     elif param:
         message = f"{param}: {message}"
     return message, param
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's body is made into (gateway.messages_api, gateway.responses_api): what it
+    refuses is a 400 naming the parameter, as for a chat body."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise invalid_request(message, param=param) from None
 
 
 def require_json_object(body: Any) -> dict[str, Any]:

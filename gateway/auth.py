@@ -1,8 +1,10 @@
-"""The HTTP API's keys: `Authorization: Bearer KEY`, checked before anything else is read.
+"""The HTTP API's keys: `Authorization: Bearer KEY`, or `x-api-key: KEY` (Anthropic's clients), checked before
+anything else is read.
 
 With API keys configured (--api-key, PAGEDKV_GATEWAY_API_KEY, --api-key-file), every /v1/ route needs one of them;
 /health and /metrics stay open unless --protect-health / --protect-metrics. A missing or wrong key is answered 401
-in OpenAI's error shape (code invalid_api_key), before the body is read. Keys are compared in constant time.
+in OpenAI's error shape (code invalid_api_key; Anthropic's shape on
+/v1/messages), before the body is read. Keys are compared in constant time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from gateway.errors import APIError
+from gateway.errors import APIError, error_body
 
 
 def read_api_keys(values: Iterable[str], env_value: str | None, files: Iterable[Path]) -> tuple[str, ...]:
@@ -53,18 +55,25 @@ class _RequireApiKey:
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith("/v1/") or path == "/v1" or path in self.protected:
-                header = dict(scope["headers"]).get(b"authorization", b"")
+                headers = dict(scope["headers"])
+                header = headers.get(b"authorization", b"")
                 scheme, _, presented = header.partition(b" ")
+                api_key = headers.get(b"x-api-key")
                 error = None
-                if not header:
+                if not header and api_key is None:
                     error = unauthorized(
-                        "You didn't provide an API key. Send it in the Authorization header: "
-                        "'Authorization: Bearer KEY'."
+                        "You didn't provide an API key. Send it in the Authorization header "
+                        "('Authorization: Bearer KEY') or the x-api-key header."
                     )
+                elif api_key is not None and not header:
+                    if not self._known(api_key.strip()):
+                        error = unauthorized("Incorrect API key provided.")
                 elif scheme.lower() != b"bearer" or not self._known(presented.strip()):
                     error = unauthorized("Incorrect API key provided.")
                 if error is not None:
-                    response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                    response = JSONResponse(
+                        error_body(path, error), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                    )
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)

@@ -10,18 +10,20 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from gateway.api import GenerationRequest
+from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Generation, Usage
-from gateway.responses import Envelope
+from gateway.responses import DONE, Envelope, sse, usage_chunk
 from gateway.text import Tokenizer
 
 Body = TypeVar("Body", bound=GenerationRequest)
+Chunks = dict[str, Any] | list[dict[str, Any]]  # one chunk, or several (none: an empty list)
 
 
 class StreamedChoice(Protocol):
     """One choice of a streamed response: its events become chunks, in order."""
 
-    def chunk(self, event: ChoiceEvent, usage: Usage | None) -> dict[str, Any]:
-        """The chunk of `event` (`usage`: so far, with vLLM's continuous_usage_stats)."""
+    def chunk(self, event: ChoiceEvent, usage: Usage | None) -> Chunks:
+        """The chunk(s) of `event` (`usage`: so far, with vLLM's continuous_usage_stats)."""
         ...
 
 
@@ -33,11 +35,13 @@ class CollectedChoice:
         self.text = text
         self.finish_reason: str | None = None
         self.cumulative = 0.0  # logprob of the chosen tokens: what best_of ranks by
+        self.stop_string: str | None = None  # the stop string that ended it, if one did
 
     def add(self, event: ChoiceEvent) -> None:
         self.cumulative += sum(entry.logprob for entry in event.logprobs)
         self.text += event.text
         self.finish_reason = event.finish_reason or self.finish_reason
+        self.stop_string = event.stop_string or self.stop_string
 
 
 Collected = TypeVar("Collected", bound=CollectedChoice)
@@ -51,6 +55,7 @@ class Endpoint(ABC, Generic[Body, Collected]):
     route: ClassVar[str]  # the metrics' route label
     id_prefix: ClassVar[str]  # of the response's id
     chunk_object: ClassVar[str]  # the `object` of its stream chunks (the usage chunk's too)
+    done: ClassVar[str | None] = DONE  # what ends its stream (None: nothing after the last chunk)
 
     def __init__(self, body: Body, tokenizer: Tokenizer, logprobs: int | None, sampled: int | None = None) -> None:
         self.body = body
@@ -59,9 +64,24 @@ class Endpoint(ABC, Generic[Body, Collected]):
         self.sampled = body.n if sampled is None else sampled
         self.as_ids = body.return_tokens_as_token_ids  # vLLM's return_tokens_as_token_ids
 
-    def opening(self, envelope: Envelope, index: int, usage: Usage | None) -> dict[str, Any] | None:
-        """The chunk a streamed choice starts with, before any output (None: none)."""
+    def response_id(self, request_id: str) -> str:
+        return f"{self.id_prefix}-{request_id}"
+
+    def opening(self, envelope: Envelope, index: int, usage: Usage | None) -> Chunks | None:
+        """The chunk(s) a streamed choice starts with, before any output (None: none)."""
         return None
+
+    def closing(self, envelope: Envelope, usage: Usage) -> Chunks:
+        """The chunk(s) after every choice's last: usage, if the client asked for it (stream_options)."""
+        return [usage_chunk(envelope, self.chunk_object, usage)] if self.body.include_usage else []
+
+    def frame(self, chunk: dict[str, Any]) -> str:
+        """One chunk as a server-sent event."""
+        return sse(chunk)
+
+    def error(self, error: APIError) -> dict[str, Any]:
+        """The chunk of an error that ends a stream, in the endpoint's API's shape."""
+        return error.body()
 
     @abstractmethod
     def streamed(self, envelope: Envelope, position: int, index: int) -> StreamedChoice:

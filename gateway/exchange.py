@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from executor.params import SamplingParams
 from gateway import errors
-from gateway.endpoint import Endpoint, StreamedChoice
+from gateway.endpoint import Chunks, Endpoint, StreamedChoice
 from gateway.errors import APIError
 from gateway.generation import ChoiceEvent, Generation, GenerationFailed, Restarted, Usage
-from gateway.responses import DONE, Envelope, error_event, sse, total_usage, usage_chunk
+from gateway.responses import Envelope, total_usage
 from gateway.state import Gateway
 
 log = structlog.get_logger("gateway")
@@ -103,9 +103,7 @@ class Exchange:
         self.endpoint = endpoint
         self.body = endpoint.body
         self.generations = generations
-        self.envelope = Envelope(
-            f"{endpoint.id_prefix}-{generations[0].request_id}", int(time.time()), gateway.model_name
-        )
+        self.envelope = Envelope(endpoint.response_id(generations[0].request_id), int(time.time()), gateway.model_name)
         self.events = _merged(generations)
 
     def headers(self) -> dict[str, str]:
@@ -136,13 +134,12 @@ class Exchange:
                 for index in range(len(self.generations) * self.body.n):
                     opening = endpoint.opening(self.envelope, index, self.usage_so_far())
                     if opening is not None:
-                        yield sse(opening)
+                        yield self._frames(opening)
                 yield self._chunk(*first, streamed)
                 async for position, event in self.events:
                     assert isinstance(event, ChoiceEvent)  # a stream is not replayable: never Restarted
                     yield self._chunk(position, event, streamed)
-                if self.body.include_usage:
-                    yield sse(usage_chunk(self.envelope, endpoint.chunk_object, self.usage()))
+                yield self._frames(endpoint.closing(self.envelope, self.usage()))
             except (GenerationFailed, APIError) as exc:
                 status = "error"
                 error = (
@@ -151,21 +148,25 @@ class Exchange:
                     else errors.APIError(502, str(exc), type="server_error", code="executor_lost")
                 )
                 log.warning("stream_failed", request_id=self.envelope.id, error=error.message)
-                yield error_event(error)
+                yield endpoint.frame(endpoint.error(error))
             except asyncio.CancelledError:
                 status = "client_disconnected"
                 raise
             finally:
                 self.count(status)
                 await self.events.aclose()
-            yield DONE
+            if endpoint.done is not None:
+                yield endpoint.done
+
+    def _frames(self, chunks: Chunks) -> str:
+        return "".join(map(self.endpoint.frame, chunks if isinstance(chunks, list) else [chunks]))
 
     def _chunk(self, position: int, event: ChoiceEvent, streamed: dict[int, StreamedChoice]) -> str:
         index = self.choice_index(position, event)
         choice = streamed.get(index)
         if choice is None:
             choice = streamed[index] = self.endpoint.streamed(self.envelope, position, index)
-        return sse(choice.chunk(event, self.usage_so_far()))
+        return self._frames(choice.chunk(event, self.usage_so_far()))
 
     async def collect(self, first: tuple[int, ChoiceEvent]) -> dict[str, Any]:
         endpoint, sampled = self.endpoint, self.endpoint.sampled

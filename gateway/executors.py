@@ -1,6 +1,7 @@
 """The gateway's connections to its executors: one `ExecutorLink` each (a DEALER socket and the task that reads
-it), with health and load. When an executor leaves and rejoins the rotation: docs/architecture.md ("Executor
-health and failover").
+it), with liveness and load. An executor is lost only when it is not alive (its connection drops, or nothing at
+all came from it for the lease), never because a step is long: docs/architecture.md ("Executor health and
+failover").
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +26,11 @@ from executor.params import SamplingParams
 
 log = structlog.get_logger("gateway")
 
+GAPS_KEPT = 64  # the recent gaps between an executor's messages that stretch its lease
+LEASE_STRETCH = 4.0  # the lease covers this many of the longest recent gap
+LEASE_MAX_FACTOR = 2.0  # and stays within this many times --executor-timeout
+MEASURE_BUSY_S = 0.25  # seconds of steps a throughput measure spans at least
+
 
 @dataclass(frozen=True)
 class ExecutorLost:
@@ -33,11 +40,23 @@ class ExecutorLost:
     reason: str
 
 
-StreamItem = ep.Delta | ep.Rejected | ExecutorLost
+StreamItem = ep.Delta | ep.Rejected | ep.Embedded | ExecutorLost
 
 
 class ExecutorUnavailable(ConnectionError):
     pass
+
+
+@dataclass
+class _Work:
+    """What a request in flight still asks of its executor, in tokens: its prompt until the first delta, and
+    what each choice may still generate."""
+
+    prompt: int
+    left: list[int]  # per choice
+
+    def remaining(self) -> int:
+        return self.prompt + sum(self.left)
 
 
 class ExecutorLink:
@@ -60,10 +79,19 @@ class ExecutorLink:
         self._context = context
         self.info: ep.Info | None = None
         self.load: ep.LoadReport | None = None
+        self.alive: ep.Alive | None = None  # the executor's last beacon (its step count, the step running)
         self.healthy = False
         self.connected = False
         self.last_heard = 0.0
-        self._unanswered_since: float | None = None  # when the first question since the last answer was sent
+        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        self.work: dict[str, _Work] = {}  # by request id, while in flight
+        # A load report counts the work of every gateway as it was when it was asked for; this gateway's own part
+        # of it is what `work` held then (replies come in the order of the asks), the rest is other gateways'.
+        self._own_at_ask: deque[int] = deque(maxlen=64)
+        self._others_queued = 0
+        self.tokens_per_s: float | None = None  # measured: tokens the executor computes per second of steps
+        self._mark: ep.LoadReport | None = None  # the load report the throughput is measured from
+        self._long_step_logged: int | None = None  # the step count of the long step logged last
         self.streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._socket: zmq.asyncio.Socket | None = None  # polled by the task
         self._sync: zmq.Socket | None = None  # the same socket, for non-blocking sends and reads
@@ -79,6 +107,27 @@ class ExecutorLink:
     @property
     def in_flight(self) -> int:
         return len(self.streams)
+
+    def lease_s(self) -> float:
+        """How long this executor may send nothing before it is taken for dead."""
+        longest = max(self._gaps, default=0.0)
+        return min(max(self.timeout_s, LEASE_STRETCH * longest), LEASE_MAX_FACTOR * self.timeout_s)
+
+    def queued_tokens(self) -> int:
+        """Tokens the requests in flight here may still need computed (prompts not started, choices' max_tokens
+        left): an upper bound, as a choice may stop early. What the executor reports for all its gateways' requests,
+        and this gateway's own, counted up to date: the other gateways' part of the last report, plus its own now
+        (a report that still counts a request of this gateway's that has since finished must not shut the door)."""
+        return self._others_queued + self._own_queued()
+
+    def _own_queued(self) -> int:
+        return sum(w.remaining() for w in self.work.values())
+
+    def drain_s(self) -> float | None:
+        """Seconds of work queued here at the measured throughput; None until a throughput is measured."""
+        if not self.tokens_per_s:
+            return None
+        return self.queued_tokens() / self.tokens_per_s
 
     def queue_depth(self) -> int:
         """Requests this executor has to work through: what it reports, or what we sent it, if more."""
@@ -97,6 +146,10 @@ class ExecutorLink:
             "free_blocks": self.load.free_blocks if self.load else None,
             "num_blocks": self.load.num_blocks if self.load else None,
             "blockd_reachable": self.load.blockd_reachable if self.load else None,
+            "step_s": self.alive.step_s if self.alive else None,
+            "lease_s": round(self.lease_s(), 2),
+            "queued_tokens": self.queued_tokens(),
+            "tokens_per_s": round(self.tokens_per_s, 1) if self.tokens_per_s else None,
         }
 
     # ------------------------------------------------------------------------------------------ requests
@@ -105,13 +158,18 @@ class ExecutorLink:
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str | None = None
     ) -> asyncio.Queue[StreamItem]:
         """Send a request; its deltas arrive on the returned queue. Raises ExecutorUnavailable."""
+        message = ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
+        queue = self.request(request_id, message)
+        self.work[request_id] = _Work(len(prompt), [params.max_tokens] * params.n)  # what the door weighs
+        return queue
+
+    def request(self, request_id: str, message: ep.Submit | ep.Embed) -> asyncio.Queue[StreamItem]:
+        """Send a request message; what answers it arrives on the returned queue. Raises ExecutorUnavailable."""
         if not self.healthy or self._sync is None:
             raise ExecutorUnavailable(f"executor {self.endpoint} is out of rotation")
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.streams[request_id] = queue
-        frame = ep.encode(
-            ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
-        )
+        frame = ep.encode(message)
         try:
             self._sync.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -122,6 +180,7 @@ class ExecutorLink:
     def abort(self, request_id: str, index: int | None = None) -> None:
         if index is None:
             self.streams.pop(request_id, None)
+            self.work.pop(request_id, None)
         if self._sync is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._sync.send(ep.encode(ep.Abort(request_id=request_id, index=index)), zmq.NOBLOCK)
@@ -129,6 +188,7 @@ class ExecutorLink:
     def release(self, request_id: str) -> None:
         """The request is over (every choice finished): stop routing its deltas."""
         self.streams.pop(request_id, None)
+        self.work.pop(request_id, None)
 
     # ------------------------------------------------------------------------------------------ the task
 
@@ -175,8 +235,9 @@ class ExecutorLink:
                 self._ask_for_load()
                 next_poll = now + self.poll_interval_s
             self._drain()  # what already came in counts before silence is judged (the loop may have been busy)
-            if self.healthy and self._unanswered_since is not None and now - self._unanswered_since > self.timeout_s:
-                self._lose(f"silent for {self.timeout_s:g} s")
+            lease = self.lease_s()
+            if self.healthy and time.monotonic() - self.last_heard > lease:
+                self._lose(f"silent for {lease:g} s")
                 self._close_sockets()
                 self._open()
             assert self._socket is not None and self._monitor is not None
@@ -205,8 +266,8 @@ class ExecutorLink:
         for message in messages:
             with contextlib.suppress(zmq.Again):
                 self._sync.send(ep.encode(message), zmq.NOBLOCK)
-                if self._unanswered_since is None:  # silence counts from a question, not from a busy loop
-                    self._unanswered_since = time.monotonic()
+                if type(message) is ep.GetLoad:
+                    self._own_at_ask.append(self._own_queued())
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
@@ -224,15 +285,24 @@ class ExecutorLink:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("bad_frame_from_executor", executor=self.endpoint, error=str(exc))
             return
-        self.last_heard = time.monotonic()
-        self._unanswered_since = None
+        now = time.monotonic()
+        if self.healthy:
+            self._gaps.append(now - self.last_heard)
+        self.last_heard = now
         kind = type(message)
-        if kind is ep.Delta or kind is ep.Rejected:
+        if kind is ep.Alive:
+            self._on_alive(message)
+        elif kind is ep.Delta or kind is ep.Rejected or kind is ep.Embedded:
             stream = self.streams.get(message.request_id)
             if stream is not None:
                 stream.put_nowait(message)
+            if kind is ep.Delta:
+                self._count_work(message)
         elif kind is ep.LoadReport:
+            self._measure(message)
             self.load = message
+            own_then = self._own_at_ask.popleft() if self._own_at_ask else 0
+            self._others_queued = max(0, message.queued_tokens - own_then)
         elif kind is ep.Info:
             if self.info is not None and self.info.pool_id != message.pool_id:
                 log.info("executor_replaced", executor=self.endpoint, pool_id=message.pool_id)
@@ -243,7 +313,47 @@ class ExecutorLink:
             self.info = None if problem else message
         if not self.healthy and self.info is not None:
             self.healthy = True
+            self._gaps.clear()
             log.info("executor_in_rotation", executor=self.endpoint, pool_id=self.info.pool_id)
+
+    def _count_work(self, delta: ep.Delta) -> None:
+        work = self.work.get(delta.request_id)
+        if work is None or not 0 <= delta.index < len(work.left):
+            return
+        work.prompt = 0
+        left = work.left[delta.index] - len(delta.token_ids)
+        work.left[delta.index] = 0 if delta.finish_reason is not None else max(0, left)
+
+    def _measure(self, now: ep.LoadReport) -> None:
+        """The executor's throughput, from the counters of its load reports (tokens per busy second) over at
+        least MEASURE_BUSY_S of steps, smoothed; a restarted executor's counters start again, and so does this."""
+        mark = self._mark
+        if mark is None or now.busy_s < mark.busy_s or now.pool_id != mark.pool_id:
+            self._mark = now
+            # A first estimate at once from the counters since the executor started, if it has worked.
+            self.tokens_per_s = now.computed_tokens / now.busy_s if now.busy_s > 0 and now.computed_tokens else None
+            return
+        busy, tokens = now.busy_s - mark.busy_s, now.computed_tokens - mark.computed_tokens
+        if busy < MEASURE_BUSY_S:
+            return
+        self._mark = now
+        if tokens > 0:
+            rate = tokens / busy
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
+
+    def _on_alive(self, alive: ep.Alive) -> None:
+        """Progress, apart from liveness: a step that runs past the lease is logged once, and changes nothing."""
+        self.alive = alive
+        if alive.step_s > self.timeout_s and self._long_step_logged != alive.steps:
+            self._long_step_logged = alive.steps
+            log.warning(
+                "executor_step_long",
+                executor=self.endpoint,
+                pool_id=alive.pool_id,
+                step_s=alive.step_s,
+                in_flight=len(self.streams),
+                note="alive: kept in rotation with its streams",
+            )
 
     def _lose(self, reason: str) -> None:
         """Out of rotation: every request in flight here hears that its deltas will not come, and is aborted at
@@ -256,12 +366,15 @@ class ExecutorLink:
                     self._sync.send(ep.encode(ep.Abort(request_id=request_id)), zmq.NOBLOCK)
             if self.streams and self._socket is not None:
                 self._socket.setsockopt(zmq.LINGER, 1000)
-        self._unanswered_since = None
         self.healthy = False
+        self.alive = None
         self.info = None  # asked for again: a restarted executor may have a new pool or model
         self.load = None
         log.warning("executor_out_of_rotation", executor=self.endpoint, reason=reason, in_flight=len(self.streams))
         lost = ExecutorLost(self.endpoint, reason)
         streams, self.streams = self.streams, {}
+        self.work = {}
+        self._own_at_ask.clear()
+        self._others_queued = 0
         for stream in streams.values():
             stream.put_nowait(lost)

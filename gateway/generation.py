@@ -1,6 +1,7 @@
 """One prompt's generation: route it, submit it, turn the executor's token deltas into text events (a detokenizer
 and a stop-string matcher per choice), and submit it again elsewhere when its executor is lost before anything was
-shown. What a client sees when: docs/architecture.md ("A request", "Executor health and failover").
+shown (a slow executor is not a lost one: gateway/executors.py). What a client sees when: docs/architecture.md
+("A request", "Executor health and failover").
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _REJECTIONS = {
     ep.RejectCode.INVALID_REQUEST: lambda m: errors.invalid_request(m),
     ep.RejectCode.CONTEXT_LENGTH_EXCEEDED: lambda m: errors.context_length_exceeded(m),
     ep.RejectCode.CAPACITY_EXCEEDED: lambda m: errors.context_length_exceeded(m),
+    # The executor holds --max-queued-requests already: refused before anything ran, as the door would have.
+    ep.RejectCode.QUEUE_FULL: lambda m: errors.APIError(429, m, type="rate_limit_error", code="queue_full"),
 }
 
 
@@ -36,6 +39,7 @@ class ChoiceEvent:
     text: str
     logprobs: list[ep.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop"), if one did
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,9 @@ class Generation:
                         retry = True
                         break
                     if type(item) is ep.Rejected:
-                        if item.code == ep.RejectCode.CAPACITY_EXCEEDED and len(
-                            self.router.healthy(tried | {self._endpoint})
-                        ):
-                            retry = True  # another executor may have a larger cache
+                        retryable = item.code in (ep.RejectCode.CAPACITY_EXCEEDED, ep.RejectCode.QUEUE_FULL)
+                        if retryable and len(self.router.healthy(tried | {self._endpoint})):
+                            retry = True  # another executor may have a larger cache, or room in its queue
                             break
                         self._choices = []  # refused: nothing ran, nothing to count as aborted
                         if item.code == ep.RejectCode.INVALID_GRAMMAR and self.params.structured is not None:
@@ -230,7 +233,8 @@ class Generation:
                 self._finish(now)
         if not released and not delta.logprobs and finish_reason is None:
             return None
-        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason)
+        stop_string = choice.stop.stop_string if choice.stop.stopped else None
+        return ChoiceEvent(delta.index, released, list(delta.logprobs or ()), finish_reason, stop_string)
 
     def _count_tokens(self, choice: _Choice, count: int, now: float) -> None:
         if self.first_token_at is None:

@@ -16,6 +16,7 @@ from common.logs import configure_logging
 from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
 from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS
+from gateway.admission import DEFAULT_MAX_QUEUE_DELAY_S
 from gateway.server import run_gateway
 
 API_KEY_ENV = "PAGEDKV_GATEWAY_API_KEY"
@@ -115,7 +116,18 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     type=click.FloatRange(min=0.1),
     default=5.0,
     envvar="PAGEDKV_GATEWAY_EXECUTOR_TIMEOUT",
-    help="Seconds an executor may stay silent before it is taken out of rotation.",
+    help="Seconds an executor may send nothing, not even the beacon it sends every 0.25 s from a thread of its "
+    "own, before it is taken for dead and out of rotation (stretched, up to twice this, where its beacon is seen "
+    "arriving late). A long step is not silence: its executor keeps its streams.",
+)
+@click.option(
+    "--max-queue-delay",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_MAX_QUEUE_DELAY_S,
+    envvar="PAGEDKV_GATEWAY_MAX_QUEUE_DELAY",
+    help="Seconds a new request may be expected to wait for the work queued before it (estimated from each "
+    "executor's measured throughput); past it, new requests get 429 with Retry-After at once, and accepted ones "
+    "are never failed for being slow. 0: no such bound.",
 )
 @click.option(
     "--max-body-bytes",
@@ -179,6 +191,7 @@ def main(
     max_queued_sequences: int,
     deprecated_max_queue: int | None,
     executor_timeout: float,
+    max_queue_delay: float,
     max_body_bytes: str,
     tool_call_parser: str,
     api_keys: tuple[str, ...],
@@ -239,6 +252,7 @@ def main(
         served_model_name=served_model_name,
         max_queued_sequences=max_queued_sequences,
         executor_timeout_s=executor_timeout,
+        max_queue_delay_s=max_queue_delay or None,
         max_body_bytes=body_limit,
         tool_call_parser=tool_call_parser,
         curve=curve,

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.admission import Door
 from gateway.executors import ExecutorLink
 
 disable_created_metrics()  # the *_created series double the output and nobody graphs them
@@ -181,7 +182,13 @@ class VllmMetrics:
 
 
 class GatewayMetrics:
-    def __init__(self, links: Sequence[ExecutorLink], in_flight: Callable[[], int], model_name: str = "") -> None:
+    def __init__(
+        self,
+        links: Sequence[ExecutorLink],
+        in_flight: Callable[[], int],
+        model_name: str = "",
+        door: Door | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.vllm = VllmMetrics(r, model_name)
@@ -220,6 +227,21 @@ class GatewayMetrics:
             "Requests resubmitted elsewhere because their executor was lost",
             registry=r,
         )
+        self.refused = Counter(
+            "pagedkv_gateway_refused_requests",
+            "Requests refused at the door with 429, before any work: queue_full (--max-queued-sequences) or "
+            "overloaded (--max-queue-delay)",
+            ["reason"],
+            registry=r,
+        )
+        if door is not None:
+            wait = Gauge(
+                "pagedkv_gateway_estimated_queue_seconds",
+                "How long a request arriving now would wait for the work queued before it (the least loaded "
+                "executor, at its measured throughput; 0 until measured)",
+                registry=r,
+            )
+            wait.set_function(lambda: door.estimated_wait_s() or 0.0)
         self.queue_depth = Gauge("pagedkv_gateway_requests_in_flight", "Requests in flight at the gateway", registry=r)
         self.queue_depth.set_function(lambda: in_flight())
         hit_rate = Gauge(

@@ -1,5 +1,6 @@
-"""The gateway's HTTP app: OpenAI's completions, chat completions and models routes, health and metrics, and
-the error handlers that answer in OpenAI's error shape.
+"""The gateway's HTTP app: OpenAI's completions, chat completions, embeddings (gateway.embeddings) and models
+routes, Anthropic's messages (gateway.messages_routes), OpenAI's responses (gateway.responses_routes), health and
+metrics, and the error handlers that answer in OpenAI's error shape (Anthropic's on its routes).
 
 A request is parsed and checked here (body size and type, model, parameters), admitted to the queue (its
 prompts x n against --max-queued-sequences), tokenized off the event loop (the gateway's text pool), checked
@@ -20,14 +21,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from gateway import errors
-from gateway.api import ChatCompletionRequest, CompletionRequest, chat_tools
+from gateway.api import ChatCompletionRequest, CompletionRequest
 from gateway.auth import install_api_keys
 from gateway.chat import ChatCompletions
+from gateway.chat_run import run_chat
 from gateway.completions import Completions, echo_only
+from gateway.embedding_request import EmbeddingRequest
+from gateway.embeddings import embed, require_task, tokenize
 from gateway.errors import APIError
 from gateway.exchange import respond
+from gateway.messages_routes import add_messages_routes
+from gateway.response_store import ResponseStore
+from gateway.responses_routes import add_responses_routes
 from gateway.state import Gateway, GatewayConfig
-from gateway.text import PromptError
 from gateway.utility import add_utility_routes
 from gateway.validation import check_stop_token_ids, check_token_ids, parse_body, token_limit
 
@@ -63,7 +69,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path.startswith("/v1/"):
             gateway.metrics.requests.labels(route=route_label(request), status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(errors.error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -71,7 +77,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             error = errors.not_found(request.url.path)
         else:
             error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(errors.error_body(request.url.path, error), status_code=error.status)
 
     def prepare_prompts(body: CompletionRequest, raw: list[str | list[int]]) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt (truncated as asked) and, with echo, the text its choices start with."""
@@ -88,19 +94,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prompts.append(kept)
         return prompts, echo
 
-    def encode_chat(body: ChatCompletionRequest) -> list[int]:
-        prompt = gateway.tokenizer.encode_chat(
-            [m.for_template() for m in body.messages],
-            body.add_generation_prompt,
-            tools=chat_tools(body.tools),
-            add_special_tokens=body.add_special_tokens,
-        )
-        return body.truncate(prompt, gateway.max_model_len)
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await parse_body(request, CompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
+        require_task(gateway, "generate")
         check_stop_token_ids(gateway, body)
         raw_prompts = body.prompts()
         if not raw_prompts:
@@ -123,6 +121,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, config.max_body_bytes)
         gateway.check_model(body.model)
+        require_task(gateway, "generate")
         check_stop_token_ids(gateway, body)
         if body.parses_tool_calls and gateway.tool_call_parser == "none":
             raise errors.invalid_request(
@@ -131,19 +130,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "tool_choice 'none'",
                 param="tool_choice",
             )
-        admission = contextlib.ExitStack()
-        admission.enter_context(gateway.admitted(body.n))
-        try:
-            prompt = await gateway.off_loop(encode_chat, body)
-            limit = token_limit(gateway, prompt, body.token_limit, "messages")
-        except PromptError as exc:
-            admission.close()
-            raise errors.invalid_request(str(exc), param="messages") from None
-        except BaseException:
-            admission.close()
-            raise
         endpoint = ChatCompletions(body, gateway.tokenizer, gateway.tool_call_parser)
-        return await respond(gateway, request, endpoint, [prompt], [limit], admission)
+        return await run_chat(gateway, request, body, lambda _prompt: endpoint, "messages")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        body: EmbeddingRequest = await parse_body(request, EmbeddingRequest, config.max_body_bytes)
+        gateway.check_model(body.model)
+        require_task(gateway, "embed")
+        with gateway.admitted(1):  # one pass at one executor, whatever the inputs; the body size bounds them
+            prompts = await gateway.off_loop(tokenize, gateway, body)
+            return await embed(gateway, body, prompts)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -181,6 +178,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     add_utility_routes(app, gateway)
+    add_messages_routes(app, gateway, config.max_body_bytes)
+    app.state.response_store = ResponseStore()
+    add_responses_routes(app, gateway, config.max_body_bytes, app.state.response_store)
 
     @app.get("/metrics")
     async def metrics() -> Response:

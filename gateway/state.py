@@ -20,6 +20,7 @@ from common.auth import ClientCurve
 from executor.params import SamplingParams
 from executor.protocol import Info as ExecutorInfo
 from gateway import errors
+from gateway.admission import DEFAULT_MAX_QUEUE_DELAY_S, Door
 from gateway.executors import ExecutorLink
 from gateway.generation import Generation, OutputOptions
 from gateway.metrics import GatewayMetrics
@@ -41,6 +42,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     max_queued_sequences: int = 512  # a request's prompts x n, waiting or generating
     executor_timeout_s: float = 5.0
+    max_queue_delay_s: float | None = DEFAULT_MAX_QUEUE_DELAY_S  # past it, new requests get 429 (None: no bound)
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_threads: int = 2
     tool_call_parser: str = "auto"  # gateway.tool_calls.TOOL_CALL_PARSERS
@@ -73,7 +75,8 @@ class Gateway:
         # health checks or other requests. Admission comes first, so at most max_queued_sequences wait for it.
         self.text_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-text")
         self.tool_call_parser = self._tool_call_parser(config.tool_call_parser)
-        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight, self.model_name)
+        self.door = Door(self.router.healthy, config.max_queue_delay_s)
+        self.metrics = GatewayMetrics(self.links, lambda: self.in_flight, self.model_name, self.door)
 
     def _tool_call_parser(self, name: str) -> str:
         """The parser of tool calls in this model's output: as configured, or ("auto") by its chat template."""
@@ -126,7 +129,8 @@ class Gateway:
     @contextlib.contextmanager
     def admitted(self, generations: int = 1) -> Iterator[None]:
         """A place in the queue for a request of `generations` generations (its prompts x n), taken before any
-        work is done for it: 429 while the queue is full, 400 if the request alone exceeds it."""
+        work is done for it: 429 while the queue is full or the executors' queued work would keep it waiting past
+        --max-queue-delay (with Retry-After), 400 if the request alone exceeds the queue."""
         limit = self.config.max_queued_sequences
         if generations > limit:
             raise errors.invalid_request(
@@ -136,7 +140,22 @@ class Gateway:
                 code="too_many_generations",
             )
         if self.in_flight + generations > limit:
+            self.metrics.refused.labels(reason="queue_full").inc()
+            log.info("request_refused", reason="queue_full", in_flight=self.in_flight, limit=limit)
             raise errors.queue_full(limit)
+        refusal = self.door.check()
+        if refusal is not None:
+            bound = self.door.max_queue_delay_s or 0.0
+            self.metrics.refused.labels(reason="overloaded").inc()
+            log.info(
+                "request_refused",
+                reason="overloaded",
+                estimated_wait_s=round(refusal.wait_s, 1),
+                max_queue_delay_s=bound,
+                retry_after_s=refusal.retry_after_s,
+                in_flight=self.in_flight,
+            )
+            raise errors.overloaded(refusal.wait_s, bound, refusal.retry_after_s)
         self.in_flight += generations
         try:
             yield

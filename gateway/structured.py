@@ -5,6 +5,11 @@ vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`
 The gateway checks their shape and hands the executor a compact `GrammarSpec` (kind and source text); whether a
 schema, regex or grammar is valid is decided where it is compiled, in the executor (xgrammar imports torch, which
 the gateway never does), whose refusal comes back as a 400 that names the parameter.
+
+JSON output is compact by default (no whitespace but the ", " and ": " separators): a model free to put any
+whitespace between elements, as a weak one will, can fill max_tokens with blanks and never close the object.
+`structured_outputs.any_whitespace: true` (or vLLM's `disable_any_whitespace: false`) allows runs of whitespace,
+bounded by the executor (executor.structured.MAX_WHITESPACE). Tool calls forced by tool_choice are compact too.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from gateway.errors import invalid_request
 _STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's other keys of structured_outputs that pagedkv takes: xgrammar is its only backend (nothing to fall back
 # from) and its JSON schemas are strict already (no properties beyond those listed, unless the schema says so).
-_STRUCTURED_OUTPUTS_FLAGS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+_STRUCTURED_OUTPUTS_FLAGS = (
+    "any_whitespace",
+    "disable_any_whitespace",
+    "disable_fallback",
+    "disable_additional_properties",
+)
 
 
 class StructuredOutputFields(BaseModel):
@@ -80,7 +90,7 @@ def _response_format(value: dict[str, Any]) -> GrammarSpec | None:
         return None
     if kind == "json_object":
         _only_keys(value, ("type",), "response_format")
-        return GrammarSpec("json_object", param="response_format")
+        return GrammarSpec("json_object", any_whitespace=False, param="response_format")
     if kind == "json_schema":
         _only_keys(value, ("type", "json_schema"), "response_format")
         body = value.get("json_schema")
@@ -117,7 +127,7 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSpec:
             param="structured_outputs",
         )
     (kind,) = kinds
-    any_whitespace = not value.get("disable_any_whitespace", False)
+    any_whitespace = _any_whitespace(value)
     if kind == "json_object":
         if value["json_object"] is not True:
             raise invalid_request("structured_outputs.json_object must be true", param="structured_outputs.json_object")
@@ -125,7 +135,21 @@ def _structured_outputs(value: dict[str, Any]) -> GrammarSpec:
     return _spec(kind, value[kind], f"structured_outputs.{kind}", any_whitespace)
 
 
-def _spec(kind: str, value: Any, param: str, any_whitespace: bool = True) -> GrammarSpec:
+def _any_whitespace(value: dict[str, Any]) -> bool:
+    """Whether structured_outputs allows whitespace runs: `any_whitespace`, or vLLM's `disable_any_whitespace`
+    (the opposite); compact when neither is given."""
+    allowed, disabled = value.get("any_whitespace"), value.get("disable_any_whitespace")
+    if allowed is not None and disabled is not None and allowed == disabled:
+        raise invalid_request(
+            "structured_outputs.any_whitespace and disable_any_whitespace contradict each other: give one",
+            param="structured_outputs.any_whitespace",
+        )
+    if allowed is not None:
+        return bool(allowed)
+    return disabled is False
+
+
+def _spec(kind: str, value: Any, param: str, any_whitespace: bool = False) -> GrammarSpec:
     if kind == "json":
         if isinstance(value, str):
             try:

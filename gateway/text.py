@@ -260,6 +260,7 @@ class StopMatcher:
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the stop string is released too
         self._held = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the one that stopped it
 
     def feed(self, text: str) -> str:
         """The text that may be released now; sets `stopped` when a stop string completes."""
@@ -273,6 +274,7 @@ class StopMatcher:
             self.stopped = True
             self._held = ""
             at, stop = min(hits)
+            self.stop_string = stop
             return buffer[: at + len(stop)] if self.include_stop else buffer[:at]
         keep = self._longest_partial_stop(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""

@@ -118,8 +118,6 @@ def add_utility_routes(app: FastAPI, gateway: Gateway) -> None:
         return {"prompt": gateway.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     unsupported = {
-        "/v1/embeddings": "embeddings (pagedkv serves generative models only)",
-        "/v1/responses": "the Responses API (use /v1/chat/completions)",
         "/v1/audio/transcriptions": "audio",
         "/v1/images/generations": "images",
     }

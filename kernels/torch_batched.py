@@ -194,14 +194,32 @@ def _prefill_chunk(q, key_cache, value_cache, table, begin, q_len, kv_len, scale
     out[begin : begin + q_len] = o[0].transpose(0, 1).to(out.dtype)
 
 
+#: Scores one explicit-attention pass holds (float32 elements, ~64 MB): a long prefill chunk goes in query slices.
+EXPLICIT_SCORES = 1 << 24
+
+
 def _attend(qs, k, v, visible, scale, options) -> torch.Tensor:
     """Attention of qs [B, h, q, d] over k, v [B, hkv, L, d] where visible [B or 1, q, L]: SDPA, or with a softcap
     or sinks (which SDPA has no form for) the explicit scores, capped, masked, the sinks a softmax column."""
     if options is None or (options.softcap is None and options.sinks is None):
         return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    batch, heads, q_len, _ = qs.shape
+    step = max(1, EXPLICIT_SCORES // (batch * heads * k.shape[2]))
+    if q_len <= step:
+        return _explicit(qs, k, v, visible, scale, options)
+    return torch.cat(
+        [
+            _explicit(qs[:, :, i : i + step], k, v, visible[:, i : i + step], scale, options)
+            for i in range(0, q_len, step)
+        ],
+        dim=2,
+    )
+
+
+def _explicit(qs, k, v, visible, scale, options) -> torch.Tensor:
     batch, heads, q_len, head_dim = qs.shape
     kv_heads = k.shape[1]
-    qg = qs.view(batch, kv_heads, heads // kv_heads, q_len, head_dim)  # group heads share one kv head
+    qg = qs.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)  # group heads share one kv head
     scores = reference.softcapped(torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scale, options.softcap)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if options.sinks is None:

@@ -13,6 +13,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("support/waiting.py", "_run"): "the poller itself: it sleeps between tries of its condition",
     ("support/waiting.py", "_run_async"): "the poller itself, on an event loop",
     ("gateway/test_links.py", "_block_the_event_loop"): "blocks the event loop on purpose: the busy loop under test",
+    ("gateway/test_liveness.py", "_beat"): "a fake executor's liveness beacon: its period is what it simulates",
     ("bench/fake_vllm_driver.py", "main"): "a child program standing in for vLLM's driver: it simulates a slow load",
     ("bench/fake_vllm_cli.py", "do_POST"): "a child program standing in for `vllm serve`: it paces its tokens",
     ("bench/fake_vllm_cli.py", "bench_serve"): "a child program standing in for `vllm bench serve`: request arrivals",

@@ -18,6 +18,17 @@ One synthetic chat-like workload (fixed seed) runs through three schedulers that
   advance, which no real system does), with a perfect allocator (no external fragmentation): an upper bound for
   any reservation scheme.
 
+With `--window W` two more runs model a Gemma-3-shaped model (`--sliding-per-global` sliding layers of window
+W per global one), its KV in layer groups as a hybrid allocator keeps it: one group of every global layer and one
+per like number of sliding layers, each group's blocks one group's layers wide, all from one `BlockPool` (the
+same bytes as the runs above). A sequence holds a block table per group (a sequence of the pool each):
+
+- **grouped-full**: every group keeps every block (each layer allocated in full, as a model whose layers do not
+  all slide is in the executor today): the same capacity as `paged`, the check of the grouping;
+- **grouped-window**: the sliding groups hand back the blocks behind the window as the sequence runs
+  (`BlockPool.slide`, blockd's own operation), so each holds about W / block_size blocks however long the
+  sequence grows.
+
 Every request arrives at step 0 (an offline batch), so for most of the run requests are waiting and memory alone
 limits the batch. Utilization is averaged over those *saturated* steps (requests still waiting after admission);
 the final drain, where the batch shrinks because nothing is left to admit, is left out. Prefix caching plays no
@@ -316,6 +327,116 @@ def simulate_reserved(
     return result.finish(time.perf_counter() - started)
 
 
+def simulate_grouped(
+    requests: list[Request],
+    *,
+    name: str,
+    num_blocks: int,
+    block_size: int,
+    watermark_blocks: int,
+    windows: list[int | None],
+    check_every: int = CHECK_EVERY,
+    progress: Progress | None = None,
+) -> SimResult:
+    """`simulate_paged` with the KV in layer groups: one pool of `num_blocks` group blocks, each request a sequence
+    per group (`windows[g]`: the group's sliding window, None for the global layers'). A sliding group hands
+    back the blocks behind its window every step (`BlockPool.slide`). Utilization counts a token once per
+    group that holds its KV."""
+    started = time.perf_counter()
+    groups = len(windows)
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise ValueError(f"one window for every sliding group, got {sorted(sliding)}")
+    # One pool for every group: its window is the sliding groups' (the global group's sequences never slide).
+    window = next(iter(sliding), None)
+    pool = BlockPool(PoolSpec("capacity", num_blocks, block_size, "capacity-model", 1, window))
+    free_queue = pool.free_queue
+    result = SimResult(name)
+    waiting = deque(requests)
+    running: list[Request] = []
+    done = 0
+    budget = num_blocks * block_size
+
+    def seq_id(r: Request, g: int) -> str:
+        return f"r{r.index}.{r.admissions}.g{g}"
+
+    def release(r: Request) -> None:
+        for g in range(groups):
+            pool.free(seq_id(r, g))
+        r.stored = 0
+
+    def slide(r: Request, computed: int) -> None:
+        """Each sliding group hands back what no query from `computed` on reads."""
+        for g, w in enumerate(windows):
+            if w is not None:
+                pool.slide(seq_id(r, g), computed)
+
+    def live() -> int:
+        """Tokens whose KV some group holds, once per group (those behind a window are gone)."""
+        seqs = pool.seqs
+        return sum(
+            groups * r.stored - block_size * sum(seqs[seq_id(r, g)].holes for g in range(groups)) for r in running
+        )
+
+    for r in requests:
+        r.generated = r.stored = r.admissions = 0
+    step_limit = 10 * sum(r.output_len for r in requests) + 1000
+    while waiting or running:
+        preempted = False
+        i = 0
+        while i < len(running):
+            r = running[i]
+            at = r.stored * TOKEN_BYTES
+            try:
+                for g in range(groups):
+                    if pool.num_tokens(seq_id(r, g)) == r.stored:  # (a retry after a preemption: not twice)
+                        pool.append(seq_id(r, g), r.tokens[at : at + TOKEN_BYTES])
+            except BlockdError as exc:
+                if exc.code is not ErrorCode.OUT_OF_BLOCKS:
+                    raise
+                victim = running.pop()
+                result.preemptions += 1
+                result.recomputed_tokens += victim.stored
+                release(victim)
+                waiting.appendleft(victim)
+                preempted = True
+                continue
+            slide(r, r.stored)  # this step's query, at position stored, is the first still to come
+            r.stored += 1
+            i += 1
+        if not preempted:
+            while waiting:
+                r = waiting[0]
+                n = r.prompt_len + r.generated
+                if len(free_queue) - groups * -(-n // block_size) < watermark_blocks:
+                    break
+                r.admissions += 1
+                for g in range(groups):
+                    pool.admit(seq_id(r, g), r.tokens[: n * TOKEN_BYTES])
+                waiting.popleft()
+                running.append(r)
+                r.stored = n
+        in_use = num_blocks - len(free_queue)
+        result.record(len(running), live(), in_use * block_size, budget, saturated=bool(waiting))
+        # The prompts just computed: the sliding groups let go of what their next queries do not read.
+        for r in running:
+            slide(r, r.stored)
+        running, finished = _sample_and_retire(running, release)
+        done += finished
+        if progress and finished:
+            progress(name, done, len(requests), result.steps)
+        if result.steps % check_every == 0 and (problems := pool.check()):
+            raise InvariantViolation(f"{name}, step {result.steps}: " + "; ".join(problems))
+        if result.steps > step_limit:
+            raise InvariantViolation(f"{name}: {result.steps} steps without finishing (livelock?)")
+    if pool.num_blocks - len(free_queue) or pool.seqs or pool.check():
+        raise InvariantViolation(
+            f"{name}: after every request finished {pool.num_blocks - len(free_queue)} blocks in use"
+        )
+    result.completed = done
+    return result.finish(time.perf_counter() - started)
+
+
 # ---------------------------------------------------------------------------------------------------- command
 
 
@@ -380,6 +501,21 @@ def _fmt(value: float | str) -> str:
     help="Fraction of the blocks admission keeps free for decoding (vLLM's default).",
 )
 @click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also run a Gemma-3-shaped model: sliding layers of this window in layer groups (see --sliding-per-global).",
+)
+@click.option(
+    "--sliding-per-global",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Sliding layers per global layer (Gemma 3: 5).",
+)
+@click.option("--prompt-median", type=click.IntRange(min=1), default=PROMPT_MEDIAN, show_default=True)
+@click.option("--output-median", type=click.IntRange(min=1), default=OUTPUT_MEDIAN, show_default=True)
+@click.option(
     "--quick",
     is_flag=True,
     help=f"A small run for tests: {QUICK_REQUESTS} requests, {QUICK_KV_TOKENS} KV tokens "
@@ -394,6 +530,10 @@ def bench_capacity(
     requests: int,
     seed: int,
     watermark: float,
+    window: int | None,
+    sliding_per_global: int,
+    prompt_median: int,
+    output_median: int,
     quick: bool,
 ) -> None:
     if quick:
@@ -413,11 +553,13 @@ def bench_capacity(
             param_hint="'--kv-tokens'",
         )
     echo = click.echo
-    lengths = sample_lengths(requests, max_len=max_len, seed=seed)
+    lengths = sample_lengths(
+        requests, max_len=max_len, seed=seed, prompt_median=prompt_median, output_median=output_median
+    )
     prompts, outputs = [p for p, _ in lengths], [o for _, o in lengths]
     echo(
-        f"workload: {requests} requests, seed {seed}; prompt ~ lognormal(median {PROMPT_MEDIAN}, sigma "
-        f"{PROMPT_SIGMA}), output ~ lognormal(median {OUTPUT_MEDIAN}, sigma {OUTPUT_SIGMA}), "
+        f"workload: {requests} requests, seed {seed}; prompt ~ lognormal(median {prompt_median}, sigma "
+        f"{PROMPT_SIGMA}), output ~ lognormal(median {output_median}, sigma {OUTPUT_SIGMA}), "
         f"prompt + output <= {max_len}"
     )
     echo(
@@ -443,7 +585,19 @@ def bench_capacity(
     oracle = simulate_reserved(
         requests_, name="oracle", kv_tokens=kv_tokens, reserve=lambda r: r.prompt_len + r.output_len, progress=progress
     )
-    results = (paged, contiguous, oracle)
+    results: tuple[SimResult, ...] = (paged, contiguous, oracle)
+    if window is not None:
+        # The same bytes in group blocks, each one group's layers wide: groups x the blocks of every layer.
+        groups = sliding_per_global + 1
+        windows: list[int | None] = [None] + [window] * sliding_per_global
+        grouped = dict(
+            num_blocks=groups * num_blocks, block_size=block_size, watermark_blocks=groups * watermark_blocks
+        )
+        click.echo(f"[4/5] grouped-full ({groups} layer groups, every layer allocated in full)", err=True)
+        full = simulate_grouped(requests_, name="grouped-full", windows=[None] * groups, progress=progress, **grouped)
+        click.echo(f"[5/5] grouped-window ({sliding_per_global} sliding groups hand back past {window})", err=True)
+        hybrid = simulate_grouped(requests_, name="grouped-window", windows=windows, progress=progress, **grouped)
+        results += (full, hybrid)
     for res in results:
         if res.completed != requests:
             raise click.ClickException(f"{res.name}: {res.completed} of {requests} requests completed")
@@ -489,7 +643,16 @@ def bench_capacity(
     figures: dict[str, object] = {}
     for res in results:
         figures.update(
-            {f"{res.name}_{k}": (round(v, 4) if isinstance(v, float) else v) for k, v in res.figures().items()}
+            {
+                f"{res.name.replace('-', '_')}_{k}": (round(v, 4) if isinstance(v, float) else v)
+                for k, v in res.figures().items()
+            }
+        )
+    if window is not None:
+        echo(
+            f"grouped-window (a Gemma-3 shape: {sliding_per_global} sliding layers of window {window} per global "
+            f"one) holds {hybrid.mean_active / full.mean_active:.2f}x the sequences of every layer allocated in "
+            f"full (mean active, saturated steps; max active {hybrid.max_active} against {full.max_active})"
         )
     figures = {
         "paged_max_active": paged.max_active,
@@ -507,10 +670,14 @@ def bench_capacity(
         "max_len": max_len,
         "watermark_blocks": watermark_blocks,
         "seed": seed,
-        "prompt_lognormal": {"median": PROMPT_MEDIAN, "sigma": PROMPT_SIGMA},
-        "output_lognormal": {"median": OUTPUT_MEDIAN, "sigma": OUTPUT_SIGMA},
+        "prompt_lognormal": {"median": prompt_median, "sigma": PROMPT_SIGMA},
+        "output_lognormal": {"median": output_median, "sigma": OUTPUT_SIGMA},
+        "window": window,
+        "sliding_per_global": sliding_per_global if window is not None else None,
         "prompt_mean": round(statistics.fmean(prompts), 1),
         "output_mean": round(statistics.fmean(outputs), 1),
         "quick": quick,
     }
+    if window is not None:
+        figures["grouped_window_vs_full_mean_active"] = round(hybrid.mean_active / full.mean_active, 3)
     echo(json.dumps(figures))

@@ -53,6 +53,7 @@ from pagedkv.bench.peer_systems import (
     driver_env,
 )
 from pagedkv.bench.peer_workloads import QUICK_WORKLOADS, WORKLOADS, build_workload
+from pagedkv.bench.shapes import DEFAULT_SHAPE, SHAPES, ensure_shape
 from pagedkv.bench.throughput import bench_model, build_engine, special_ids
 
 DEFAULT_KV = "1GiB"
@@ -70,6 +71,11 @@ DEFAULT_RUNS = 3
     long = {WORKLOADS["long"].describe()};
     prefix = {WORKLOADS["prefix"].describe()} (prefix caching on in both).
     Same model (vLLM loads the same directory), the same KV memory, max_num_seqs and max_num_batched_tokens.
+
+    Model: --model DIR, or --model-shape, a random Llama generated once (progress on stderr) and cached under
+    $PAGEDKV_HOME/models/bench by its spec:
+    {"; ".join(shape.describe() for shape in SHAPES.values())}.
+    Every workload runs on the chosen model; --serve takes the same.
 
     Each system gets an untimed warm-up, then --runs rounds alternate the systems (pagedkv, vLLM with its default
     threads, vLLM with VLLM_CPU_OMP_THREADS_BIND=--bind-cpus, ...), each timed over generation only. Reported:
@@ -175,6 +181,13 @@ DEFAULT_RUNS = 3
     default=None,
     help="Checkpoint directory (default: the generated default llama).",
 )
+@click.option(
+    "--model-shape",
+    type=click.Choice(list(SHAPES)),
+    default=None,
+    help=f"A generated model of this shape instead of --model (default: {DEFAULT_SHAPE}, the default model; "
+    "see above).",
+)
 @click.option("--kv-cache-memory", default=DEFAULT_KV, show_default=True, help="KV memory of each system.")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="pagedkv's block size.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
@@ -232,6 +245,7 @@ def bench_peer(
     bind_cpus: str,
     vllm_eager: bool,
     model_dir: Path | None,
+    model_shape: str | None,
     kv_cache_memory: str,
     block_size: int,
     max_num_seqs: int,
@@ -244,6 +258,13 @@ def bench_peer(
     serve_loads: tuple[str, ...],
     vllm_cli: Path,
 ) -> None:
+    if model_shape is not None:
+        if model_dir is not None:
+            raise click.UsageError("give --model or --model-shape, not both")
+        if startup:
+            raise click.UsageError("--model-shape is for the offline and --serve benches; --startup has --model")
+        check_setup(max_num_seqs, max_num_batched_tokens, kv_cache_memory, vllm_python)  # before generating
+        model_dir = ensure_shape(model_shape)
     if serve:
         run_serve_bench(
             loads=serve_loads,
@@ -305,7 +326,8 @@ def bench_peer(
 
     echo(
         f"model:    {model_dir} ({config.architecture}, {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"vocab {config.vocab_size}); cpu, float32; pagedkv: {pagedkv_threads} torch threads, "
+        f"{config.num_heads} heads / {config.num_kv_heads} KV heads of {config.head_dim}, vocab {config.vocab_size}"
+        f"{f'; shape {model_shape}' if model_shape else ''}); cpu, float32; pagedkv: {pagedkv_threads} torch threads, "
         f"{num_blocks:,} blocks of {block_size}; {os.cpu_count()} cores"
     )
     echo(
@@ -415,6 +437,7 @@ def bench_peer(
                 "vllm": vllm_info,
                 "vllm_python": str(python),
                 "model": str(model_dir),
+                "model_shape": model_shape,
                 "kv_cache_bytes": budget,
                 "block_size": block_size,
                 "num_blocks": num_blocks,

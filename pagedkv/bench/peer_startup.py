@@ -48,7 +48,6 @@ import httpx
 
 from common import processes
 from common.cpu import machine_busy_s
-from common.default_model import is_complete_model
 from common.home import pagedkv_home
 from common.net import free_port
 from pagedkv.bench.common import blockd_process, log_tail, table_lines
@@ -60,9 +59,8 @@ from pagedkv.bench.peer_systems import (
     driver_env,
     read_loadavg,
 )
+from pagedkv.bench.shapes import ensure_checkpoint as shared_ensure_checkpoint
 from pagedkv.bench.throughput import bench_model
-from pagedkv.tools.model_gen import write_model
-from pagedkv.tools.model_gen.spec import ModelSpecError
 
 #: The cases in the order each round runs them.
 CASES = ("default", "1gb", "serve")
@@ -119,30 +117,9 @@ def default_checkpoint_dir(options: dict[str, Any]) -> Path:
 
 
 def ensure_checkpoint(directory: Path, options: dict[str, Any]) -> Path:
-    """The checkpoint in `directory`, generated there (progress on stderr) unless it holds a complete one;
-    ClickException when it cannot be written or holds something else."""
-    if is_complete_model(directory):
-        return directory
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise click.ClickException(
-            f"--startup-model {directory} is neither a complete checkpoint nor empty: give an empty or new directory"
-        )
-    try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory.parent, prefix=".write-check-"):
-            pass
-    except OSError as exc:
-        raise click.ClickException(
-            f"cannot write the startup checkpoint into {directory}: {exc.strerror or exc} (give --startup-model "
-            "a writable directory)"
-        ) from None
-    click.echo(f"generating the startup checkpoint in {directory} (once; reused after)", err=True)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # write_model's progress lines: stderr, not the table
-            write_model(directory, **options)
-    except (OSError, ModelSpecError) as exc:
-        raise click.ClickException(f"cannot write the startup checkpoint into {directory}: {exc}") from None
-    return directory
+    """The startup checkpoint in `directory`, generated there unless it holds a complete one (see
+    shapes.ensure_checkpoint)."""
+    return shared_ensure_checkpoint(directory, options, what="the startup checkpoint", option="--startup-model")
 
 
 def checkpoint_bytes(directory: Path) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockd.block_rule import Growth, growth, reservable, shared_blocks, to_block_end
+from blockd.block_rule import Growth, dead_blocks, growth, reservable, shared_blocks, to_block_end
 
 
 def _slots_counted(
@@ -84,3 +84,26 @@ def test_reservation_examples() -> None:
     assert growth(4, 5, 0, 2, open_block_shared=True, reserved=1, reserve=6) == Growth(1, True)
     # Reserved-only blocks are never shared: a full last token block leaves nothing to copy.
     assert growth(4, 8, 0, 3, open_block_shared=True, reserved=4, reserve=4) == Growth(0, False)
+
+
+def _dead_counted(block_size: int, window: int, num_computed: int, horizon: int) -> int:
+    """Leading blocks none of whose slots a query at positions [num_computed, horizon) reads, slot by slot."""
+    read = {k for q in range(num_computed, horizon) for k in range(q + 1) if q - k < window}
+    blocks = 0
+    while all(slot not in read for slot in range(blocks * block_size, (blocks + 1) * block_size)):
+        blocks += 1
+    return blocks
+
+
+@given(st.integers(1, 8), st.integers(1, 24), st.integers(0, 60))
+def test_dead_blocks_matches_counting_slots(block_size: int, window: int, num_computed: int) -> None:
+    # A query further on reads nothing earlier than the first one does: a horizon one block past is enough.
+    horizon = num_computed + block_size + window
+    assert dead_blocks(block_size, window, num_computed) == _dead_counted(block_size, window, num_computed, horizon)
+
+
+def test_dead_block_examples() -> None:
+    assert dead_blocks(4, None, 1000) == 0  # no window: everything stays read
+    assert dead_blocks(4, 8, 8) == 0  # the query at 8 reads keys 1..8: block 0 is still read
+    assert dead_blocks(4, 8, 10) == 0 and dead_blocks(4, 8, 11) == 1  # at 11 it reads 4..11: block 0 is dead
+    assert dead_blocks(4, 1, 4) == 1  # a window of one: a query reads its own key only

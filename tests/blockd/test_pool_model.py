@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes
-from blockd.pool import BlockPool, PoolSpec
+from blockd.pool import HOLE, BlockPool, PoolSpec
 from tests.blockd.pool_state import index_view, pool_state
 
 SEQ_IDS = ["a", "b", "c", "d", "e"]
@@ -60,9 +60,10 @@ class Model:
     independent reference is what lets this test catch a wrong rule.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None) -> None:
         self.n = num_blocks
         self.bs = block_size
+        self.window = window
         self.refcount = [0] * num_blocks
         self.generation = [0] * num_blocks
         self.key: list[Key | None] = [None] * num_blocks  # what the index says each block holds
@@ -121,31 +122,34 @@ class Model:
     def refresh_content(self) -> None:
         for seq in self.seqs.values():
             for i in range(len(seq.tokens) // self.bs):
-                self.content[seq.table[i]] = self.block_key(seq.salt, seq.tokens, i)
+                if seq.table[i] != HOLE:
+                    self.content[seq.table[i]] = self.block_key(seq.salt, seq.tokens, i)
 
     # ---- operations
 
-    def admit(self, sid: str, tokens: list[int], salt: str | None) -> tuple[list[int], list[int], int]:
+    def admit(
+        self, sid: str, tokens: list[int], salt: str | None, hold: int | None = None
+    ) -> tuple[list[int], list[int], int]:
         if sid in self.seqs:
             raise ModelError(ErrorCode.SEQUENCE_EXISTS)
         n = len(tokens)
         if n == 0 or any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
-        if n > self.n * self.bs:  # more than the whole pool holds: refused before any hashing
+        if (n if hold is None else hold) > self.n * self.bs:  # more than the whole pool holds: refused at once
             self.counters["admit_failures"] += 1
             raise ModelError(ErrorCode.TOO_MANY_TOKENS)
-        hits = []
-        for i in range((n - 1) // self.bs):
-            b = self.find(self.block_key(salt, tokens, i))
-            if b is None:
-                break
-            hits.append(b)
+        hits = self.hits(tokens, salt)
+        if hold is not None and len(hits) * self.bs + hold < n:  # only `hold` tokens past the hit registered
+            tokens = tokens[: len(hits) * self.bs + max(hold, 1)]
+            n = len(tokens)
         needed = -(-n // self.bs) - len(hits)
-        available = len(self.free) - len([b for b in hits if self.refcount[b] == 0])
+        available = len(self.free) - len([b for b in hits if b != HOLE and self.refcount[b] == 0])
         if needed > available:
             self.counters["admit_failures"] += 1
             raise ModelError(ErrorCode.OUT_OF_BLOCKS, needed - available)
         for b in hits:
+            if b == HOLE:
+                continue
             if self.refcount[b] == 0:
                 self.free.remove(b)
             self.refcount[b] += 1
@@ -158,7 +162,24 @@ class Model:
         c["queried_tokens"] += n
         c["hit_tokens"] += len(hits) * self.bs
         c["granted_blocks"] += needed
-        return table, [self.generation[b] for b in table], len(hits) * self.bs
+        return table, [0 if b == HOLE else self.generation[b] for b in table], len(hits) * self.bs
+
+    def dead(self, num_computed: int, limit: int) -> int:
+        """Leading blocks (at most `limit`) whose last slot a query at `num_computed` no longer sees."""
+        dead = 0
+        while dead < limit and self.window is not None and num_computed - ((dead + 1) * self.bs - 1) >= self.window:
+            dead += 1
+        return dead
+
+    def hits(self, tokens: list[int], salt: str | None) -> list[int]:
+        """The longest cached prefix's table: every block the first query after it still reads is indexed (all of
+        them, without a window); the ones before are holes."""
+        for cached in range((len(tokens) - 1) // self.bs if tokens else 0, 0, -1):
+            holes = self.dead(cached * self.bs, cached - 1)  # its last block is always indexed
+            found = [self.find(self.block_key(salt, tokens, i)) for i in range(holes, cached)]
+            if None not in found:
+                return [HOLE] * holes + found
+        return []
 
     def append(self, sid: str, tokens: list[int], reserve: int = 0) -> tuple[tuple, tuple, tuple, tuple]:
         seq = self.seq(sid)
@@ -212,7 +233,7 @@ class Model:
             if self.find(key) is not None:
                 continue  # the first copy stays the hit
             b = seq.table[i]
-            if self.key[b] is not None:
+            if b == HOLE or self.key[b] is not None:
                 continue
             self.index.append((key, b))
             self.key[b] = key
@@ -227,33 +248,45 @@ class Model:
         # The child takes the blocks that hold a token, and none of the parent's reserved-only ones.
         shared = [b for i, b in enumerate(p.table) if i * self.bs < len(p.tokens)]
         for b in shared:
-            self.refcount[b] += 1
+            if b != HOLE:
+                self.refcount[b] += 1
         self.seqs[child] = ModelSeq(list(p.tokens), shared, p.committed, p.salt)
         self.freed.discard(child)
 
-    def free_seq(self, sid: str) -> int:
-        seq = self.seq(sid)
-        del self.seqs[sid]
-        for b in reversed(seq.table):
+    def release(self, blocks: list[int]) -> int:
+        held = [b for b in blocks if b != HOLE]
+        for b in reversed(held):
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 if self.key[b] is None:
                     self.free.insert(0, b)  # holds nothing worth keeping: reused first
                 else:
                     self.free.append(b)  # most recently freed cached block: evicted last
-        self.counters["freed_blocks"] += len(seq.table)
+        self.counters["freed_blocks"] += len(held)
+        return len(held)
+
+    def free_seq(self, sid: str) -> int:
+        seq = self.seq(sid)
+        del self.seqs[sid]
         self.freed.add(sid)
-        return len(seq.table)
+        return self.release(seq.table)
+
+    def slide(self, sid: str, num_computed: int) -> int:
+        if self.window is None:
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        seq = self.seq(sid)
+        if not 0 <= num_computed <= len(seq.tokens):
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        # A block is dead when its last slot is: the first query still to come (at num_computed) no longer sees it.
+        dead = self.dead(num_computed, len(seq.table))
+        released = self.release(seq.table[:dead])
+        seq.table[:dead] = [HOLE] * dead
+        return released
 
     def lookup(self, tokens: list[int], salt: str | None) -> int:
         if any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
-        hits = 0
-        for i in range((len(tokens) - 1) // self.bs if tokens else 0):
-            if self.find(self.block_key(salt, tokens, i)) is None:
-                break
-            hits += 1
-        return hits * self.bs
+        return len(self.hits(tokens, salt)) * self.bs
 
     def reset(self) -> int:
         dropped = len(self.index)
@@ -270,12 +303,17 @@ class PoolMachine(RuleBasedStateMachine):
     pool: BlockPool
     model: Model
 
-    @initialize(num_blocks=st.one_of(st.integers(4, 10), st.integers(4, 24)), block_size=st.integers(2, 4))
-    def setup(self, num_blocks: int, block_size: int) -> None:
-        self.spec = PoolSpec("p0", num_blocks, block_size, "model-x", 1)
+    @initialize(
+        num_blocks=st.one_of(st.integers(4, 10), st.integers(4, 24)),
+        block_size=st.integers(2, 4),
+        window=st.one_of(st.none(), st.integers(1, 9)),
+    )
+    def setup(self, num_blocks: int, block_size: int, window: int | None) -> None:
+        self.spec = PoolSpec("p0", num_blocks, block_size, "model-x", 1, window)
         self.journal: dict = {}
         self.pool = BlockPool(self.spec, journal=self.journal)
-        self.model = Model(num_blocks, block_size)
+        self.model = Model(num_blocks, block_size, window)
+        self.slid: dict[str, int] = {}  # the furthest slide of each live sequence (its executor's computed tokens)
         # (tokens, salt) seen so far, to build prompts that share prefixes with them
         self.history: list[tuple[list[int], str | None]] = []
         self.persisted: list[dict] = []  # index snapshots taken earlier (what Redis may still hold)
@@ -322,13 +360,14 @@ class PoolMachine(RuleBasedStateMachine):
         ("commit_all_computed", 10),
         ("commit", 6),
         ("fork", 8),
+        ("slide", 8),
         ("lookup", 3),
         ("on_dead_sequence", 3),
         ("reset_prefix_cache", 2),
         ("persist", 4),
         ("restart", 4),
     )
-    NEEDS_LIVE = frozenset({"append", "commit_all_computed", "commit", "free", "fork"})
+    NEEDS_LIVE = frozenset({"append", "commit_all_computed", "commit", "free", "fork", "slide"})
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
@@ -361,15 +400,16 @@ class PoolMachine(RuleBasedStateMachine):
         assert got == want
         return got
 
-    def _admit(self, sid: str, tokens: list[int], salt: str | None) -> None:
+    def _admit(self, sid: str, tokens: list[int], salt: str | None, hold: int | None = None) -> None:
         expected_hit = self._lookup(tokens, salt)  # lookup reports what admit will hit
         free_before = set(self.pool.free_queue)
         out = self.both(
-            f"admit({sid!r}, {tokens}, {salt!r})",
-            lambda: self.pool.admit(sid, tokens, salt),
-            lambda: self.model.admit(sid, tokens, salt),
+            f"admit({sid!r}, {tokens}, {salt!r}, hold={hold})",
+            lambda: self.pool.admit(sid, tokens, salt, hold=hold),
+            lambda: self.model.admit(sid, tokens, salt, hold),
         )
         if isinstance(out, tuple):
+            self.slid.pop(sid, None)
             got, (table, gens, cached) = out
             assert got.blocks == table
             assert got.generations == gens
@@ -379,7 +419,7 @@ class PoolMachine(RuleBasedStateMachine):
                 event("admit: prefix hit")
                 if free_before & set(got.blocks[: cached // self.pool.block_size]):
                     event("admit: hit on a cached-free block")
-            self.history.append((list(tokens), salt))
+            self.history.append((self.model.seqs[sid].tokens[:], salt))
         elif out.code == ErrorCode.INVALID_REQUEST:
             event("admit: invalid request")
 
@@ -390,7 +430,9 @@ class PoolMachine(RuleBasedStateMachine):
             tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(st.sampled_from([-1, 2**32, 2**40]))
         elif data.draw(st.integers(0, 29)) == 29:
             tokens = []
-        self._admit(self.draw_new_id(data), tokens, salt)
+        # Now and then a prompt held in part (a sliding window's long prompt: the rest is appended later).
+        hold = data.draw(st.sampled_from([None, None, None, 0, 1, 3]))
+        self._admit(self.draw_new_id(data), tokens, salt, hold)
 
     def op_admit_sharing_prefix(self, data: st.DataObject) -> None:
         """A prompt that shares a prefix with an indexed one or one seen before, usually under the same salt."""
@@ -459,6 +501,23 @@ class PoolMachine(RuleBasedStateMachine):
             got, want = out
             assert got == want
 
+    def op_slide(self, data: st.DataObject) -> None:
+        """A step hands back the blocks past every query's window (mostly after computing all its tokens)."""
+        sid = data.draw(st.sampled_from(self.live()))
+        n = len(self.model.seqs[sid].tokens)
+        num_computed = data.draw(st.one_of(st.just(n), st.integers(0, n), st.sampled_from([-1, n + 1])))
+        out = self.both(
+            f"slide({sid!r}, {num_computed})",
+            lambda: self.pool.slide(sid, num_computed),
+            lambda: self.model.slide(sid, num_computed),
+        )
+        if isinstance(out, tuple):
+            got, want = out
+            assert got == want
+            self.slid[sid] = max(self.slid.get(sid, 0), num_computed)
+            if got:
+                event("slide: blocks handed back")
+
     def op_fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self.live()))
         child = self.draw_new_id(data)
@@ -469,6 +528,7 @@ class PoolMachine(RuleBasedStateMachine):
         )
         if isinstance(out, tuple):
             assert out == (None, None)
+            self.slid[child] = self.slid.get(parent, 0)
             if data.draw(st.booleans()):  # usually one of them writes next: copy-on-write if the tail is partial
                 self.op_append(data, sid=data.draw(st.sampled_from([parent, child])))
 
@@ -495,6 +555,7 @@ class PoolMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self.live()))
         got, want = self.both(f"free({sid!r})", lambda: self.pool.free(sid), lambda: self.model.free_seq(sid))
         assert got == want
+        self.slid.pop(sid, None)
         if data.draw(st.integers(0, 3)) == 3:  # sometimes free it again (or use it) right away
             self._op_on_dead(sid, data)
 
@@ -534,7 +595,8 @@ class PoolMachine(RuleBasedStateMachine):
         p2.adopt_generations(executor_generations)
         for sid, seq in pool.seqs.items():
             salt = next(s for s in SALTS if pool.extra_for(s) == seq.extra)
-            p2.restore_sequence(sid, pool.token_ids(sid), seq.table, seq.committed * bs, salt, seq.reserved)
+            computed = max(seq.committed * bs, self.slid.get(sid, 0))  # what its executor's mirror sends
+            p2.restore_sequence(sid, pool.token_ids(sid), seq.table, computed, salt, seq.reserved)
         p2.restore_index(snap.items(), executor_generations)
         assert p2.check() == []
         assert p2.refcount == pool.refcount
@@ -596,8 +658,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(pool.free_queue) == len(set(pool.free_queue))
         assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if pool.refcount[b] == 0}
         # I2: refcounts add up to the block tables.
-        assert sum(pool.refcount) == sum(len(s.table) for s in pool.seqs.values())
-        referenced = {b for s in pool.seqs.values() for b in s.table}
+        assert sum(pool.refcount) == sum(len(s.table) - s.table.count(HOLE) for s in pool.seqs.values())
+        referenced = {b for s in pool.seqs.values() for b in s.table} - {HOLE}
         assert not referenced & set(pool.free_queue), "a block is both free and referenced"
         assert all(pool.refcount[b] > 0 for b in referenced)
         # I3: every index entry names a block carrying that hash.
@@ -611,6 +673,11 @@ class PoolMachine(RuleBasedStateMachine):
             holding_tokens = -(-pool.num_tokens(sid) // pool.block_size)
             assert all(pool.refcount[b] == 1 for b in s.table[holding_tokens:]), "a reserved-only block is shared"
             assert s.committed <= pool.num_tokens(sid) // pool.block_size
+            # Holes: leading only, and only where no query from the last registered token on reads.
+            holes = s.table.count(HOLE)
+            assert s.table[:holes] == [HOLE] * holes
+            w = pool.spec.sliding_window
+            assert not holes or (w is not None and holes * pool.block_size - 1 <= pool.num_tokens(sid) - w)
         # I4: a sequence's reserved slots in its open block are written ahead, so every other holder of that
         # block has it open too (at its next token's position), reserves nothing and holds no more tokens there.
         bs = pool.block_size

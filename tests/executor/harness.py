@@ -80,7 +80,7 @@ def check_sequence_invariants(engine: Engine) -> None:
             assert len(mirrored.blocks) == -(-(registered + mirrored.reserved) // bs), seq
     for seq in scheduler.waiting:
         assert seq.status is Status.WAITING and seq.seq_id not in engine.pool.seqs
-    held = Counter(b for s in engine.pool.seqs.values() for b in s.blocks)
+    held = Counter(b for s in engine.pool.seqs.values() for b in s.blocks[s.holes :])
     assert engine.pool.blocks_in_use == len(held)
     assert engine.pool.refcount == [held[b] for b in range(engine.pool.num_blocks)]
 

@@ -106,6 +106,7 @@ class Harness:
         watermark_blocks: int = 0,
         pipelined: bool = False,
         stops: random.Random | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.stops = stops  # when given, a sampled token now and then is a stop token
         self.blockd = InProcessBlockd()
@@ -116,6 +117,7 @@ class Harness:
             block_size=block_size,
             model_id="model",
             epoch=1,
+            sliding_window=sliding_window,
         )
         self.pool.register()
         self._submit_step = self.pool.submit_step
@@ -127,6 +129,7 @@ class Harness:
             max_num_batched_tokens=max_num_batched_tokens,
             blocks=self.pool,
             watermark_blocks=watermark_blocks,
+            sliding_window=sliding_window,
         )
         self.scheduler.harness = self
         self.loop = StepLoop(

@@ -29,7 +29,10 @@ def spec(model: type, **fields: Any) -> GrammarSpec | None:
     [
         ({}, None),
         ({"response_format": {"type": "text"}}, None),
-        ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object", param="response_format")),
+        (
+            {"response_format": {"type": "json_object"}},
+            GrammarSpec("json_object", any_whitespace=False, param="response_format"),
+        ),
         (
             {
                 "response_format": {
@@ -37,30 +40,47 @@ def spec(model: type, **fields: Any) -> GrammarSpec | None:
                     "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
                 }
             },
-            GrammarSpec("json", COMPACT, param="response_format.json_schema.schema"),
+            GrammarSpec("json", COMPACT, any_whitespace=False, param="response_format.json_schema.schema"),
         ),
-        ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec("json", COMPACT, param="structured_outputs.json")),
+        (
+            {"structured_outputs": {"json": SCHEMA}},
+            GrammarSpec("json", COMPACT, any_whitespace=False, param="structured_outputs.json"),
+        ),
         (
             {"structured_outputs": {"json": json.dumps(SCHEMA, indent=2), "disable_any_whitespace": True}},
             GrammarSpec("json", COMPACT, any_whitespace=False, param="structured_outputs.json"),
         ),
-        ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+", param="structured_outputs.regex")),
+        (
+            {"structured_outputs": {"json": SCHEMA, "any_whitespace": True}},
+            GrammarSpec("json", COMPACT, any_whitespace=True, param="structured_outputs.json"),
+        ),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": False}},
+            GrammarSpec("json_object", any_whitespace=True, param="structured_outputs.json_object"),
+        ),
+        (
+            {"structured_outputs": {"regex": "a+"}},
+            GrammarSpec("regex", "a+", any_whitespace=False, param="structured_outputs.regex"),
+        ),
         (
             {"structured_outputs": {"choice": ["x", "y"]}},
-            GrammarSpec("choice", '["x", "y"]', param="structured_outputs.choice"),
+            GrammarSpec("choice", '["x", "y"]', any_whitespace=False, param="structured_outputs.choice"),
         ),
         (
             {"structured_outputs": {"grammar": 'root ::= "a"'}},
-            GrammarSpec("grammar", 'root ::= "a"', param="structured_outputs.grammar"),
+            GrammarSpec("grammar", 'root ::= "a"', any_whitespace=False, param="structured_outputs.grammar"),
         ),
         (
             {"structured_outputs": {"json_object": True}},
-            GrammarSpec("json_object", param="structured_outputs.json_object"),
+            GrammarSpec("json_object", any_whitespace=False, param="structured_outputs.json_object"),
         ),
-        ({"guided_json": SCHEMA}, GrammarSpec("json", COMPACT, param="guided_json")),
-        ({"guided_regex": "[0-9]"}, GrammarSpec("regex", "[0-9]", param="guided_regex")),
-        ({"guided_choice": ["a"]}, GrammarSpec("choice", '["a"]', param="guided_choice")),
-        ({"guided_grammar": 'root ::= "a"'}, GrammarSpec("grammar", 'root ::= "a"', param="guided_grammar")),
+        ({"guided_json": SCHEMA}, GrammarSpec("json", COMPACT, any_whitespace=False, param="guided_json")),
+        ({"guided_regex": "[0-9]"}, GrammarSpec("regex", "[0-9]", any_whitespace=False, param="guided_regex")),
+        ({"guided_choice": ["a"]}, GrammarSpec("choice", '["a"]', any_whitespace=False, param="guided_choice")),
+        (
+            {"guided_grammar": 'root ::= "a"'},
+            GrammarSpec("grammar", 'root ::= "a"', any_whitespace=False, param="guided_grammar"),
+        ),
     ],
 )
 def test_fields_map_to_one_grammar_spec(model: type, fields: dict[str, Any], expected: GrammarSpec | None) -> None:
@@ -97,6 +117,10 @@ def test_fields_map_to_one_grammar_spec(model: type, fields: dict[str, Any], exp
         (
             {"structured_outputs": {"regex": "a", "disable_any_whitespace": 1}},
             "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            {"structured_outputs": {"json": {}, "any_whitespace": True, "disable_any_whitespace": True}},
+            "structured_outputs.any_whitespace",
         ),
         ({"guided_json": "[1, 2]"}, "guided_json"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),

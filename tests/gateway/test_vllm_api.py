@@ -125,10 +125,14 @@ def test_tokenizer_info_version_ping_and_model_card(stack, tokenizer) -> None:
     card = httpx.get(f"{stack.url}/v1/models/{stack.model_name}").json()
     assert card["id"] == stack.model_name and card["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(f"{stack.url}/v1/models/other").status_code == 404
-    for path in ("/v1/embeddings", "/v1/responses"):
+    for path in ("/v1/audio/transcriptions",):  # /v1/responses and /v1/embeddings are served: their own tests
         response = httpx.post(f"{stack.url}{path}", json={"model": stack.model_name, "input": "x"})
         assert response.status_code == 404 and path in response.json()["error"]["message"]
         assert "not supported" in response.json()["error"]["message"]
+    # a generating server refuses embeddings by name (tests/gateway/test_embeddings_api.py: the other way round)
+    response = httpx.post(f"{stack.url}/v1/embeddings", json={"model": stack.model_name, "input": "x"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "wrong_task"
+    assert "/v1/completions" in response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------- output settings

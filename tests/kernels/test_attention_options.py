@@ -16,7 +16,7 @@ import torch
 
 from kernels import dispatch, reference
 from tests.kernels.attention_options import COMBINATIONS, dense_attention, fresh_seed, random_case
-from tests.kernels.paged_case import DEVICE, TOLERANCES, float64_oracle, make_batch, needs_interpreter, poisoned_like
+from tests.kernels.paged_case import DEVICE, TOLERANCES, float64_oracle, make_batch, poisoned_like
 
 
 def _transformers_step(seq: tuple[int, int], window: int, seed: int):
@@ -25,7 +25,10 @@ def _transformers_step(seq: tuple[int, int], window: int, seed: int):
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     q_len, kv_len = seq
-    batch = make_batch([seq], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float64, seed=seed)
+    cpu = torch.device("cpu")  # transformers' eager code on host tensors, whatever the test device
+    batch = make_batch(
+        [seq], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float64, seed=seed, device=cpu
+    )
     q_idx = torch.arange(kv_len - q_len, kv_len)[:, None]
     kv_idx = torch.arange(kv_len)[None, :]
     allowed = sliding_window_causal_mask_function(window)(0, 0, q_idx, kv_idx)
@@ -89,10 +92,14 @@ def test_a_window_wider_than_every_context_changes_nothing():
     )
 
 
-def test_reference_reads_no_table_entry_before_the_window():
+@pytest.mark.parametrize(
+    "backend, decode_path", [("reference", ""), ("torch", "native"), ("torch", "torch"), ("triton", "")]
+)
+def test_no_backend_reads_a_table_entry_before_the_window(backend, decode_path, monkeypatch):
     """Entries before the first visible block may name anything once blocks are given back, even no block."""
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", decode_path or "auto")
     batch = make_batch(
-        [(3, 50), (1, 70)],
+        [(3, 50), (1, 70), (1, 9)],
         num_heads=2,
         num_kv_heads=1,
         head_dim=32,
@@ -104,17 +111,8 @@ def test_reference_reads_no_table_entry_before_the_window():
     tables = batch.block_tables.clone()
     for s, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
         tables[s, : reference.first_visible(kv_len, q_len, 10) // 8] = -1
-    got = dispatch.paged_attention(
-        batch.q,
-        batch.key_cache,
-        batch.value_cache,
-        tables,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.scale,
-        sliding_window=10,
-        backend="reference",
-    )
+    args = (batch.q, batch.key_cache, batch.value_cache, tables, batch.query_start_loc, batch.seq_lens)
+    got = dispatch.paged_attention(*args, batch.scale, sliding_window=10, backend=backend)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -153,7 +151,7 @@ def test_native_rows_sharing_a_prefix_with_every_option(window, monkeypatch):
         shared_prefix_blocks=3,
         sliding_window=window,
     )
-    options = dict(sliding_window=window, softcap=3.0, sinks=torch.linspace(-2, 3, 8))
+    options = dict(sliding_window=window, softcap=3.0, sinks=torch.linspace(-2, 3, 8, device=DEVICE))
     got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch", **options)
     torch.testing.assert_close(got.double(), float64_oracle(batch, **options), atol=1e-5, rtol=1e-5, msg=f"{seed}")
 
@@ -166,7 +164,6 @@ def _triton(batch, options, num_splits=None, description=""):
     torch.testing.assert_close(out.double(), want, **TOLERANCES[batch.q.dtype], msg=description)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("features", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])
 def test_triton_matches_the_float64_reference(features):
     # Small: the interpreter is slow. One fresh case per combination, the dtype drawn with it.
@@ -176,7 +173,6 @@ def test_triton_matches_the_float64_reference(features):
     _triton(case.batch, case.options, description=case.description)
 
 
-@needs_interpreter
 def test_triton_decode_splits_with_a_window_and_sinks():
     """Flash-decoding splits over a window (they start at it, so some are empty) with the sinks in the reduce;
     windows of 1 and wider than the contexts too."""
@@ -198,7 +194,6 @@ def test_triton_decode_splits_with_a_window_and_sinks():
         _triton(batch, options, num_splits=3, description=f"seed {seed} window {window}")
 
 
-@needs_interpreter
 def test_triton_prefill_chunk_longer_than_its_window():
     """A 40-token chunk after 60 cached tokens, window 6: every tile has keys only some rows see (the masked
     head segment), and blocks before the chunk's first window are given back."""
@@ -215,9 +210,27 @@ def test_triton_prefill_chunk_longer_than_its_window():
     _triton(batch, dict(sliding_window=6))
 
 
-@needs_interpreter
 @pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 def test_a_window_past_any_length_is_no_window(backend):
     batch = make_batch([(4, 37), (1, 20)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32)
     got = dispatch.paged_attention(*batch.args(), batch.scale, sliding_window=2**40, backend=backend)
     torch.testing.assert_close(got.double(), float64_oracle(batch), **TOLERANCES[torch.float32])
+
+
+def test_a_long_chunk_with_softcap_goes_in_query_slices_and_stays_exact(monkeypatch):
+    from kernels import torch_batched
+
+    monkeypatch.setattr(torch_batched, "EXPLICIT_SCORES", 4 * 100 * 7)  # 7 queries a slice over 100 keys, 4 heads
+    batch = make_batch(
+        [(30, 100), (1, 64)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=fresh_seed(),
+        sliding_window=50,
+    )
+    options = dict(sliding_window=50, softcap=2.0, sinks=torch.tensor([1.0, -1.0, 0.0, 2.0], device=DEVICE))
+    got = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch", **options)
+    torch.testing.assert_close(got.double(), float64_oracle(batch, **options), atol=1e-5, rtol=1e-5)

@@ -1,8 +1,11 @@
-"""langchain-openai against pagedkv serve, as its users write it: bind_tools(...).invoke and
-with_structured_output(Schema, method=...) for json_schema, json_mode and function_calling.
+"""langchain-openai against pagedkv serve, as its users write it: bind_tools(...).invoke with tool_choice auto,
+any and a named tool, and with_structured_output(Schema, method=...) for json_schema, json_mode and
+function_calling.
 
-Usage: python langchain_check.py [BASE_URL]   (default http://127.0.0.1:8011/v1)
-Each case prints what came back, or the exception (type, status, body); the exit status is 0 when all ran.
+Usage: python langchain_check.py [BASE_URL] [MODEL]   (default http://127.0.0.1:8011/v1, default-llama)
+Each case prints what came back, or the exception (type, status, body), and whether it succeeded: it ran, and a
+forced tool call came back as a call, a structured output parsed into the schema. The exit status is 0 when all
+succeeded (tests/gateway/test_langchain.py runs it on the random-weight default model).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 BASE_URL = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8011/v1"
+MODEL = sys.argv[2] if len(sys.argv) > 2 else "default-llama"
 
 
 class Person(BaseModel):
@@ -26,7 +30,11 @@ class Person(BaseModel):
     age: int = Field(description="the person's age in years", ge=0, le=150)
 
 
-@tool
+class City(BaseModel):
+    city: str = Field(description="the city", max_length=24)  # bounded, as Person's name is
+
+
+@tool(args_schema=City)
 def get_weather(city: str) -> str:
     """Get the current weather in a city."""
     return f"sunny in {city}"
@@ -34,11 +42,27 @@ def get_weather(city: str) -> str:
 
 def llm(**kwargs) -> ChatOpenAI:
     return ChatOpenAI(
-        base_url=BASE_URL, api_key="x", model="default-llama", max_tokens=256, temperature=0, max_retries=0, **kwargs
+        base_url=BASE_URL, api_key="x", model=MODEL, max_tokens=256, temperature=0, max_retries=0, **kwargs
     )
 
 
-def show(name: str, fn) -> bool:
+def called(result) -> bool:
+    return bool(result.tool_calls)
+
+
+def parsed(result) -> bool:
+    return result["parsed"] is not None and result["parsing_error"] is None
+
+
+def json_object(result) -> bool:
+    """json_mode asks for any JSON object: whether a random-weight model's fits the schema is chance."""
+    try:
+        return isinstance(json.loads(result["raw"].content), dict)
+    except ValueError:
+        return False
+
+
+def show(name: str, fn, succeeded=lambda result: True) -> bool:
     print(f"=== {name}")
     try:
         result = fn()
@@ -63,7 +87,9 @@ def show(name: str, fn) -> bool:
         print(f"tool_calls: {getattr(result, 'tool_calls', None)}"[:400])
         meta = getattr(result, "response_metadata", {}) or {}
         print(f"finish_reason: {meta.get('finish_reason')}")
-    return True
+    ok = succeeded(result)
+    print("succeeded" if ok else "FAILED")
+    return ok
 
 
 results = {
@@ -74,6 +100,12 @@ results = {
     "bind_tools(tool_choice='any').invoke": show(
         "bind_tools([get_weather], tool_choice='any').invoke",
         lambda: llm().bind_tools([get_weather], tool_choice="any").invoke("What is the weather in Paris?"),
+        called,
+    ),
+    "bind_tools(tool_choice='get_weather').invoke": show(
+        "bind_tools([get_weather], tool_choice='get_weather').invoke",
+        lambda: llm().bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?"),
+        called,
     ),
 }
 PROMPT = "Extract the person as JSON with keys name and age: Alice is 30 years old."
@@ -81,7 +113,9 @@ for method in ("json_schema", "json_mode", "function_calling"):
     results[f"with_structured_output({method})"] = show(
         f"with_structured_output(Person, method={method!r}, include_raw=True).invoke",
         lambda method=method: llm().with_structured_output(Person, method=method, include_raw=True).invoke(PROMPT),
+        json_object if method == "json_mode" else parsed,
     )
 print("=== summary")
 for name, ok in results.items():
-    print(f"{name}: {'ran' if ok else 'raised'}")
+    print(f"{name}: {'succeeded' if ok else 'failed'}")
+sys.exit(0 if all(results.values()) else 1)
