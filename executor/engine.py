@@ -127,9 +127,12 @@ class Engine:
         curve: ClientCurve | None = None,
         adapt_threads: bool = True,
         pin_threads: bool = False,
+        runner: ModelRunner | None = None,
     ) -> Engine:
-        """The KV cache for a loaded model, its pool client (not yet registered with blockd), the engine."""
-        runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
+        """The KV cache for a loaded model (or `runner`, one made already: a tensor-parallel group's rank 0), its
+        pool client (not yet registered with blockd), the engine."""
+        if runner is None:
+            runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
         pool = PoolClient(
             BlockdClient(blockd_endpoint, timeout_s=timeout_s, curve=curve),
             pool_id=pool_id,

@@ -1,7 +1,8 @@
 """`pagedkv-executor`, the executor's entry point: its options, checked; the model loaded, the engine assembled and
 registered at blockd (waiting for it, and for a predecessor's lease on the pool); then the serving loop
 (executor/server.py) until SIGTERM. Exit status: 69 blockd unreachable, 78 the pool held by another live
-executor, 75 the pool taken over later.
+executor, 75 the pool taken over later, 70 a rank of its tensor-parallel group died or stopped answering
+(`--tensor-parallel-size`: the group is started before the model is loaded, executor/parallel_group.py).
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ from common.limits import SUPPORTED_BLOCK_SIZES
 from common.logs import configure_logging
 from common.units import parse_size
 from executor import protocol as ep
+from executor.checkpoint import load_config
 from executor.engine import Engine, EngineLimits
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
+from executor.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
+from executor.parallel import Shard, make_shard
+from executor.parallel_group import WorkerGroup
+from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
-from executor.runner import DTYPES, load_model
+from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 
@@ -202,6 +208,24 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     help="With --task embed: accept `dimensions` (truncate, then normalise) even when config.json does not say the "
     "model was trained for it (is_matryoshka, matryoshka_dimensions).",
 )
+@click.option(
+    "--tensor-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Devices (worker processes) this executor spans: heads, MLP rows and the vocabulary split over them "
+    "(cuda:N..N+size-1 on CUDA, gloo between processes on the CPU). One pool at blockd either way.",
+)
+@click.option(
+    "--enable-expert-parallel/--no-enable-expert-parallel",
+    default=False,
+    help="With --tensor-parallel-size: split MoE experts whole by rank instead of slicing every expert.",
+)
+@click.option(
+    "--tensor-parallel-timeout",
+    type=click.FloatRange(min=0.5),
+    default=DEFAULT_TP_TIMEOUT_S,
+    help="Seconds a collective of the group may wait for a rank (dead or paused) before the whole group stops.",
+)
 @keys_option(
     "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
     "pool's executor key (pool-POOL, else executor).",
@@ -240,6 +264,9 @@ def main(
     runner,
     pooling_type,
     allow_any_dimensions,
+    tensor_parallel_size,
+    enable_expert_parallel,
+    tensor_parallel_timeout,
     keys_dir,
     insecure,
     stall_spec,
@@ -257,6 +284,8 @@ def main(
     embed = _embedding_task(task, runner)
     if not embed and (pooling_type or allow_any_dimensions):
         raise click.UsageError("--pooling-type and --allow-any-dimensions apply to --task embed only")
+    if embed and tensor_parallel_size > 1:  # the embedder runs the model on rank 0 alone
+        raise click.UsageError("--task embed runs on one device: --tensor-parallel-size 1")
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
@@ -271,9 +300,23 @@ def main(
         model_dir = ensure_default_model()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    log.info("loading_model", model=str(model_dir), device=str(device))
+    block_size_int = int(block_size)
+    parallel = None
+    if tensor_parallel_size > 1:
+        parallel = _start_group(
+            tensor_parallel_size,
+            enable_expert_parallel,
+            tensor_parallel_timeout,
+            model_dir,
+            device,
+            dtype,
+            kernels,
+            block_size_int,
+            log_level,
+        )
+    log.info("loading_model", model=str(model_dir), device=str(device), tensor_parallel_size=tensor_parallel_size)
     try:
-        loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
+        loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype], parallel and parallel[0])
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
     embedder = None
@@ -293,8 +336,10 @@ def main(
             backend=kernels,
         )
         log.info("embedding_model", pooling=pooling.type.value, normalize=pooling.normalize)
-    block_size_int = int(block_size)
     blocks = 1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    group_runner = None
+    if parallel is not None:
+        group_runner = _parallel_runner(loaded, blocks, block_size_int, kernels, tensor_parallel_timeout)
     pool_id = pool_id or _default_pool_id(bind, device)
     keys = curve = None
     if keys_dir is not None:
@@ -317,8 +362,9 @@ def main(
         curve=curve,
         adapt_threads=adapt_threads,
         pin_threads=pin_threads,
+        runner=group_runner,
     )
-    runner = engine.runner
+    model_runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
     engine.pool.start_heartbeats()
     info = ep.Info(
@@ -361,7 +407,7 @@ def main(
         load_s=round(loaded.load_s, 2),
         kv_blocks=blocks,
         kv_tokens=blocks * block_size_int,
-        kv_bytes=runner.kv_cache_bytes,
+        kv_bytes=model_runner.kv_cache_bytes,
         kernels=kernels,
         max_step_ms=max_step_ms or None,
         bind=bind,
@@ -382,6 +428,9 @@ def main(
     except Fenced as exc:
         click.echo(f"error: pool {pool_id} is not this executor's any more: {exc}", err=True)
         sys.exit(EX_FENCED)
+    finally:
+        if parallel is not None:
+            _stop_group(group_runner, parallel[1])
     log.info("executor_stopped", pool_id=pool_id)
 
 
@@ -404,6 +453,57 @@ def _embedding_task(task: str | None, runner: str | None) -> bool:
     if from_runner is not None and from_task is not None and from_runner != from_task:
         raise click.UsageError(f"--task {task} and --runner {runner} disagree")
     return bool(from_task or from_runner)
+
+
+def _start_group(
+    size: int,
+    expert_parallel: bool,
+    timeout_s: float,
+    model_dir: Path,
+    device: torch.device,
+    dtype: str,
+    kernels: str,
+    block_size: int,
+    log_level: str,
+) -> tuple[Shard, WorkerGroup]:
+    """Ranks 1..size-1 started and joined; rank 0's shard of the model (refused early if it does not split)."""
+    try:
+        shard = make_shard(load_config(model_dir), 0, size, expert_parallel)
+    except (CheckpointError, UnsupportedModel) as exc:
+        raise click.ClickException(str(exc)) from None
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise click.BadParameter(
+            f"{size} ranks from {device} need more than this machine's {torch.cuda.device_count()} CUDA devices",
+            param_hint="--tensor-parallel-size",
+        )
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share the cores
+    group = WorkerGroup.start(
+        size,
+        model_dir,
+        device,
+        dtype=dtype,
+        backend=kernels,
+        block_size=block_size,
+        expert_parallel=expert_parallel,
+        timeout_s=timeout_s,
+        log_level=log_level,
+    )
+    log.info("tensor_parallel_group_joined", size=size, expert_parallel=expert_parallel, workers=group.pids)
+    return shard, group
+
+
+def _parallel_runner(loaded: LoadedModel, blocks: int, block_size: int, kernels: str, timeout_s: float) -> ModelRunner:
+    """Rank 0's runner; the workers size their caches by rank 0's count (one pool, one set of block ids)."""
+    broadcast_int(blocks, loaded.device)
+    return ParallelRunner(loaded, num_blocks=blocks, block_size=block_size, backend=kernels, ping_s=timeout_s / 3)  # type: ignore[arg-type]
+
+
+def _stop_group(runner: ModelRunner | None, group: WorkerGroup) -> None:
+    group.expect_exit()
+    if isinstance(runner, ParallelRunner):
+        runner.close()
+    group.stop()
 
 
 def _register(pool: PoolClient, endpoint: str, wait_s: float, pool_wait_s: float) -> None:

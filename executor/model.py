@@ -10,15 +10,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from executor.model_config import ModelConfig
-from executor.models.blocks import MLP, Attention, Embedding, ForwardBatch, Linear, RMSNorm, SparseMoE
+from executor.models.blocks import (
+    MLP,
+    Attention,
+    Embedding,
+    ForwardBatch,
+    Linear,
+    RMSNorm,
+    SparseMoE,
+    VocabParallelEmbedding,
+)
 from executor.models.rotary import Rotary
 from kernels import dispatch
+
+if TYPE_CHECKING:
+    from executor.parallel import Collectives
 
 __all__ = ["ForwardBatch", "PagedCausalLM", "build_model"]
 
@@ -77,7 +89,7 @@ def checkpoint_slots(name: str, tensor: torch.Tensor, arch: str) -> tuple[str, P
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, **factory: Any) -> None:
+    def __init__(self, config: ModelConfig, index: int, collectives: Collectives | None = None, **factory: Any) -> None:
         super().__init__()
         eps, offset = config.rms_norm_eps, config.norm_offset
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset, **factory)
@@ -87,7 +99,14 @@ class DecoderLayer(nn.Module):
         if self.sandwich:  # Gemma: the sublayers' outputs are normed before they join the residual stream
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset, **factory)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset, **factory)
-        self.mlp: MLP | SparseMoE = SparseMoE(config, **factory) if config.layer(index).moe else MLP(config, **factory)
+        self.mlp: MLP | SparseMoE
+        if config.layer(index).moe:
+            shard = collectives.shard if collectives is not None else None
+            experts = shard.experts if shard is not None and shard.expert_parallel else None
+            self.mlp = SparseMoE(config, experts, **factory)
+        else:
+            self.mlp = MLP(config, **factory)
+        self.self_attn.collectives = self.mlp.collectives = collectives
 
     def forward(self, h, delta, batch, rotary, kv_cache, backend, check) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h and the last sublayer's output not yet added to it (None before the first
@@ -105,10 +124,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+    def __init__(self, config: ModelConfig, collectives: Collectives | None = None, **factory: Any) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
+        self.embed_tokens: Embedding
+        if collectives is None:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **factory)
+        else:
+            shard = collectives.shard
+            rows, start = shard.vocab_per_rank, shard.vocab[0]
+            self.embed_tokens = VocabParallelEmbedding(rows, config.hidden_size, start, collectives, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, collectives, **factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset, **factory)
 
 
@@ -116,20 +141,28 @@ class PagedCausalLM(nn.Module):
     """The whole model. `forward` takes one step's batch and the per-layer (K, V) caches, returns logits.
 
     Its parameters are allocated uninitialised on `device` in `dtype` (`load_weights` fills every one);
-    the rotary tables are float32, computed not loaded."""
+    the rotary tables are float32, computed not loaded. With `collectives` (tensor parallel), `config` is this
+    rank's (`executor.parallel.local_config`) and the model holds its shard, the logits gathered whole."""
 
     def __init__(
-        self, config: ModelConfig, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        collectives: Collectives | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, device=device, dtype=dtype)
+        self.collectives = collectives
+        self.model = DecoderStack(config, collectives, device=device, dtype=dtype)
         # The global layers' table; Gemma 3's sliding layers have their own base (`local_rotary`).
         self.rotary = Rotary(config.rope("global"), config.head_dim, config.max_model_len, device)
         self.local_rotary: Rotary | None = None
         if "local" in config.rope_names:
             self.local_rotary = Rotary(config.rope("local"), config.head_dim, config.max_model_len, device)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        head_rows = config.vocab_size if collectives is None else collectives.shard.vocab_per_rank
+        self.lm_head = Linear(config.hidden_size, head_rows, bias=False, device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale: torch.Tensor | None = None
@@ -145,6 +178,8 @@ class PagedCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_indices), vocab]`; writes this step's K/V into `kv_caches`."""
         logits = self.lm_head(self.final_hidden(batch, kv_caches, backend, batch.logits_indices))
+        if self.collectives is not None:
+            logits = self.collectives.gather_vocab(logits, self.config.vocab_size)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -215,13 +250,18 @@ class PagedCausalLM(nn.Module):
 
 
 def build_model(
-    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    collectives: Collectives | None = None,
 ) -> PagedCausalLM:
     """Allocate on `device` in the serving dtype without random init, then load `weights` into it.
 
     Uninitialised parameters, not the `meta` device: a module built on `meta` still runs its initialisers
     there, and the first meta-tensor op imports `torch._dynamo` (seconds of startup, for nothing). Straight to
     the serving dtype: a float32 detour would need twice the device memory of the weights."""
-    model = PagedCausalLM(config, device=device, dtype=dtype)
+    model = PagedCausalLM(config, device=device, dtype=dtype, collectives=collectives)
     model.load_weights(weights)  # copy_ casts each checkpoint tensor to the parameter's dtype
     return model.eval()

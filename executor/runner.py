@@ -20,6 +20,8 @@ from blockd.client import MirroredSequence
 from executor.checkpoint import iter_weights, load_config
 from executor.model import ForwardBatch, PagedCausalLM, build_model
 from executor.model_config import ModelConfig, UnsupportedModel
+from executor.parallel import Collectives, Shard, local_config
+from executor.parallel_load import iter_shard_weights
 from executor.scheduler import Chunk
 from kernels import SUPPORTED_HEAD_DIMS, dispatch
 
@@ -70,7 +72,11 @@ class LoadedModel:
     model_dir: Path | None = None  # where the checkpoint (and its tokenizer) is
 
 
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
+def load_model(
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None, shard: Shard | None = None
+) -> LoadedModel:
+    """The checkpoint's model on `device`; with `shard` (tensor parallel), only that rank's slices of it, read as
+    slices, and `LoadedModel.config` that rank's (its heads, so its share of each KV block)."""
     started = time.perf_counter()
     config = load_config(model_dir)
     if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -82,7 +88,12 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
         dtype = DTYPES.get(config.torch_dtype, torch.float32)
         if device.type == "cpu" and dtype is torch.bfloat16:
             dtype = torch.float32  # bfloat16 matmuls are slow on most CPUs
-    model = build_model(config, iter_weights(model_dir), dtype=dtype, device=device)
+    if shard is None:
+        model = build_model(config, iter_weights(model_dir), dtype=dtype, device=device)
+    else:
+        weights = iter_shard_weights(model_dir, config, shard)
+        config = local_config(config, shard)
+        model = build_model(config, weights, dtype=dtype, device=device, collectives=Collectives(shard))
     return LoadedModel(config, model, dtype, device, time.perf_counter() - started, Path(model_dir))
 
 

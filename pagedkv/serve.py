@@ -85,6 +85,8 @@ class LocalStack:
         startup_timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = _stderr,
         keys: bool = True,
+        tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
     ) -> None:
         if executors < 1:
             raise ValueError(f"executors must be at least 1, not {executors}")
@@ -96,6 +98,10 @@ class LocalStack:
             raise ValueError(f"port {port} is out of range")
         self._given_model_dir = Path(model_dir).expanduser().resolve() if model_dir is not None else None
         self.executors = executors
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, not {tensor_parallel_size}")
+        self.tensor_parallel_size = tensor_parallel_size  # devices (processes) per executor
+        self.expert_parallel = expert_parallel
         self.device = device
         self.host = host
         self.port = port
@@ -256,7 +262,7 @@ class LocalStack:
                 "--model",
                 str(model_dir),
                 "--device",
-                f"cuda:{i}" if self.device == "cuda" else "cpu",
+                f"cuda:{i * self.tensor_parallel_size}" if self.device == "cuda" else "cpu",
                 "--blockd",
                 self.blockd_endpoint,
                 "--bind",
@@ -266,6 +272,7 @@ class LocalStack:
             ]
             if self.kv_cache_memory is not None:
                 args += ["--kv-cache-memory", self.kv_cache_memory]
+            args += self._parallel_args()
             self._spawn(f"executor-{i}", "executor.main", [*args, *self.executor_args])
 
         # The gateway starts last, once the executors answer: a failing executor is then reported as itself,
@@ -294,14 +301,22 @@ class LocalStack:
         self._spawn("gateway", "gateway.main", gateway)
         self._wait_ready({"gateway": self._probe_gateway}, deadline)
 
+    def _parallel_args(self) -> list[str]:
+        """An executor of several devices: a tensor-parallel group (executor/parallel.py), one pool at blockd."""
+        if self.tensor_parallel_size == 1:
+            return []
+        args = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        return [*args, "--enable-expert-parallel"] if self.expert_parallel else args
+
     def _check_cuda(self) -> None:
         import torch  # only here: --help and CPU stacks need no CUDA probe
 
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if available < self.executors:
+        needed = self.executors * self.tensor_parallel_size
+        if available < needed:
             raise StackFailed(
-                f"{self.executors} executor(s) on cuda need as many CUDA devices (one each), but "
-                f"this machine has {available}"
+                f"{self.executors} executor(s) of {self.tensor_parallel_size} device(s) on cuda need {needed} CUDA "
+                f"devices, but this machine has {available}"
             )
 
     def _model(self) -> Path:
@@ -516,6 +531,18 @@ def _curl_example(stack: LocalStack) -> str:
     help="An API key clients must send (Authorization: Bearer KEY); repeatable. Needed with a --host beyond "
     "loopback unless --insecure.",
 )
+@click.option(
+    "--tensor-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Devices each executor spans (its heads, MLP rows and vocabulary split over them); on cuda executor i "
+    "takes cuda:i*N .. cuda:i*N+N-1, on cpu N processes share the cores.",
+)
+@click.option(
+    "--enable-expert-parallel",
+    is_flag=True,
+    help="With --tensor-parallel-size: split MoE experts whole by rank instead of slicing every expert.",
+)
 @click.option("--insecure", is_flag=True, help="Serve an open API on a --host beyond loopback.")
 def serve(
     model_dir: Path | None,
@@ -529,6 +556,8 @@ def serve(
     state_dir: Path | None,
     log_dir: Path | None,
     api_keys: tuple[str, ...],
+    tensor_parallel_size: int,
+    enable_expert_parallel: bool,
     insecure: bool,
 ) -> None:
     """Run a whole local stack: blockd, executors and the OpenAI-compatible gateway, until Ctrl-C.
@@ -547,6 +576,8 @@ def serve(
         kv_cache_memory=kv_cache_memory,
         state_dir=state_dir,
         log_dir=log_dir,
+        tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=enable_expert_parallel,
         gateway_args=[
             *(a for key in api_keys for a in ("--api-key", key)),
             *(["--insecure"] if insecure else []),

@@ -8,7 +8,7 @@ match it token for token in float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from torch import nn
 from executor.model_config import ModelConfig
 from executor.models.rotary import Rotary
 from kernels import dispatch, moe, pointwise
+
+if TYPE_CHECKING:
+    from executor.parallel import Collectives
 
 
 @dataclass
@@ -44,6 +47,22 @@ class Embedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         pass
+
+
+class VocabParallelEmbedding(Embedding):
+    """This rank's rows [start, start + rows) of the embedding: ids elsewhere give zeros here, and the all-reduce
+    sums each token's one non-zero row."""
+
+    def __init__(self, rows: int, dim: int, start: int, collectives: Collectives, **factory: Any) -> None:
+        super().__init__(rows, dim, **factory)
+        self.start = start
+        self.collectives = collectives
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.collectives.all_reduce(out.masked_fill_(outside[:, None], 0))
 
 
 class RMSNorm(nn.Module):
@@ -103,6 +122,7 @@ class Attention(nn.Module):
             self.options["sliding_window"] = layer.sliding_window
         if config.attn_softcap is not None:
             self.options["softcap"] = config.attn_softcap
+        self.collectives: Collectives | None = None  # tensor parallel: o_proj's partial sums are all-reduced
 
     def prepare(self) -> None:
         if self.sinks is not None:
@@ -154,7 +174,8 @@ class Attention(nn.Module):
             check=check,
             **self.options,
         )
-        return self.o_proj(out.view(tokens, -1))
+        out = self.o_proj(out.view(tokens, -1))
+        return out if self.collectives is None else self.collectives.all_reduce(out)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -170,9 +191,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, **factory)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
         self.act = pointwise.silu_mul if config.hidden_act == "silu" else gelu_tanh_mul
+        self.collectives: Collectives | None = None  # tensor parallel: down_proj's partial sums are all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.collectives is None else self.collectives.all_reduce(out)
 
 
 class SparseMoE(nn.Module):
@@ -180,13 +203,15 @@ class SparseMoE(nn.Module):
 
     Expert weights are stacked: experts_gate_up [E, 2I, H] (gate rows, then up rows), experts_down [E, H, I]."""
 
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+    def __init__(self, config: ModelConfig, experts: tuple[int, int] | None = None, **factory: Any) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
         self.moe = moe
         e, h, i = moe.num_experts, config.hidden_size, moe.intermediate_size
         self.gate = Linear(h, e, bias=moe.router_bias, **factory)
+        if experts is not None:  # expert parallel: the router chooses among all, this rank holds these
+            e = experts[1] - experts[0]
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, **factory))
         self.experts_down = nn.Parameter(torch.empty(e, h, i, **factory))
         self.experts_gate_up_bias = self.experts_down_bias = None
@@ -196,6 +221,10 @@ class SparseMoE(nn.Module):
         self.options: dict[str, Any] = {"activation": moe.activation}
         if moe.activation == "swiglu_oai":
             self.options |= {"alpha": moe.swiglu_alpha, "limit": moe.swiglu_limit}
+        # Parallel: the partial outputs (experts sliced, or some experts each) are all-reduced; with expert
+        # parallelism this rank holds experts [start, stop) of the router's and weighs the others' choices 0.
+        self.collectives: Collectives | None = None
+        self.expert_range = experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their float32 weights [T, k]), as transformers' routers compute them."""
@@ -211,7 +240,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: dispatch.Backend) -> torch.Tensor:
         ids, weights = self.route(x)
-        return moe.experts(
+        if self.expert_range is not None:
+            start, stop = self.expert_range
+            here = (ids >= start) & (ids < stop)
+            ids, weights = torch.where(here, ids - start, 0), weights * here
+        out = moe.experts(
             x,
             ids,
             weights,
@@ -222,3 +255,4 @@ class SparseMoE(nn.Module):
             backend=backend,
             **self.options,
         )
+        return out if self.collectives is None else self.collectives.all_reduce(out)

@@ -41,7 +41,7 @@ from executor import protocol as ep
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 README = K8S / "README.md"
-OVERLAYS = ("gpu", "cpu")
+OVERLAYS = ("gpu", "cpu", "gpu-tp")
 NAMESPACE = "pagedkv"
 # The oldest Kubernetes the manifests are meant for (README says so); kubernetes-validate ships its schemas.
 KUBERNETES_VERSION = "1.32.0"
@@ -533,9 +533,11 @@ def test_executors_get_one_gpu_each_only_in_the_gpu_overlay(objs: list[Obj], ove
     _, executor_c = container_of(objs, "executor")
     env = resolve_env(executor_c, "executor-0")
     resources = executor_c["resources"]
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):  # one GPU per rank of each executor's tensor-parallel group
         assert env["PAGEDKV_EXECUTOR_DEVICE"] == "cuda"
-        assert resources["limits"]["nvidia.com/gpu"] == 1 == resources["requests"]["nvidia.com/gpu"]
+        ranks = int(env.get("PAGEDKV_EXECUTOR_TENSOR_PARALLEL_SIZE", "1"))
+        assert resources["limits"]["nvidia.com/gpu"] == ranks == resources["requests"]["nvidia.com/gpu"]
+        assert ranks == 1 or any(m["mountPath"] == "/dev/shm" for m in executor_c["volumeMounts"])  # for NCCL
     else:
         assert env["PAGEDKV_EXECUTOR_DEVICE"] == "cpu"
         assert "nvidia.com/gpu" not in yaml.safe_dump(objs)
