@@ -59,7 +59,6 @@ def triton_module(name: Literal["triton_attention", "triton_cache", "triton_moe"
     full_name = f"kernels.{name}"
     if device.type == "cpu" and "kernels.triton_offsets" not in sys.modules:  # imported first by both
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the import: @triton.jit reads it then
-        _interpret_triton_language()
     module = importlib.import_module(full_name)
     if device.type == "cpu" and not module.INTERPRETED:
         raise RuntimeError(
@@ -67,25 +66,6 @@ def triton_module(name: Literal["triton_attention", "triton_cache", "triton_moe"
             "in this process; set TRITON_INTERPRET=1 before the first kernel call to use the interpreter"
         )
     return module
-
-
-def _interpret_triton_language() -> None:
-    """Make triton.language's own jit helpers (tl.zeros, tl.sum, tl.cdiv, ...) callable by the interpreter.
-
-    torch imports Triton early; if that happened before TRITON_INTERPRET was set, those helpers were decorated
-    as compiled-mode functions, which interpreted kernels cannot call. Re-wrap them: from here on this process
-    runs Triton interpreted only (see the module docstring)."""
-    import triton.language as tl
-    import triton.language.standard as standard
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    for name, obj in list(vars(standard).items()):
-        if isinstance(obj, JITFunction) and not isinstance(obj, InterpretedFunction):
-            interpreted = InterpretedFunction(obj.fn)
-            setattr(standard, name, interpreted)
-            if getattr(tl, name, None) is obj:
-                setattr(tl, name, interpreted)
 
 
 def write_kv(

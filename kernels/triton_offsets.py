@@ -9,9 +9,30 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+import triton.language.standard as standard
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 # Whether the kernels of this package are interpreted (fixed at import; the other Triton modules follow it).
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+
+def _interpret_triton_language() -> None:
+    """Make triton.language's own jit helpers (tl.zeros, tl.sum, tl.cdiv, ...) callable by the interpreter.
+
+    torch imports Triton early; if that happened before TRITON_INTERPRET was set, those helpers were decorated
+    as compiled-mode functions, which interpreted kernels cannot call. Re-wrap them: from here on this process
+    runs Triton interpreted only (see kernels.dispatch)."""
+    for name, obj in list(vars(standard).items()):
+        if isinstance(obj, JITFunction) and not isinstance(obj, InterpretedFunction):
+            interpreted = InterpretedFunction(obj.fn)
+            setattr(standard, name, interpreted)
+            if getattr(tl, name, None) is obj:
+                setattr(tl, name, interpreted)
+
+
+if INTERPRETED:  # whoever imports the kernels first (dispatch, a test module), the language helpers follow
+    _interpret_triton_language()
 
 
 @triton.jit
