@@ -133,7 +133,7 @@ class Engine:
             pool_id=pool_id,
             num_blocks=num_blocks,
             block_size=block_size,
-            model_id=loaded.config.model_id,
+            model_id=loaded.pool_model_id,
             retry_for_s=retry_for_s,
         )
         return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads, pin_threads=pin_threads)

@@ -6,6 +6,7 @@ executor, 75 the pool taken over later.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
+from kernels.quant import KV_CACHE_DTYPES
 
 log = structlog.get_logger("executor")
 
@@ -127,6 +129,14 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     type=click.Choice(["auto", *DTYPES]),
     default="auto",
     help="Weights and KV dtype. auto: the checkpoint's (float32 for bfloat16 checkpoints on CPU).",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(list(KV_CACHE_DTYPES)),
+    default="auto",
+    help="KV cache element type. auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit blocks, half the "
+    "bytes of float16 (twice the blocks in the same memory), quantized on write with per-tensor scales of 1.0, "
+    "upcast inside attention.",
 )
 @click.option(
     "--kernels",
@@ -228,6 +238,7 @@ def main(
     max_num_batched_tokens,
     max_step_ms,
     dtype,
+    kv_cache_dtype,
     kernels,
     seed,
     adapt_threads,
@@ -276,6 +287,7 @@ def main(
         loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype])
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
+    loaded = dataclasses.replace(loaded, kv_cache_dtype=kv_cache_dtype)
     embedder = None
     if embed:  # its own scratch cache per pass (executor.pooling); the pool at blockd holds one block, unused
         try:
@@ -294,7 +306,9 @@ def main(
         )
         log.info("embedding_model", pooling=pooling.type.value, normalize=pooling.normalize)
     block_size_int = int(block_size)
-    blocks = 1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    blocks = (
+        1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.kv_dtype, device)
+    )
     pool_id = pool_id or _default_pool_id(bind, device)
     keys = curve = None
     if keys_dir is not None:
@@ -357,6 +371,7 @@ def main(
         parameters=sum(p.numel() for p in loaded.model.parameters()),
         max_model_len=loaded.config.max_model_len,
         dtype=str(loaded.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
         device=str(device),
         load_s=round(loaded.load_s, 2),
         kv_blocks=blocks,
