@@ -15,7 +15,15 @@ from kernels import copy_blocks, paged_attention, quant, reference, write_kv
 from tests.kernels.paged_case import DEVICE, ON_GPU, TOLERANCES, make_batch, poisoned_like
 
 FP8 = quant.FP8_DTYPES
-BACKENDS = ("reference", "torch", "triton")
+# The CPU backend twice: decode rows by the native kernel (its 256-entry byte tables), and by gather + SDPA.
+BACKENDS = ("reference", "torch-native", "torch-sdpa", "triton")
+
+
+def _backend(name: str, monkeypatch) -> str:
+    if name.startswith("torch-"):
+        monkeypatch.setenv("PAGEDKV_CPU_KERNELS", "native" if name == "torch-native" else "torch")
+        return "torch"
+    return name
 
 
 def test_quantize_round_trips_grid_values_and_saturates():
@@ -41,7 +49,8 @@ def _caches(shape, dtype):
 
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_write_kv_quantizes_with_saturation(backend, dtype):
+def test_write_kv_quantizes_with_saturation(backend, dtype, monkeypatch):
+    backend = _backend(backend, monkeypatch)
     tokens, heads, dim = 37, 2, 64
     gen = torch.Generator().manual_seed(1)
     k = (torch.randn(tokens, heads, dim, generator=gen) * 4).to(DEVICE)
@@ -75,7 +84,8 @@ def test_write_kv_quantizes_with_saturation(backend, dtype):
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
-def test_attention_over_fp8_caches_matches_the_dequantized_oracle(backend, dtype, q_dtype):
+def test_attention_over_fp8_caches_matches_the_dequantized_oracle(backend, dtype, q_dtype, monkeypatch):
+    backend = _backend(backend, monkeypatch)
     seqs = [(1, 70), (1, 5), (9, 40), (17, 17), (1, 33)]  # decode rows, a chunk after a prefix, a fresh prefill
     batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=q_dtype, seed=3)
     scales = (0.37, 1.7) if q_dtype == torch.float32 else (0.5, 2.0)
@@ -103,7 +113,8 @@ def test_attention_over_fp8_caches_matches_the_dequantized_oracle(backend, dtype
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_copy_blocks_moves_fp8_bytes(backend):
+def test_copy_blocks_moves_fp8_bytes(backend, monkeypatch):
+    backend = _backend(backend, monkeypatch)
     kc, vc = _caches((6, 16, 2, 32), torch.float8_e4m3fn)
     kc.view(torch.uint8).copy_(torch.randint(0, 120, kc.shape, dtype=torch.uint8))
     vc.view(torch.uint8).copy_(torch.randint(0, 120, vc.shape, dtype=torch.uint8))
@@ -113,6 +124,28 @@ def test_copy_blocks_moves_fp8_bytes(backend):
         assert torch.equal(cache[4].view(torch.uint8), before[0].view(torch.uint8))
         assert torch.equal(cache[5].view(torch.uint8), before[3].view(torch.uint8))
         assert torch.equal(cache[:4].view(torch.uint8), before[:4].view(torch.uint8))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the native CPU kernel")
+@pytest.mark.parametrize("dtype", FP8)
+def test_native_kernel_decodes_every_fp8_byte_as_torch(dtype, monkeypatch):
+    """One visible slot whose V holds all 256 codes: the output is V itself, as the kernel's table decodes it."""
+    monkeypatch.setenv("PAGEDKV_CPU_KERNELS", "native")
+    codes = torch.arange(256, dtype=torch.uint8)
+    kc, vc = _caches((1, 16, 1, 256), dtype)
+    vc.view(torch.uint8)[0, 0, 0] = codes
+    out = paged_attention(
+        torch.zeros(1, 1, 256),
+        kc,
+        vc,
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        backend="torch",
+    )[0, 0]
+    expected = codes.view(dtype).float()
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.equal(out[~torch.isnan(out)], expected[~torch.isnan(expected)])
 
 
 def test_scales_are_checked():
