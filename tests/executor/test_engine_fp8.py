@@ -62,3 +62,39 @@ def test_fp8_cache_greedy_mostly_agrees_and_logprob_error_is_bounded(kv_cache_dt
     # moves them by units: large errors for an fp8 cache, but bounded; a broken cache scores near chance.
     assert agree >= 0.5 * total
     assert mean < 1.5
+
+
+def test_the_kv_budget_counts_one_byte_an_element_so_the_same_bytes_hold_twice_the_blocks(tiny_models):
+    from executor.kv_budget import KvBudget, resolve_num_blocks
+    from executor.runner import kv_bytes_per_block
+
+    loaded = _loaded(tiny_models["llama"])
+    cpu = torch.device("cpu")
+    per_block = {
+        dtype: kv_bytes_per_block(loaded.config, 16, dtype)
+        for dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+    }
+    assert per_block[torch.float16] == 2 * per_block[torch.float8_e4m3fn] == 2 * per_block[torch.float8_e5m2]
+    budget = KvBudget(bytes=64 * per_block[torch.float16])
+    blocks = {d: resolve_num_blocks(None, budget, loaded.config, 16, d, cpu) for d in per_block}
+    assert blocks[torch.float16] == 64 and blocks[torch.float8_e4m3fn] == blocks[torch.float8_e5m2] == 128
+    fp8 = dataclasses.replace(loaded, kv_cache_dtype="fp8")
+    assert fp8.kv_dtype == torch.float8_e4m3fn and loaded.kv_dtype == loaded.dtype
+    assert fp8.pool_model_id == f"{loaded.config.model_id}+kv-float8_e4m3fn"
+    assert loaded.pool_model_id == loaded.config.model_id  # auto: the prefix keys of before
+
+
+def test_blocks_of_different_kv_dtypes_never_match(tiny_models, blockd):
+    """An auto and an fp8 executor of one model register different model ids, which seed their prefix hashes
+    (`blockd.hashing.extra_key`): a block of one dtype can never be found under the other's hashes."""
+    from blockd.hashing import extra_key
+
+    model = tiny_models["llama"]
+    prompt = random_prompts([50], vocab=512, seed=5)[0]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    auto = _engine(model, blockd.endpoint, "auto", "pool-auto")
+    fp8 = _engine(model, blockd.endpoint, "fp8", "pool-fp8")
+    assert extra_key(auto.pool.model_id) != extra_key(fp8.pool.model_id)
+    for engine, name in ((auto, "a"), (fp8, "f")):  # each dtype's own blocks hit its own prefix cache
+        drive(engine, {0: [(name, prompt, params)]})
+        assert drive(engine, {0: [(f"{name}2", prompt, params)]})[f"{name}2"][0].cached_tokens == 48
