@@ -266,6 +266,8 @@ def main(
         raise click.UsageError(refusal)
     device = _device(device_spec)
     embed = _embedding_task(task, runner)
+    if embed and kv_cache_dtype != "auto":  # an embedding pass keeps its own scratch cache, in the model's dtype
+        raise click.UsageError("--kv-cache-dtype applies to generation; an embedding executor keeps no KV cache")
     if not embed and (pooling_type or allow_any_dimensions):
         raise click.UsageError("--pooling-type and --allow-any-dimensions apply to --task embed only")
     if max_num_batched_tokens < max_num_seqs:
