@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks, paged_attention, quant, reference, write_kv
+from kernels import copy_blocks, paged_attention, pointwise, quant, reference, write_kv
 from tests.kernels.paged_case import DEVICE, ON_GPU, TOLERANCES, make_batch, poisoned_like
 
 FP8 = quant.FP8_DTYPES
@@ -124,6 +124,29 @@ def test_copy_blocks_moves_fp8_bytes(backend, monkeypatch):
         assert torch.equal(cache[4].view(torch.uint8), before[0].view(torch.uint8))
         assert torch.equal(cache[5].view(torch.uint8), before[3].view(torch.uint8))
         assert torch.equal(cache[:4].view(torch.uint8), before[:4].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fused_rope_write_quantizes_into_fp8_caches(dtype):
+    """`pointwise.rope_write_kv` on fp8 caches: the same bytes as rotating in torch, then quantizing."""
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    gen = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(DEVICE)
+    positions = torch.tensor([0, 3, 7, 8, 30], device=DEVICE)
+    angles = torch.arange(64)[:, None] * torch.rand(dim, generator=gen)[None, :]
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    kc, vc = _caches((2, 16, kv_heads, dim), dtype)
+    slots = torch.tensor([0, 1, 17, 20, 31], device=DEVICE)
+    q = pointwise.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, heads, k_scale=0.5, v_scale=2.0)
+    _, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    k = pointwise.rotate(k.reshape(tokens, kv_heads, dim), c, s)
+    expected_q = pointwise.rotate(qkv[:, : heads * dim].reshape(tokens, heads, dim), c, s)
+    torch.testing.assert_close(q, expected_q)
+    stored_k, stored_v = kc.view(-1, kv_heads, dim)[slots], vc.view(-1, kv_heads, dim)[slots]
+    assert torch.equal(stored_k.view(torch.uint8), quant.quantize(k, dtype, 0.5).view(torch.uint8))
+    expected_v = quant.quantize(v.reshape(tokens, kv_heads, dim), dtype, 2.0)
+    assert torch.equal(stored_v.view(torch.uint8), expected_v.view(torch.uint8))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the native CPU kernel")
