@@ -138,7 +138,7 @@ class Engine:
             pool_id=pool_id,
             num_blocks=num_blocks,
             block_size=block_size,
-            model_id=loaded.config.model_id,
+            model_id=loaded.pool_model_id,
             retry_for_s=retry_for_s,
             sliding_window=pool_window(loaded.config),
         )

@@ -7,6 +7,7 @@ executor, 75 the pool taken over later, 70 a rank of its tensor-parallel group d
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -39,6 +40,7 @@ from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
+from kernels.quant import KV_CACHE_DTYPES
 
 log = structlog.get_logger("executor")
 
@@ -133,6 +135,14 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     type=click.Choice(["auto", *DTYPES]),
     default="auto",
     help="Weights and KV dtype. auto: the checkpoint's (float32 for bfloat16 checkpoints on CPU).",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(list(KV_CACHE_DTYPES)),
+    default="auto",
+    help="KV cache element type. auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit blocks, half the "
+    "bytes of float16 (twice the blocks in the same memory), quantized on write with per-tensor scales of 1.0, "
+    "upcast inside attention.",
 )
 @click.option(
     "--kernels",
@@ -252,6 +262,7 @@ def main(
     max_num_batched_tokens,
     max_step_ms,
     dtype,
+    kv_cache_dtype,
     kernels,
     seed,
     adapt_threads,
@@ -282,10 +293,14 @@ def main(
         raise click.UsageError(refusal)
     device = _device(device_spec)
     embed = _embedding_task(task, runner)
+    if embed and kv_cache_dtype != "auto":  # an embedding pass keeps its own scratch cache, in the model's dtype
+        raise click.UsageError("--kv-cache-dtype applies to generation; an embedding executor keeps no KV cache")
     if not embed and (pooling_type or allow_any_dimensions):
         raise click.UsageError("--pooling-type and --allow-any-dimensions apply to --task embed only")
     if embed and tensor_parallel_size > 1:  # the embedder runs the model on rank 0 alone
         raise click.UsageError("--task embed runs on one device: --tensor-parallel-size 1")
+    if kv_cache_dtype != "auto" and tensor_parallel_size > 1:  # the worker ranks allocate their caches unquantized
+        raise click.UsageError("--kv-cache-dtype fp8 runs with --tensor-parallel-size 1 only, for now")
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
@@ -319,6 +334,7 @@ def main(
         loaded = load_model(model_dir, device, None if dtype == "auto" else DTYPES[dtype], parallel and parallel[0])
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
+    loaded = dataclasses.replace(loaded, kv_cache_dtype=kv_cache_dtype)
     embedder = None
     if embed:  # its own scratch cache per pass (executor.pooling); the pool at blockd holds one block, unused
         try:
@@ -336,7 +352,9 @@ def main(
             backend=kernels,
         )
         log.info("embedding_model", pooling=pooling.type.value, normalize=pooling.normalize)
-    blocks = 1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.dtype, device)
+    blocks = (
+        1 if embed else resolve_num_blocks(num_blocks, budget, loaded.config, block_size_int, loaded.kv_dtype, device)
+    )
     group_runner = None
     if parallel is not None:
         group_runner = _parallel_runner(loaded, blocks, block_size_int, kernels, tensor_parallel_timeout)
@@ -403,6 +421,7 @@ def main(
         parameters=sum(p.numel() for p in loaded.model.parameters()),
         max_model_len=loaded.config.max_model_len,
         dtype=str(loaded.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
         device=str(device),
         load_s=round(loaded.load_s, 2),
         kv_blocks=blocks,

@@ -24,11 +24,13 @@ from executor.parallel import Collectives, Shard, local_config
 from executor.parallel_load import iter_shard_weights
 from executor.scheduler import Chunk
 from kernels import SUPPORTED_HEAD_DIMS, dispatch
+from kernels.quant import kv_cache_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers' K and V, `dtype` the cache's (1 byte an element for fp8)."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
@@ -70,6 +72,20 @@ class LoadedModel:
     device: torch.device
     load_s: float
     model_dir: Path | None = None  # where the checkpoint (and its tokenizer) is
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the KV cache's elements."""
+        return kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def pool_model_id(self) -> str:
+        """The model identity the pool registers at blockd, which keys its prefix hashes: the KV dtype is part of
+        it, so blocks of different dtypes are never matched with each other."""
+        if self.kv_dtype == self.dtype:
+            return self.config.model_id
+        return f"{self.config.model_id}+kv-{str(self.kv_dtype).removeprefix('torch.')}"
 
 
 def load_model(
@@ -110,18 +126,19 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.kv_dtype = loaded.kv_dtype
         self.model_dir = loaded.model_dir
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = backend
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        caches = zeroed_tensors(2 * c.num_layers, shape, self.dtype, self.device)
+        caches = zeroed_tensors(2 * c.num_layers, shape, self.kv_dtype, self.device)
         self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(c.num_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.kv_dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -36,14 +36,14 @@ from common.home import pagedkv_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-ABI = 5
+ABI = 6
 CHOICE_ENV = "PAGEDKV_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 MAX_GROUP = 16
 MAX_BLOCK_SIZE = 256
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _ERRORS = {
     1: "unsupported shape",
     2: "a block table or slot mapping names a block or slot outside the cache",

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from kernels import reference, torch_batched, validate
+from kernels import quant, reference, torch_batched, validate
 from kernels.heuristics import MAX_SPLITS
 
 Backend = Literal["auto", "triton", "torch", "reference"]
@@ -75,29 +75,43 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: Backend = "auto",
     check: bool = True,
 ) -> None:
     """Scatter new tokens' K and V into one layer's paged caches, in place.
 
     Args:
-        key, value: `[num_tokens, num_kv_heads, head_dim]`, same dtype as the caches (last dim dense).
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous.
+        key, value: `[num_tokens, num_kv_heads, head_dim]`, same dtype as the caches, or any model dtype for
+            fp8 caches (last dim dense).
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous; float8_e4m3fn or
+            float8_e5m2 caches store `key / k_scale` and `value / v_scale` saturated (`kernels.quant`).
         slot_mapping: `[num_tokens]` int32/int64; slot = block_id * block_size + offset, -1 = padding
             (that token is skipped and the cache left untouched).
+        k_scale, v_scale: the per-tensor scales of fp8 caches (1.0 for any other cache).
         backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
         check: validate the inputs; a caller that already checked this step's metadata (the first of a
             model's layers) may skip it for the rest.
     """
     if check:
         validate.check_write_kv(key, value, key_cache, value_cache, slot_mapping)
+    scales = _kv_scales(key_cache.dtype, k_scale, v_scale)
     chosen = resolve_backend(backend, key_cache.device)
     if chosen == "torch":
-        torch_batched.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        torch_batched.write_kv(key, value, key_cache, value_cache, slot_mapping, *scales)
     elif chosen == "reference":
-        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping, *scales)
     else:
-        triton_module("triton_cache", key_cache.device).write_kv(key, value, key_cache, value_cache, slot_mapping)
+        module = triton_module("triton_cache", key_cache.device)
+        module.write_kv(key, value, key_cache, value_cache, slot_mapping, *scales)
+
+
+def _kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
+    scales = quant.check_scale(k_scale, "k_scale"), quant.check_scale(v_scale, "v_scale")
+    if scales != (1.0, 1.0) and not quant.is_fp8(cache_dtype):
+        raise ValueError(f"k_scale and v_scale apply to fp8 caches only; this cache is {cache_dtype}")
+    return scales
 
 
 def paged_attention(
@@ -114,6 +128,8 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: Backend = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -125,7 +141,8 @@ def paged_attention(
 
     Args:
         q: `[num_tokens, num_heads, head_dim]`, sequences back to back; num_heads a multiple of num_kv_heads.
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, q's dtype.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, q's dtype or fp8
+            (float8_e4m3fn, float8_e5m2: upcast inside every backend, element * k_scale or * v_scale).
         block_tables: `[num_seqs, max_blocks]` int32 physical block ids per sequence.
         query_start_loc: `[num_seqs + 1]` int32 cumulative query offsets (0, q_len0, q_len0 + q_len1, ...);
             every sequence has at least one query token.
@@ -140,6 +157,7 @@ def paged_attention(
         softcap: logit softcapping (Gemma 2): scores = softcap * tanh(scores * scale / softcap), then the mask.
         sinks: `[num_heads]` float, one learned logit per query head that joins the softmax denominator and
             carries no value (gpt-oss attention sinks).
+        k_scale, v_scale: the fp8 caches' per-tensor scales (see `write_kv`); 1.0 for any other cache.
         backend: "auto" | "triton" | "torch" | "reference" (see module docstring).
         check: validate the inputs (see `write_kv`).
 
@@ -159,6 +177,10 @@ def paged_attention(
         scale = q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float, got {scale!r}")
+    k_scale, v_scale = _kv_scales(key_cache.dtype, k_scale, v_scale)
+    # q . (k * k_scale) = (q . k) * k_scale and sum p (v * v_scale) = v_scale * sum p v: the backends see the
+    # stored values upcast, the scales folded into the softmax scale and the output.
+    scale = scale * k_scale
     if num_splits is not None and (
         isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS
     ):
@@ -168,11 +190,14 @@ def paged_attention(
     chosen = resolve_backend(backend, q.device)
     args = (q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), out)
     if chosen == "reference":
-        return reference.paged_attention(*args, **(options or {}))
-    if chosen == "torch":
-        return torch_batched.paged_attention(*args, **(options or {}))
-    module = triton_module("triton_attention", q.device)
-    return module.paged_attention(*args, num_splits, **(options or {}))
+        reference.paged_attention(*args, **(options or {}))
+    elif chosen == "torch":
+        torch_batched.paged_attention(*args, **(options or {}))
+    else:
+        triton_module("triton_attention", q.device).paged_attention(*args, num_splits, **(options or {}))
+    if v_scale != 1.0:
+        out.mul_(v_scale)
+    return out
 
 
 def copy_blocks(

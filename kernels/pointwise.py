@@ -71,15 +71,18 @@ def rope_write_kv(
     value_cache: torch.Tensor,
     num_heads: int,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: dispatch.Backend = "auto",
     check: bool = True,
 ) -> torch.Tensor:
     """Split qkv [T, (heads + 2 kv_heads) d], rotate q and k by each token's position (cos/sin tables
-    [max_position, d]), write k and v into the caches at `slot_mapping`; the rotated q [T, heads, d], contiguous."""
+    [max_position, d]), write k and v into the caches at `slot_mapping`; the rotated q [T, heads, d], contiguous.
+    An fp8 cache (`kernels.quant`) takes the torch form, whose `write_kv` quantizes with `k_scale` / `v_scale`."""
     _, _, kv_heads, head_dim = key_cache.shape
     tokens = qkv.shape[0]
     lib = _native(qkv, key_cache, cos_table) if dispatch.resolve_backend(backend, qkv.device) == "torch" else None
-    if lib is not None and qkv.is_contiguous():
+    if lib is not None and qkv.is_contiguous() and (k_scale, v_scale) == (1.0, 1.0):
         return cpu_native.rope_write_kv(
             lib, qkv, positions, cos_table, sin_table, slot_mapping, key_cache, value_cache, num_heads
         )
@@ -89,5 +92,7 @@ def rope_write_kv(
     q = rotate(q.view(tokens, num_heads, head_dim), cos, sin)
     k = rotate(k.view(tokens, kv_heads, head_dim), cos, sin)
     v = v.reshape(tokens, kv_heads, head_dim)
-    dispatch.write_kv(k, v, key_cache, value_cache, slot_mapping, backend=backend, check=check)
+    dispatch.write_kv(
+        k, v, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, backend=backend, check=check
+    )
     return q.contiguous()

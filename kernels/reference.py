@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import quant
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half types are upcast so the softmax and the sums happen in at least float32, like the kernels.
@@ -23,8 +25,13 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter token i's K/V into slot `slot_mapping[i]` of the caches; slot -1 is padding and skipped."""
+    """Scatter token i's K/V into slot `slot_mapping[i]` of the caches; slot -1 is padding and skipped. An fp8
+    cache gets them quantized (`kernels.quant`)."""
+    if quant.is_fp8(key_cache.dtype):
+        key, value = quant.quantize(key, key_cache.dtype, k_scale), quant.quantize(value, value_cache.dtype, v_scale)
     slots = slot_mapping.to(torch.int64)
     keep = slots >= 0
     flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]

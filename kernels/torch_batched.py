@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, reference
+from kernels import cpu_native, quant, reference
 
 
 def write_kv(
@@ -28,11 +28,17 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     slots = slot_mapping.to(torch.int64)
     if slots.numel() and int(slots.min()) < 0:  # padding slots: the reference skips them
-        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
+    if quant.is_fp8(key_cache.dtype):  # torch has no fp8 index_copy_: the bytes are copied as uint8
+        key = quant.quantize(key, key_cache.dtype, k_scale).view(torch.uint8)
+        value = quant.quantize(value, value_cache.dtype, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
 

@@ -116,7 +116,7 @@ def _attend_tile(
         load_mask = kv_valid[:, None] & d_mask[None, :]
     else:
         load_mask = d_mask[None, :]
-    k = tl.load(k_cache_ptr + offsets, mask=load_mask, other=0.0)
+    k = tl.load(k_cache_ptr + offsets, mask=load_mask, other=0.0).to(q.dtype)  # fp8: upcast (exact), else no-op
     s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE_DOT else tl.dot(q, tl.trans(k))
     if SOFTCAP:
         s = _softcapped_log2(s, cap_pre, cap_post)
@@ -133,7 +133,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + offsets, mask=load_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=load_mask, other=0.0).to(q.dtype)
     if IEEE_DOT:
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
     else:
@@ -503,7 +503,7 @@ def paged_attention(
         BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim,
         HEAD_P=cfg.head_p,
-        IEEE_DOT=key_cache.dtype == torch.float32,
+        IEEE_DOT=q.dtype == torch.float32,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.heuristics import next_power_of_two
+from kernels.quant import fp8_max, is_fp8
 from kernels.triton_offsets import INTERPRETED, slot_offset
 
 if bool(triton.knobs.runtime.interpret) != INTERPRETED:
@@ -42,10 +43,14 @@ def _write_kv_kernel(
     stride_head,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    k_scale,
+    v_scale,
     HEAD_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
-    """Program (token, head block): copy BLOCK_H heads of one token's K and V into its slot."""
+    """Program (token, head block): copy BLOCK_H heads of one token's K and V into its slot; FP8_MAX > 0: an fp8
+    cache, each element divided by its scale and saturated to +-FP8_MAX first (`kernels.quant`)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
@@ -57,8 +62,15 @@ def _write_kv_kernel(
     token = token.to(tl.int64)
     k_src = token * stride_k_tok + (heads * stride_k_head)[:, None] + offs_d[None, :]
     v_src = token * stride_v_tok + (heads * stride_v_head)[:, None] + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, tl.load(key_ptr + k_src, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(value_ptr + v_src, mask=mask), mask=mask)
+    k = tl.load(key_ptr + k_src, mask=mask)
+    v = tl.load(value_ptr + v_src, mask=mask)
+    if FP8_MAX > 0:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        k = k.to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
@@ -84,6 +96,8 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Launch the K/V scatter (inputs already validated)."""
     num_tokens = key.shape[0]
@@ -110,8 +124,11 @@ def write_kv(
         key_cache.stride(2),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
+        k_scale=k_scale,
+        v_scale=v_scale,
         HEAD_P=head_p,
         BLOCK_H=block_h,
+        FP8_MAX=fp8_max(key_cache.dtype) if is_fp8(key_cache.dtype) else 0.0,
         num_warps=4,
     )
 

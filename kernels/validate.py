@@ -14,11 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from common.limits import SUPPORTED_BLOCK_SIZES
+from kernels.quant import FP8_DTYPES
 from kernels.reference import first_visible
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: A cache holds the model's dtype, or fp8 (`kernels.quant`): written from and read into the model's dtype.
+CACHE_DTYPES: tuple[torch.dtype, ...] = SUPPORTED_DTYPES + FP8_DTYPES
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,14 @@ def _require_unit_last_stride(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {x.stride(-1)})")
 
 
+def _require_model_dtype(x: torch.Tensor, cache_dtype: torch.dtype, name: str) -> None:
+    """x is in the cache's dtype, or, for an fp8 cache, in any of the model dtypes (quantized on write)."""
+    if cache_dtype in FP8_DTYPES:
+        _require_dtype(x, SUPPORTED_DTYPES, name)
+    elif x.dtype != cache_dtype:
+        raise TypeError(f"{name} dtype {x.dtype} != cache dtype {cache_dtype}")
+
+
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, name: str = "") -> CacheGeometry:
     """Validate one layer's K and V caches and return their geometry."""
     k_name, v_name = f"key_cache{name}", f"value_cache{name}"
@@ -92,7 +103,7 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, name: s
     for x, n in ((key_cache, k_name), (value_cache, v_name)):
         _require_tensor(x, n)
         _require_ndim(x, 4, n, layout)
-        _require_dtype(x, SUPPORTED_DTYPES, n)
+        _require_dtype(x, CACHE_DTYPES, n)
         _require_contiguous(x, n)
     if key_cache.shape != value_cache.shape:
         raise ValueError(f"{k_name} shape {tuple(key_cache.shape)} != {v_name} shape {tuple(value_cache.shape)}")
@@ -127,8 +138,7 @@ def check_write_kv(
                 f"{n} shape {tuple(x.shape)} does not match the cache's "
                 f"(num_kv_heads, head_dim) = ({cache.num_kv_heads}, {cache.head_dim})"
             )
-        if x.dtype != cache.dtype:
-            raise TypeError(f"{n} dtype {x.dtype} != cache dtype {cache.dtype}")
+        _require_model_dtype(x, cache.dtype, n)
         _require_device(x, cache.device, n, "key_cache")
         _require_unit_last_stride(x, n)
     if key.shape != value.shape:
@@ -167,8 +177,7 @@ def check_paged_attention(
     cache = check_cache_pair(key_cache, value_cache)
     _require_tensor(q, "q")
     _require_ndim(q, 3, "q", "[num_tokens, num_heads, head_dim]")
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} != cache dtype {cache.dtype}")
+    _require_model_dtype(q, cache.dtype, "q")
     _require_device(q, cache.device, "q", "key_cache")
     _require_unit_last_stride(q, "q")
     num_tokens, num_heads, head_dim = q.shape

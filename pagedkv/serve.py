@@ -512,6 +512,12 @@ def _curl_example(stack: LocalStack) -> str:
     "Default: the executor's (256MiB on cpu, 0.9 on cuda).",
 )
 @click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+    default="auto",
+    help="KV cache element type of each executor (its --kv-cache-dtype): fp8 blocks take half the bytes of float16.",
+)
+@click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -553,6 +559,7 @@ def serve(
     routing: str,
     tool_call_parser: str,
     kv_cache_memory: str | None,
+    kv_cache_dtype: str,
     state_dir: Path | None,
     log_dir: Path | None,
     api_keys: tuple[str, ...],
@@ -578,6 +585,7 @@ def serve(
         log_dir=log_dir,
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=enable_expert_parallel,
+        executor_args=[] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype],
         gateway_args=[
             *(a for key in api_keys for a in ("--api-key", key)),
             *(["--insecure"] if insecure else []),

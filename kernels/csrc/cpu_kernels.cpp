@@ -17,6 +17,7 @@
 // have been freed; slots of the first block before it are masked), logit softcapping (scores = cap * tanh(scores
 // / cap), before the mask) and attention sinks (one logit per query head that joins the softmax denominator).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <type_traits>
 #if defined(__AVX512F__)
@@ -142,6 +143,32 @@ template <> inline float load<bf16>(const bf16* p, int i) {
   return f;
 }
 template <> inline float load<_Float16>(const _Float16* p, int i) { return float(p[i]); }
+
+// FP8 caches (float8_e4m3fn, float8_e5m2): each byte decoded by a 256-entry table built from the formats' bit
+// layouts (sign, exponent, mantissa; subnormals at exponent 0). The per-tensor scales are folded in by the caller
+// (into the softmax scale and the output), so these are the stored values as they are.
+struct e4m3 { uint8_t bits; };
+struct e5m2 { uint8_t bits; };
+std::array<float, 256> fp8_table(int mantissa_bits, int bias, bool has_inf) {
+  std::array<float, 256> table{};
+  const int exp_max = (1 << (7 - mantissa_bits)) - 1, mant_max = (1 << mantissa_bits) - 1;
+  for (int b = 0; b < 256; ++b) {
+    const int exp = (b & 0x7f) >> mantissa_bits, mant = b & mant_max;
+    float v;
+    if (exp == 0)
+      v = std::ldexp(float(mant), 1 - bias - mantissa_bits);
+    else if (exp == exp_max && (has_inf || mant == mant_max))  // e5m2: inf / NaN; e4m3fn: NaN at S.1111.111 only
+      v = (has_inf && mant == 0) ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+    else
+      v = std::ldexp(float(mant_max + 1 + mant), exp - bias - mantissa_bits);
+    table[b] = (b & 0x80) ? -v : v;
+  }
+  return table;
+}
+const std::array<float, 256> kE4m3 = fp8_table(3, 7, false);
+const std::array<float, 256> kE5m2 = fp8_table(2, 15, true);
+template <> inline float load<e4m3>(const e4m3* p, int i) { return kE4m3[p[i].bits]; }
+template <> inline float load<e5m2>(const e5m2* p, int i) { return kE5m2[p[i].bits]; }
 
 struct Problem {
   const float* q;          // [tokens, heads, D]
@@ -664,7 +691,7 @@ int by_head_dim(const Problem& p, int head_dim) {
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches; q and out are float32). window 0 and softcap 0: off;
+// dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2 (of the caches; q and out are float32). window 0 and softcap 0: off;
 // sinks [heads] float32 or null.
 int pagedkv_decode_attention(const float* q, const void* key_cache, const void* value_cache, int dtype,
                              const int32_t* tables, const int32_t* lens, const int64_t* tokens, const int64_t* seqs,
@@ -682,6 +709,8 @@ int pagedkv_decode_attention(const float* q, const void* key_cache, const void* 
     case 0: return by_head_dim<float>(p, head_dim);
     case 1: return by_head_dim<bf16>(p, head_dim);
     case 2: return by_head_dim<_Float16>(p, head_dim);
+    case 3: return by_head_dim<e4m3>(p, head_dim);
+    case 4: return by_head_dim<e5m2>(p, head_dim);
     default: return kBadShape;
   }
 }
@@ -806,5 +835,5 @@ int pagedkv_pin_workers(const int* cpus, int count) {
 }
 
 // The ABI version this source implements; the loader refuses a library that answers another.
-int pagedkv_native_abi() { return 5; }
+int pagedkv_native_abi() { return 6; }
 }

@@ -62,6 +62,7 @@ OUTPUT_MEDIAN, OUTPUT_SIGMA = 192, 0.9
 QUICK_REQUESTS, QUICK_KV_TOKENS = 400, 32768
 CHECK_EVERY = 1000  # steps between full invariant checks of the pool
 TOKEN_BYTES = 4
+FP8_GAIN = 2  # blocks of 1-byte K/V per block of 16-bit K/V in the same memory
 
 
 class InvariantViolation(RuntimeError):
@@ -179,12 +180,13 @@ def simulate_paged(
     watermark_blocks: int,
     check_every: int = CHECK_EVERY,
     progress: Progress | None = None,
+    name: str = "paged",
 ) -> SimResult:
     """Continuous batching over a real `BlockPool`, preempting (recompute) the newest sequence when blocks run out."""
     started = time.perf_counter()
     pool = BlockPool(PoolSpec("capacity", num_blocks, block_size, "capacity-model", 1))
     free_queue = pool.free_queue  # its length is the pool's count of free blocks
-    result = SimResult("paged")
+    result = SimResult(name)
     waiting = deque(requests)
     running: list[Request] = []
     live = 0  # tokens whose KV the pool holds
@@ -261,7 +263,7 @@ def simulate_paged(
         running, finished = _sample_and_retire(running, release)
         done += finished
         if progress and finished:
-            progress("paged", done, len(requests), result.steps)
+            progress(name, done, len(requests), result.steps)
         if result.steps % check_every == 0:
             verify(result.steps)
         if result.steps > step_limit:
@@ -516,6 +518,15 @@ def _fmt(value: float | str) -> str:
 @click.option("--prompt-median", type=click.IntRange(min=1), default=PROMPT_MEDIAN, show_default=True)
 @click.option("--output-median", type=click.IntRange(min=1), default=OUTPUT_MEDIAN, show_default=True)
 @click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+    default="auto",
+    show_default=True,
+    help="fp8: also run the paged scheduler with 8-bit KV blocks in the same bytes: the budget's slots are taken "
+    "as 16-bit (float16/bfloat16) K/V, so 1-byte elements give twice the blocks (the executor's "
+    "--kv-cache-dtype).",
+)
+@click.option(
     "--quick",
     is_flag=True,
     help=f"A small run for tests: {QUICK_REQUESTS} requests, {QUICK_KV_TOKENS} KV tokens "
@@ -534,6 +545,7 @@ def bench_capacity(
     sliding_per_global: int,
     prompt_median: int,
     output_median: int,
+    kv_cache_dtype: str,
     quick: bool,
 ) -> None:
     if quick:
@@ -598,6 +610,19 @@ def bench_capacity(
         click.echo(f"[5/5] grouped-window ({sliding_per_global} sliding groups hand back past {window})", err=True)
         hybrid = simulate_grouped(requests_, name="grouped-window", windows=windows, progress=progress, **grouped)
         results += (full, hybrid)
+    fp8 = None
+    if kv_cache_dtype != "auto":
+        fp8_blocks = FP8_GAIN * num_blocks  # the same bytes: an element takes 1 byte, not 2
+        click.echo(f"[+] paged fp8 ({fp8_blocks:,} blocks of 8-bit K/V in the same bytes)", err=True)
+        fp8 = simulate_paged(
+            requests_,
+            num_blocks=fp8_blocks,
+            block_size=block_size,
+            watermark_blocks=math.floor(watermark * fp8_blocks),
+            progress=progress,
+            name="paged_fp8",
+        )
+        results += (fp8,)
     for res in results:
         if res.completed != requests:
             raise click.ClickException(f"{res.name}: {res.completed} of {requests} requests completed")
@@ -640,6 +665,12 @@ def bench_capacity(
         f"({paged.mean_active / oracle.mean_active:.2f}x oracle); recomputed {paged.recomputed_tokens:,} tokens "
         f"after {paged.preemptions:,} preemptions ({os.cpu_count()} cores)"
     )
+    if fp8 is not None:
+        echo(
+            f"paged fp8 ({kv_cache_dtype}, {FP8_GAIN}x the blocks in the same bytes) holds "
+            f"{fp8.mean_active / paged.mean_active:.2f}x the sequences of paged 16-bit K/V (mean active "
+            f"{fp8.mean_active:.1f} vs {paged.mean_active:.1f}; max {fp8.max_active} vs {paged.max_active})"
+        )
     figures: dict[str, object] = {}
     for res in results:
         figures.update(
@@ -680,4 +711,7 @@ def bench_capacity(
     }
     if window is not None:
         figures["grouped_window_vs_full_mean_active"] = round(hybrid.mean_active / full.mean_active, 3)
+    if fp8 is not None:
+        figures["kv_cache_dtype"] = kv_cache_dtype
+        figures["fp8_vs_auto_mean_active"] = round(fp8.mean_active / paged.mean_active, 3)
     echo(json.dumps(figures))

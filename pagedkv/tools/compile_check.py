@@ -18,8 +18,9 @@ import click
 
 from kernels.heuristics import next_power_of_two
 
-_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
 def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
@@ -44,13 +45,17 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
         ("bfloat16", 64, 8, 16, 4096, 4, "ws"),  # gpt-oss
         ("bfloat16", 64, 8, 16, 256, 256, "ws"),
         ("float32", 128, 4, 16, 100, 10, "wcs"),
+        ("bfloat16/fp8_e4m3", 128, 8, 16, 256, 256, ""),  # fp8 KV caches ("q dtype/cache dtype")
+        ("float16/fp8_e5m2", 128, 4, 16, 4096, 4, ""),
+        ("bfloat16/fp8_e4m3", 256, 2, 16, 64, 64, "wc"),
     ):
-        cfg = ta.attention_config(num_tokens, num_seqs, group, head_dim, _BYTES[dtype])
+        dtype, _, kv = dtype.partition("/")
+        cfg = ta.attention_config(num_tokens, num_seqs, group, head_dim, _BYTES[kv or dtype])
         p = _PTR[dtype]
         sig = dict(
             q_ptr=p,
-            k_cache_ptr=p,
-            v_cache_ptr=p,
+            k_cache_ptr=_PTR[kv or dtype],
+            v_cache_ptr=_PTR[kv or dtype],
             out_ptr=p,
             block_tables_ptr="*i32",
             query_start_ptr="*i32",
@@ -90,7 +95,8 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
             SOFTCAP="c" in options,
             SINKS="s" in options,
         )
-        label = f"attention {dtype} d={head_dim} group={group} bs={block_size} tokens={num_tokens} seqs={num_seqs}"
+        label = f"attention {dtype}{'/' + kv if kv else ''} d={head_dim} group={group} bs={block_size} "
+        label += f"tokens={num_tokens} seqs={num_seqs}"
         label += f" options={options}" if options else ""
         yield label, ta._paged_attention_kernel, sig, consts, cfg.num_warps, cfg.num_stages
     for dtype, head_dim, splits, sinks in (
@@ -125,13 +131,16 @@ def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], i
         ("bfloat16", 128, 8, 16, "i64"),
         ("float16", 80, 2, 8, "i32"),
         ("float32", 256, 32, 64, "i64"),
+        ("bfloat16/fp8_e4m3", 128, 8, 16, "i64"),
+        ("float32/fp8_e5m2", 64, 2, 16, "i64"),
     ):
+        dtype, _, kv = dtype.partition("/")
         p = _PTR[dtype]
         sig = dict(
             key_ptr=p,
             value_ptr=p,
-            k_cache_ptr=p,
-            v_cache_ptr=p,
+            k_cache_ptr=_PTR[kv or dtype],
+            v_cache_ptr=_PTR[kv or dtype],
             slot_mapping_ptr="*" + slot,
             num_slots="i64",
             num_kv_heads="i32",
@@ -142,6 +151,8 @@ def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], i
             stride_block="i32",
             stride_token="i32",
             stride_head="i32",
+            k_scale="fp32",
+            v_scale="fp32",
         )
         head_p = next_power_of_two(head_dim)
         consts = dict(
@@ -149,9 +160,11 @@ def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], i
             HEAD_DIM=head_dim,
             HEAD_P=head_p,
             BLOCK_H=min(next_power_of_two(heads), max(1, 4096 // head_p)),
+            FP8_MAX=_FP8_MAX.get(kv, 0.0),
         )
-        yield f"write_kv {dtype} d={head_dim} heads={heads} slots={slot}", tc._write_kv_kernel, sig, consts, 4, 3
-    for dtype in ("bfloat16", "float32"):
+        label = f"write_kv {dtype}{'/' + kv if kv else ''} d={head_dim} heads={heads} slots={slot}"
+        yield label, tc._write_kv_kernel, sig, consts, 4, 3
+    for dtype in ("bfloat16", "float32", "fp8_e4m3"):
         sig = dict(cache_addrs_ptr="*i64", mapping_ptr="*i64", typed_ptr=_PTR[dtype], block_numel="i32")
         yield f"copy_blocks {dtype}", tc._copy_blocks_kernel, sig, dict(CHUNK=4096), 4, 3
 
