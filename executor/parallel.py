@@ -1,16 +1,8 @@
 """Tensor and expert parallelism inside one executor: the process group of its N ranks and what each rank holds.
 
-An executor of `--tensor-parallel-size N` is N processes, one per device: rank 0 is the executor the rest of the
-system sees (one pool at blockd, one socket for gateways) and ranks 1..N-1 are its workers
-(`executor.parallel_worker`), which only run their share of each step. The group is `torch.distributed` over a
-loopback rendezvous: gloo on the CPU, NCCL on CUDA.
-
-What a rank holds (`Shard`), Megatron-style: q/k/v and gate/up split by output rows (column-parallel), o_proj and
-down_proj by input columns (row-parallel, an all-reduce of their outputs), attention heads by rank (a KV head
-replicated on every rank that needs it when there are fewer KV heads than ranks), the vocabulary of the embedding
-and the LM head by rows (an all-reduce of the embedding, an all-gather of the logits), experts either sliced like
-the MLP or, with expert parallelism, whole experts by rank. Biases after a reduction are held by rank 0 alone
-(zeros elsewhere), so the sum adds them once.
+Rank 0 is the executor the rest of the system sees, ranks 1..N-1 its workers (`executor.parallel_worker`); each
+holds a `Shard` of the model (Megatron-style). The split and the group: docs/architecture.md ("Tensor
+parallelism").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The step across a tensor-parallel group: rank 0's runner broadcasts each step's plan (the batch's tensors, or a
 block copy) before running its own share, and the workers' loop (`serve_worker`) receives it and runs theirs.
 
-Each op is a header (op, sizes) then, for a step, one int64 payload holding every tensor of the `ForwardBatch`
-back to back: two broadcasts per step, then the model's own collectives. While rank 0 is idle it pings the group
-(a header and a one-element all-reduce) so a worker waiting for the next op never runs into the collective
-timeout, and a rank that died or is paused is found then too. Any failed collective stops the group: rank 0 exits
-(`EX_GROUP_FAILED`; blockd reclaims its pool by the lease), and its workers die with it.
+The traffic, the idle pings and failure as a unit: docs/architecture.md ("Tensor parallelism").
 """
 
 from __future__ import annotations

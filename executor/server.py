@@ -1,24 +1,8 @@
 """The executor's serving loop: one process per device, serving gateways over ZeroMQ and driving the engine. Its
 entry point (`pagedkv-executor`: the options, the model loaded, the pool registered) is executor/main.py.
 
-The loop is single-threaded: take in every message waiting on the socket (submits, aborts, queries), run one
-engine step if there is work, send its deltas to the gateways that asked. The pool's lease at blockd is renewed by
-a heartbeat thread of the pool client (its own socket), so a forward pass longer than the lease loses nothing.
-A bad message is answered with `Rejected` and changes nothing else.
-
-Liveness apart from progress: a beacon thread (executor/liveness.py) sends `Alive` to every gateway heard from
-in the last `PEER_TTL_S`, every `ALIVE_INTERVAL_S`, during steps too; the loop holds the socket's lock only while
-it reads or sends. A gateway that hears the beacon keeps this executor, and its streams, however long a step.
-
-Bounds, checked before any work: a message over --max-message-bytes is cut off by ZeroMQ (MAXMSGSIZE) unread;
-a submit past --max-queued-requests is rejected with `queue_full`; a prompt's length is checked (packed size,
-context length) before it is unpacked; an `Abort` is taken only from the connection that submitted the request
-(`not_owner` otherwise).
-
-Fencing: if blockd refuses this executor's pool (`pool_held` at start: another live executor registered the same
---pool-id; `stale_epoch` later: another executor took the pool over while this one was silent past its lease),
-the executor ends every request with finish_reason "error" and exits (78 at start, 75 later): the pool is not
-its own, and using it would mix another GPU's KV into its outputs.
+One thread takes in every message waiting on the socket, runs one engine step if there is work and sends its
+deltas; the bounds, the liveness beacon and fencing are in docs/architecture.md ("executor").
 """
 
 from __future__ import annotations
@@ -66,7 +50,8 @@ class StepStall:
 
 
 class Fenced(RuntimeError):
-    """blockd says the pool is another executor's now."""
+    """blockd says the pool is another executor's now: using it would mix another executor's KV into this one's
+    outputs, so every request ends with finish_reason "error" and the process exits."""
 
 
 class ExecutorServer:

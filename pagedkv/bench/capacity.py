@@ -1,38 +1,9 @@
 """`pagedkv bench capacity`: how many sequences a fixed KV budget holds with paging versus contiguous reservation.
 
-The claim measured is the PagedAttention paper's (Kwon et al., SOSP 2023, §2.3 and Fig. 2): systems that reserve
-a contiguous max-length region per request keep only 20-38 % of their KV memory holding actual token states,
-paging about 96 %, so paging fits several times as many sequences in the same memory.
-
-One synthetic chat-like workload (fixed seed) runs through three schedulers that share one step model:
-
-- **paged**: the real block manager (`BlockPool`, in process) under continuous batching as vLLM's scheduler does
-  it. Each step first gives every running sequence a slot for the token it sampled last step (`append`); when
-  that fails with `out_of_blocks`, the most recently admitted sequence is preempted (freed, back to the front of
-  the queue, to be recomputed from its prompt plus the tokens it had generated). Then, unless it preempted, it
-  admits waiting requests first come first served while their prompt fits and `--watermark` of the blocks stays
-  free. Then the batch runs: every sequence samples one token; those that reach their output length are freed.
-- **contiguous**: the same, but each admitted request reserves `--max-len` token slots up front (static/contiguous
-  systems, Orca (Max) in the paper); nothing grows, nothing is preempted.
-- **oracle**: each request reserves exactly prompt + output length (Orca (Oracle): it knows the output length in
-  advance, which no real system does), with a perfect allocator (no external fragmentation): an upper bound for
-  any reservation scheme.
-
-With `--window W` two more runs model a Gemma-3-shaped model (`--sliding-per-global` sliding layers of window
-W per global one), its KV in layer groups as a hybrid allocator keeps it: one group of every global layer and one
-per like number of sliding layers, each group's blocks one group's layers wide, all from one `BlockPool` (the
-same bytes as the runs above). A sequence holds a block table per group (a sequence of the pool each):
-
-- **grouped-full**: every group keeps every block (each layer allocated in full, as a model whose layers do not
-  all slide is in the executor today): the same capacity as `paged`, the check of the grouping;
-- **grouped-window**: the sliding groups hand back the blocks behind the window as the sequence runs
-  (`BlockPool.slide`, blockd's own operation), so each holds about W / block_size blocks however long the
-  sequence grows.
-
-Every request arrives at step 0 (an offline batch), so for most of the run requests are waiting and memory alone
-limits the batch. Utilization is averaged over those *saturated* steps (requests still waiting after admission);
-the final drain, where the batch shrinks because nothing is left to admit, is left out. Prefix caching plays no
-part: every request has its own random token ids and no block is committed.
+A deterministic simulation of the PagedAttention paper's claim (§2.3, Fig. 2): one seeded workload through a paged
+scheduler on the real `BlockPool`, contiguous (max-length) and oracle reservation, and with `--window` the
+layer-grouped runs. The method and figures are in docs/benchmarks.md ("capacity"), the grouped runs in
+docs/architecture.md ("Sliding windows and layer groups").
 """
 
 from __future__ import annotations

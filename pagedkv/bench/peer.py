@@ -1,27 +1,9 @@
 """`pagedkv bench peer`: pagedkv's engine against vLLM's offline `LLM.generate`, same model, requests and limits.
 
-vLLM runs in a virtual environment of its own (`make peer-env` builds `.venv-peer` with the community CPU build):
-this process starts `peer_driver.py` under that environment's interpreter (`--vllm-python`), once per vLLM
-thread setting, and speaks JSON lines with it (see the driver's docstring). pagedkv runs in this process with a
-real blockd subprocess, built as `pagedkv bench throughput` builds it.
-
-Per workload: every system gets an untimed warm-up, then `--runs` rounds; each round runs pagedkv, then each vLLM
-setting, one after the other (A/B/C/A/B/C...), each over the whole workload (all requests submitted at once, greedy,
-`ignore_eos`, exactly each request's output length), timed over generation only. Before each run the machine's
-load average is read; during it, the CPU seconds of that system's process tree (pagedkv: this process and blockd;
-vLLM: the driver and its engine-core process) and of the whole machine. Reported: every run, the median tok/s
-of each system, and the ratio pagedkv ÷ the faster vLLM setting (by median). The outputs of the first run of each
-are compared token for token; every request where they differ is checked at its first differing position with
-transformers' logits: a near tie is when the two systems' tokens are transformers' top two and the top two
-logits are within `--tie-tolerance`.
-
-Neither system may reuse the KV of another run: pagedkv's runs carry their own cache salt, and vLLM's prefix cache
-is reset before each run. Within a run both cache prefixes (the `prefix` workload's point).
-
 This module is the command; the pieces: `peer_workloads` (the workloads), `peer_systems` (both systems, the vLLM
 driver's environment, the setup checks, the machine's load), `peer_rounds` (the alternated runs, pausing, the
 busy neighbour), `peer_equality` (token equality and near ties), `peer_report` (tables, plot, JSON figures);
-`--serve` is `peer_serve`, `--startup` is `peer_startup`.
+`--serve` is `peer_serve`, `--startup` is `peer_startup`. The method: docs/benchmarks.md ("pagedkv vs vLLM").
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """`pagedkv bench peer --serve`: `vllm serve` and `pagedkv serve` side by side, driven by vLLM's own client.
 
-The two servers run one after the other, never both at once, on the same model (vLLM loads the same directory and
-serves it under the name pagedkv's gateway gives it), the same KV memory (vLLM's `--kv-cache-memory-bytes`,
-pagedkv's `--kv-cache-memory`), float32, the same max_num_seqs and max_num_batched_tokens, prefix caching on in
-both; pagedkv with one executor (vLLM is one engine). vLLM's OpenMP threads are bound to `--bind-cpus` (its faster
-setting offline) unless `--vllm-threads default`.
-
-Each server is started, waited for (`/health` answers 200 and `/v1/models` lists the model) and then driven through
-every load by `vllm bench serve` run from the vLLM environment (`--vllm-python`, through `vllm_cli.py`):
-`--backend openai-chat --endpoint /v1/chat/completions`, the random dataset (`--random-input-len`,
-`--random-output-len`, `--num-prompts`, seeded: both servers get the same prompts, each load its own seed so that
-no load finds the previous one's prompts cached), `--ignore-eos` (every request generates exactly its output
-length), a few warm-up requests first (`--num-warmups`, unmeasured). Loads: `concurrent16` (`--max-concurrency
-16`, `--request-rate inf`) and `rate4` (Poisson arrivals at `--request-rate 4`). The client saves its result JSON
-(`--save-result --save-detailed`); that file is what is read, not its printed table. Then the server is stopped:
-SIGTERM to its process group, SIGKILL after a grace period, also on errors and Ctrl-C.
-
-Reported per load: both systems' output tok/s, TTFT and TPOT p50 and p99 (vLLM's client computes them), and the
-ratios pagedkv ÷ vLLM of output tok/s (aim: >= 1), TTFT p50 and TPOT p50 (aim: <= 1). Progress on stderr; the
-last line of stdout is one JSON object (`serve_ratios` per load, every figure and parameter).
+One server at a time on the same model, KV memory and limits, each driven through every load by `vllm bench
+serve` (through `vllm_cli.py` in the vLLM environment) and stopped; reported: both systems' tok/s, TTFT and TPOT
+and pagedkv ÷ vLLM. The method: docs/benchmarks.md ("Serving side by side").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The model shapes the peer bench runs on (`--model-shape`): random checkpoints generated once, cached by spec.
 
-`tiny` is the default model itself (hidden 256, head_dim 32), where per-step overhead rules; `mid` is shaped like
-the models people serve (head_dim 128, as Llama 3's, Qwen2.5's and Qwen3's; GQA 4:1; ~100M parameters). Every
-shape is a Llama: both servers count the same prompt tokens for its tokenizer and chat template.
-
-A generated shape lives under $PAGEDKV_HOME/models/bench/, in a directory named by the shape and a digest of its
-whole resolved spec (defaults included) and the generator's generation, so a changed spec or generator gives a
-new checkpoint instead of serving a stale one. Also `ensure_checkpoint`: the generate-once step `--startup`'s
-checkpoint shares.
+Also `ensure_checkpoint`, the generate-once step `--startup`'s checkpoint shares. The shapes and where they are
+cached: docs/benchmarks.md ("Model shapes").
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """`pagedkv chaos`: faults and attacks against a stack of real processes, under greedy load with reference
 outputs.
 
-The stack: a real redis-server, blockd persisting to it, two CPU executors of a tiny generated model and a
-gateway, each under a supervisor loop that starts it again when it exits. First every prompt's greedy output is
-taken from the clean stack (the reference); then clients keep asking for those prompts (streamed or not) while
-the scenarios run, and every complete answer is compared with its reference.
-
-The stack runs authenticated, as deployed: a CURVE key set is made at the start (`pagedkv keys generate`, one
-key per executor's pool), every service gets `--keys` (the supervisor restarts it with the same keys), the gateway
-an API key that the load clients send.
-
-Scenarios: kill -9 and SIGSTOP/SIGCONT of each service and of Redis; a second executor with a duplicated
---pool-id (it must exit, outputs unchanged); steps, unregisters and resets for another executor's pool from a
-foreign DEALER holding another pool's key (refused: forbidden) or an any-pool executor key (refused:
-stale_epoch); a peer without keys or with a stranger's keys (blockd and executors never answer it, nothing
-changes), a gateway key acting as an executor (forbidden), HTTP clients without or with a wrong API key (401);
-malformed ZeroMQ frames to blockd (each timed: its reply to every single frame) and to the executors (random
-bytes, truncated msgpack, wrong shapes, huge and negative numbers, oversized registers and lookups); the
-gateway battery (huge and deep bodies, wrong types and content types, 10^5 prompts, clients that disconnect
-mid-stream).
-
-Then the load-held phase (issue 26), each scenario alone on the stack with its own clients and 128-token answers:
-overload (Poisson arrivals at 3x the capacity measured with every slot busy, for --overload-seconds) and a step
-stalled for twice the gateway's --executor-timeout (executor-0 restarted with --fault-stall-step). Each counts
-accepted requests failed (must be 0), refusals as 429 before a request started (apart), wrong outputs and blocks
-still held once it drained.
-
-Afterwards: blocks still held once the load has drained (leaked), `blockd-cli check`, the slowest blockd reply,
-each service's peak RSS against its idle RSS. Tables, then one JSON object as the last line.
+Redis, blockd, two CPU executors and a gateway, authenticated and supervised; kills, pauses, foreign keys and
+malformed frames while clients compare every answer with the clean stack's, then the load-held phase (overload,
+a stalled step). The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""langchain-openai against pagedkv serve, as its users write it: bind_tools(...).invoke with tool_choice auto,
-any and a named tool, and with_structured_output(Schema, method=...) for json_schema, json_mode and
-function_calling.
+"""langchain-openai against pagedkv serve, as its users write it: bind_tools with each tool_choice, and
+with_structured_output for json_schema, json_mode and function_calling.
 
 Usage: python langchain_check.py [BASE_URL] [MODEL]   (default http://127.0.0.1:8011/v1, default-llama)
-Each case prints what came back, or the exception (type, status, body), and whether it succeeded: it ran, and a
-forced tool call came back as a call, a structured output parsed into the schema. The exit status is 0 when all
-succeeded (tests/gateway/test_langchain.py runs it on the random-weight default model).
+Prints each case's answer or exception; exits 0 when all succeeded (tests/gateway/test_langchain.py runs it).
 """
 
 from __future__ import annotations
@@ -63,6 +60,8 @@ def json_object(result) -> bool:
 
 
 def show(name: str, fn, succeeded=lambda result: True) -> bool:
+    """Run one case and print what came back or the exception (type, status, body); it succeeded when it ran and
+    `succeeded` holds (a forced tool call came back as a call, a structured output parsed into the schema)."""
     print(f"=== {name}")
     try:
         result = fn()
