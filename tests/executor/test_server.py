@@ -92,7 +92,11 @@ def test_bad_messages_get_clear_errors_and_serving_continues(tiny_models, blockd
     executor = start_executor(tiny_models["llama"], blockd.endpoint)
     good = random_prompts([12], vocab=512, seed=22)[0]
     with executor.client(timeout_s=10) as client:
-        client.submit("busy", good, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        # Long enough to still be running when its duplicate arrives, however fast the machine; aborted below.
+        client.submit("busy", good, SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+        with pytest.raises(ExecutorRejected) as info:
+            client.generate(good, GREEDY, request_id="busy")
+        assert info.value.code == "duplicate_request"
         bad_frames = {
             "garbage": b"\x00\xffnot msgpack",
             "unknown type": msgspec.msgpack.encode({"type": "explode", "v": 1}),
@@ -111,19 +115,18 @@ def test_bad_messages_get_clear_errors_and_serving_continues(tiny_models, blockd
             "empty": ([], GREEDY, "invalid_request"),
             "context": ([1] * 600, GREEDY, "context_length_exceeded"),
             "temperature": ([1], SamplingParams(temperature=-2.0), "invalid_request"),
-            "busy": (good, GREEDY, "duplicate_request"),
         }
         for request_id, (prompt, params, code) in cases.items():
             with pytest.raises(ExecutorRejected) as info:
                 client.generate(prompt, params, request_id=request_id)
             assert info.value.code == code
-        # New requests still work, and the one that was running all along finishes (its 30 tokens may outlast
-        # the new one's 16 on a loaded machine: the fixture's leak check must not race it).
+        # New requests still work while the first one runs; then it is aborted and every block comes back.
         assert tokens_of(client.generate(good, GREEDY)[0]) == hf_greedy(tiny_models["llama"], good, 16)
+        client.abort("busy")
         wait_for(
             lambda: (load := client.load()).running == 0 and load.free_blocks == load.num_blocks,
             timeout_s=60,
-            what="the busy request to finish and both to hand their blocks back",
+            what="the aborted request and the new one to hand their blocks back",
         )
 
 
