@@ -38,6 +38,7 @@ class ExecutorLost:
 
     endpoint: str
     reason: str
+    request_id: str = ""  # whose stream it was put on (streams may share a queue: gateway.generation)
 
 
 StreamItem = ep.Delta | ep.Rejected | ep.Embedded | ExecutorLost
@@ -155,19 +156,27 @@ class ExecutorLink:
     # ------------------------------------------------------------------------------------------ requests
 
     def submit(
-        self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        queue: asyncio.Queue[StreamItem] | None = None,
     ) -> asyncio.Queue[StreamItem]:
-        """Send a request; its deltas arrive on the returned queue. Raises ExecutorUnavailable."""
+        """Send a request; its deltas arrive on the returned queue (`queue`, if given: several requests may share
+        one, their items told apart by request id). Raises ExecutorUnavailable."""
         message = ep.Submit(request_id=request_id, prompt=pack_tokens(prompt), params=params, cache_salt=cache_salt)
-        queue = self.request(request_id, message)
+        queue = self.request(request_id, message, queue)
         self.work[request_id] = _Work(len(prompt), [params.max_tokens] * params.n)  # what the door weighs
         return queue
 
-    def request(self, request_id: str, message: ep.Submit | ep.Embed) -> asyncio.Queue[StreamItem]:
+    def request(
+        self, request_id: str, message: ep.Submit | ep.Embed, queue: asyncio.Queue[StreamItem] | None = None
+    ) -> asyncio.Queue[StreamItem]:
         """Send a request message; what answers it arrives on the returned queue. Raises ExecutorUnavailable."""
         if not self.healthy or self._sync is None:
             raise ExecutorUnavailable(f"executor {self.endpoint} is out of rotation")
-        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
         self.streams[request_id] = queue
         frame = ep.encode(message)
         try:
@@ -371,10 +380,9 @@ class ExecutorLink:
         self.info = None  # asked for again: a restarted executor may have a new pool or model
         self.load = None
         log.warning("executor_out_of_rotation", executor=self.endpoint, reason=reason, in_flight=len(self.streams))
-        lost = ExecutorLost(self.endpoint, reason)
         streams, self.streams = self.streams, {}
         self.work = {}
         self._own_at_ask.clear()
         self._others_queued = 0
-        for stream in streams.values():
-            stream.put_nowait(lost)
+        for request_id, stream in streams.items():
+            stream.put_nowait(ExecutorLost(self.endpoint, reason, request_id))

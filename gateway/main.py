@@ -17,6 +17,7 @@ from common.units import parse_size
 from executor.protocol import DEFAULT_BIND as DEFAULT_EXECUTOR
 from gateway import ROUTING_POLICIES, TOOL_CALL_PARSERS
 from gateway.admission import DEFAULT_MAX_QUEUE_DELAY_S
+from gateway.migration import DEFAULT_MAX_MIGRATIONS
 from gateway.server import run_gateway
 
 API_KEY_ENV = "PAGEDKV_GATEWAY_API_KEY"
@@ -121,6 +122,15 @@ def _endpoints(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
     "arriving late). A long step is not silence: its executor keeps its streams.",
 )
 @click.option(
+    "--max-migrations",
+    type=click.IntRange(min=0),
+    default=DEFAULT_MAX_MIGRATIONS,
+    envvar="PAGEDKV_GATEWAY_MAX_MIGRATIONS",
+    help="Times a generation whose executor is lost mid-generation is continued on another executor, from its "
+    "prompt and the tokens already generated, so that its stream goes on; past it, or 0, such a stream ends with "
+    "an error event (a whole response starts over).",
+)
+@click.option(
     "--max-queue-delay",
     type=click.FloatRange(min=0),
     default=DEFAULT_MAX_QUEUE_DELAY_S,
@@ -191,6 +201,7 @@ def main(
     max_queued_sequences: int,
     deprecated_max_queue: int | None,
     executor_timeout: float,
+    max_migrations: int,
     max_queue_delay: float,
     max_body_bytes: str,
     tool_call_parser: str,
@@ -252,6 +263,7 @@ def main(
         served_model_name=served_model_name,
         max_queued_sequences=max_queued_sequences,
         executor_timeout_s=executor_timeout,
+        max_migrations=max_migrations,
         max_queue_delay_s=max_queue_delay or None,
         max_body_bytes=body_limit,
         tool_call_parser=tool_call_parser,

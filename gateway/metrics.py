@@ -227,6 +227,18 @@ class GatewayMetrics:
             "Requests resubmitted elsewhere because their executor was lost",
             registry=r,
         )
+        self.migrations = Counter(
+            "pagedkv_gateway_migrations",
+            "Times a generation's executor was lost mid-generation and its choices continued on another",
+            registry=r,
+        )
+        self.failed_migrations = Counter(
+            "pagedkv_gateway_failed_migrations",
+            "Generations lost mid-generation that could not continue elsewhere: refused (structured output, output "
+            "penalties, multi-token bad words), limit (--max-migrations), no_executor",
+            ["reason"],
+            registry=r,
+        )
         self.refused = Counter(
             "pagedkv_gateway_refused_requests",
             "Requests refused at the door with 429, before any work: queue_full (--max-queued-sequences) or "

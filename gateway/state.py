@@ -24,6 +24,7 @@ from gateway.admission import DEFAULT_MAX_QUEUE_DELAY_S, Door
 from gateway.executors import ExecutorLink
 from gateway.generation import Generation, OutputOptions
 from gateway.metrics import GatewayMetrics
+from gateway.migration import DEFAULT_MAX_MIGRATIONS
 from gateway.routing import PrefixLookup, Router
 from gateway.text import Tokenizer
 from gateway.tool_calls import detect_parser
@@ -42,6 +43,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     max_queued_sequences: int = 512  # a request's prompts x n, waiting or generating
     executor_timeout_s: float = 5.0
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS  # per generation: continuations on another executor mid-stream
     max_queue_delay_s: float | None = DEFAULT_MAX_QUEUE_DELAY_S  # past it, new requests get 429 (None: no bound)
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer_threads: int = 2
@@ -190,4 +192,5 @@ class Gateway:
             output=output,
             cache_salt=cache_salt,
             report_cached_tokens=self.config.report_cached_tokens or cache_salt is not None,
+            max_migrations=self.config.max_migrations,
         )

@@ -101,7 +101,8 @@ def test_requests_that_streamed_nothing_are_retried_when_their_executor_dies(sta
 
 
 def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: LocalStack) -> None:
-    """Nothing of a non-streamed response has reached the client yet, so it starts over elsewhere."""
+    """Nothing of a non-streamed response has reached the client yet: it goes on elsewhere from the tokens it
+    has (gateway/migration.py), or, killed before its first token, starts over."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
     ask = {
         "model": stack.model_name,
@@ -127,13 +128,21 @@ def test_a_whole_response_survives_its_executor_dying_mid_generation(stack: Loca
     assert survived.usage.completion_tokens == 450
     assert survived.choices[0].finish_reason == "length"
     assert survived.choices[0].text == client.completions.create(**ask).choices[0].text  # greedy: same text
-    assert metric(stack.url, "pagedkv_gateway_retried_requests_total") >= 1
+    moved = metric(stack.url, "pagedkv_gateway_retried_requests_total")
+    assert moved + metric(stack.url, "pagedkv_gateway_migrations_total") >= 1
 
 
-def test_a_stream_whose_executor_dies_ends_with_an_error_event(stack: LocalStack) -> None:
+def test_a_stream_that_cannot_migrate_ends_with_an_error_event(stack: LocalStack) -> None:
+    """Output penalties count the output only: continued from a prompt holding it, they would count other tokens,
+    so such a stream is not continued elsewhere (gateway/migration.py) and ends with a clear error."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
     response = client.completions.with_raw_response.create(
-        model=stack.model_name, prompt=list(range(30, 90)), max_tokens=450, stream=True, extra_body={"ignore_eos": True}
+        model=stack.model_name,
+        prompt=list(range(30, 90)),
+        max_tokens=450,
+        stream=True,
+        presence_penalty=0.5,
+        extra_body={"ignore_eos": True},
     )
     serving = response.headers["x-pagedkv-executor"]
     stream = response.parse()
@@ -143,7 +152,8 @@ def test_a_stream_whose_executor_dies_ends_with_an_error_event(stack: LocalStack
     with pytest.raises(openai.APIError) as raised:
         for _ in chunks:
             pass
-    assert "lost" in str(raised.value)
+    assert "lost" in str(raised.value) and "cannot continue elsewhere: presence or frequency" in str(raised.value)
+    assert 'pagedkv_gateway_failed_migrations_total{reason="refused"} 1.0' in httpx.get(f"{stack.url}/metrics").text
     survivor = ({"executor-0", "executor-1"} - {serving}).pop()
     result = client.completions.with_raw_response.create(model=stack.model_name, prompt="still here?", max_tokens=3)
     assert result.headers["x-pagedkv-executor"] == survivor
