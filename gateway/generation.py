@@ -124,6 +124,7 @@ class Generation:
         self.report_cached_tokens = report_cached_tokens
         self.max_migrations = max_migrations
         self.migrations = 0  # times its choices were continued elsewhere
+        self._attempt = 0  # times it was submitted again from its prompt
         self._why_not_migrated = ""  # the last migration refused, for the client's error
         self.usage = Usage(prompt_tokens=len(self.prompt), report_cached=report_cached_tokens)
         self.executor: str | None = None  # the pool that served it
@@ -140,9 +141,8 @@ class Generation:
     async def events(self) -> AsyncIterator[ChoiceEvent | Restarted]:
         yielded = False
         tried: set[str] = set()
-        attempt = 0
         try:
-            await self._submit(tried, attempt)
+            await self._submit(tried)
             while not self._done:
                 item = await self._queue.get()
                 submission = self._submissions.get(item.request_id)
@@ -160,24 +160,16 @@ class Generation:
                             raise GenerationFailed(
                                 f"the executor serving this request was lost ({lost}) and {self._why_not_migrated}"
                             )
-                    tried.add(submission.link.endpoint)
-                    self._release_all()
-                    attempt += 1
-                    self.metrics.retries.inc()
                     if yielded:
                         yielded = False
                         self.first_token_at = None
                         yield Restarted()
-                    await self._submit(tried, attempt)
+                    await self._start_over(submission, tried)
                     continue
                 if type(item) is ep.Rejected:
                     retryable = item.code in (ep.RejectCode.CAPACITY_EXCEEDED, ep.RejectCode.QUEUE_FULL)
                     if retryable and len(self.router.healthy(tried | {submission.link.endpoint})):
-                        tried.add(submission.link.endpoint)  # another executor may have a larger cache, or room
-                        self._release_all()
-                        attempt += 1
-                        self.metrics.retries.inc()
-                        await self._submit(tried, attempt)
+                        await self._start_over(submission, tried)  # another may have a larger cache, or room
                         continue
                     self._choices = []  # refused: nothing ran, nothing to count as aborted
                     if item.code == ep.RejectCode.INVALID_GRAMMAR and self.params.structured is not None:
@@ -209,8 +201,18 @@ class Generation:
             return f"a continuation was refused there: {item.code}: {item.message}"
         return None
 
-    async def _submit(self, tried: set[str], attempt: int) -> None:
+    async def _start_over(self, submission: _Submission, tried: set[str]) -> None:
+        """The whole generation submitted again to an executor not tried, all of this try let go of."""
+        tried.add(submission.link.endpoint)
+        self._drop(submission)  # lost or refused there: nothing runs there for it
+        self._release_all(abort=True)  # continuations of other choices, if any
+        self._attempt += 1
+        self.metrics.retries.inc()
+        await self._submit(tried)
+
+    async def _submit(self, tried: set[str]) -> None:
         """The whole generation, from its prompt, to an executor not tried."""
+        attempt = self._attempt
         while True:
             route = await self.router.choose(self.prompt, exclude=tried, cache_salt=self.cache_salt)
             if route is None:
@@ -249,6 +251,8 @@ class Generation:
         (`_why_not_migrated` says why): the caller starts over or fails."""
         self._drop(lost)
         unfinished = [c for c in lost.choices if not self._choices[c].finished]
+        if not unfinished:
+            return []
         refused = migration.refusal(self.params)
         if refused is not None or self.migrations >= self.max_migrations:
             self._why_not_migrated = (

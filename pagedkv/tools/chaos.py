@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -216,7 +217,9 @@ class Tally:
     requests: int = 0
     ok: int = 0
     wrong: int = 0
-    cut_after_text: int = 0  # a stream that had sent text when it broke (allowed)
+    # A stream that had sent text when it broke: allowed where the gateway itself went (its kill), never where an
+    # executor was killed (the stream goes on on another: request migration).
+    cut_after_text: int = 0
     refused: Counter[str] = field(default_factory=Counter)  # answered with a clear error: status code
     unclear: int = 0  # an error without OpenAI's error shape
     transport: int = 0  # no answer at all (the gateway was down)
@@ -316,29 +319,33 @@ class Load:
         for thread in self._threads:
             thread.join(timeout=90)
 
+    def record(self, prompt: str, outcome: str, text: str, reference: str) -> None:
+        """One answer into the tally: right, wrong (against the clean stack's `reference`), cut or refused."""
+        tally = self.tally
+        with tally.lock:
+            tally.requests += 1
+            if outcome == "ok" and text == reference:
+                tally.ok += 1
+            elif outcome == "ok":
+                tally.wrong += 1
+                if len(tally.wrong_examples) < 5:
+                    tally.wrong_examples.append(f"{prompt!r}: {text!r} != {reference!r}")
+            elif outcome == "cut":
+                tally.cut_after_text += 1
+            elif outcome == "unclear":
+                tally.unclear += 1
+            elif outcome == "transport":
+                tally.transport += 1
+            else:
+                tally.refused[outcome.split(":", 1)[1]] += 1
+
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
         prompts = list(self.references)
         while not self._stop.is_set():
             prompt = rng.choice(prompts)
             outcome, text = _ask(self.url, prompt, self.max_tokens, rng.random() < 0.5, self.headers)
-            tally = self.tally
-            with tally.lock:
-                tally.requests += 1
-                if outcome == "ok" and text == self.references[prompt]:
-                    tally.ok += 1
-                elif outcome == "ok":
-                    tally.wrong += 1
-                    if len(tally.wrong_examples) < 5:
-                        tally.wrong_examples.append(f"{prompt!r}: {text!r} != {self.references[prompt]!r}")
-                elif outcome == "cut":
-                    tally.cut_after_text += 1
-                elif outcome == "unclear":
-                    tally.unclear += 1
-                elif outcome == "transport":
-                    tally.transport += 1
-                else:
-                    tally.refused[outcome.split(":", 1)[1]] += 1
+            self.record(prompt, outcome, text, self.references[prompt])
             if outcome == "transport":
                 time.sleep(0.2)  # the gateway is down: do not spin
 
@@ -377,6 +384,50 @@ def _pause(stack: Stack, name: str, seconds: float) -> None:
 def _kill9(stack: Stack, name: str) -> None:
     stack.services[name].signal(signal.SIGKILL)
     time.sleep(0.5)
+
+
+def _kill9_mid_stream(stack: Stack, name: str, load: Load, references: dict[str, str], findings: Findings) -> None:
+    """kill -9 an executor while a greedy stream it serves has shown text (the gateway's x-pagedkv-executor says
+    which serves it): the stream must go on on the other executor (request migration) and end whole and right,
+    as the load's streams cut by the kill must. Each try salts its cache (`cache_salt`), so no executor holds its
+    prefix and the router spreads the tries over both."""
+    prompts = sorted(references, key=lambda p: -len(references[p]))[:3]  # the longest answers: time for the kill
+    for attempt in range(40):
+        prompt = prompts[attempt % len(prompts)]
+        body = {"prompt": prompt, "max_tokens": LOAD_MAX_TOKENS, "temperature": 0, "stream": True}
+        body["cache_salt"] = secrets.token_hex(8)
+        url, headers = f"{stack.url}/v1/completions", stack.auth_headers
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
+            if response.status_code != 200 or response.headers.get("x-pagedkv-executor") != name:
+                continue
+            reader, chunks = StreamReader(), response.iter_bytes()
+            ended = False
+            for chunk in chunks:
+                ended = reader.feed(chunk)
+                if ended or reader.text:
+                    break
+            if ended or not reader.text:
+                continue  # over before the kill: try again
+            stack.services[name].signal(signal.SIGKILL)
+            for chunk in chunks:
+                if reader.feed(chunk):
+                    break
+        outcome, text = reader.result()
+        load.record(prompt, outcome, text, references[prompt])
+        right = "right" if outcome == "ok" and text == references[prompt] else f"{outcome}, not right"
+        findings.notes.append(
+            f"kill -9 {name} mid-stream: the stream went on ({right}); the gateway counts "
+            f"{_gateway_metric(stack, 'pagedkv_gateway_migrations_total'):g} migrations"
+        )
+        time.sleep(0.5)
+        return
+    raise RuntimeError(f"no stream was served by {name} in 40 tries: the kill mid-stream did not run")
+
+
+def _gateway_metric(stack: Stack, name: str) -> float:
+    """An unlabelled metric of the gateway's /metrics (0 if absent: the gateway was restarted since)."""
+    text = httpx.get(f"{stack.url}/metrics", headers=stack.auth_headers, timeout=10).text
+    return next((float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
 
 
 def _duplicate_pool(stack: Stack, findings: Findings) -> None:
@@ -1108,11 +1159,17 @@ def _drained(endpoint: str, curve: ClientCurve, timeout_s: float) -> tuple[int, 
         time.sleep(0.5)
 
 
-def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str, Callable[[], None]]]:
+def _scenarios(
+    stack: Stack, findings: Findings, quick: bool, load: Load, long_references: dict[str, str]
+) -> list[tuple[str, Callable[[], None]]]:
     frames = 2_000 if quick else 100_000
     scenarios: list[tuple[str, Callable[[], None]]] = []
     for name in ("executor-0", "executor-1", "blockd", "redis", "gateway"):
-        scenarios.append((f"kill -9 {name}", lambda name=name: _kill9(stack, name)))
+        if name.startswith("executor"):  # while a stream it serves has shown text: that stream must go on
+            kill = functools.partial(_kill9_mid_stream, stack, name, load, long_references, findings)
+        else:
+            kill = functools.partial(_kill9, stack, name)
+        scenarios.append((f"kill -9 {name}", kill))
         pause = 3.0 if name.startswith("executor") else 2.0  # executors: past the gateway's 2 s silence
         scenarios.append((f"SIGSTOP {name} {pause:g} s", lambda name=name, pause=pause: _pause(stack, name, pause)))
     scenarios += [
@@ -1130,16 +1187,22 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
 
 
 def _fault_phase(
-    stack: Stack, references: dict[str, str], findings: Findings, quick: bool, clients: int, max_tokens: int
+    stack: Stack,
+    references: dict[str, str],
+    long_references: dict[str, str],
+    findings: Findings,
+    quick: bool,
+    clients: int,
+    max_tokens: int,
 ) -> tuple[Tally, list[list[str]]]:
     """The fault and attack scenarios, one after the other, under the greedy load; the load's tally and a row per
-    scenario."""
+    scenario. A kill -9 of an executor must cut no stream: each goes on on the other executor."""
     rows: list[list[str]] = []
     load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
     load.start()
     time.sleep(2.0)
-    for name, action in _scenarios(stack, findings, quick):
-        before, failed_before = load.tally.requests, load.tally.failed
+    for name, action in _scenarios(stack, findings, quick, load, long_references):
+        before, failed_before, cut_before = load.tally.requests, load.tally.failed, load.tally.cut_after_text
         attacks, refused, unanswered = findings.attacks, findings.refused, findings.unanswered
         t0 = time.monotonic()
         _log(f"chaos: {name}")
@@ -1153,6 +1216,9 @@ def _fault_phase(
             findings.problem(f"after {name}: {exc.message}")
             recovered = float("nan")
         time.sleep(1.0 if quick else 5.0)  # some load on the recovered stack
+        cut = load.tally.cut_after_text - cut_before
+        if cut and name.startswith("kill -9 executor"):
+            findings.problem(f"{name}: {cut} streams cut after text (they must go on on the other executor)")
         rows.append(
             [
                 name,
@@ -1160,6 +1226,7 @@ def _fault_phase(
                 f"{recovered:.1f}",
                 str(load.tally.requests - before),
                 str(load.tally.failed - failed_before),
+                str(cut),
                 str(findings.attacks - attacks),
                 str(findings.refused - refused),
                 str(findings.unanswered - unanswered),
@@ -1208,13 +1275,16 @@ def run_chaos(
     try:
         stack.start(timeout_s=300)
         references = _references(stack.url, max_tokens, stack.auth_headers)
-        long_references = _references(stack.url, LOAD_MAX_TOKENS, stack.auth_headers) if "load" in phases else {}
+        # Long answers: the load-held scenarios' and the streams an executor is killed under.
+        long_references = _references(stack.url, LOAD_MAX_TOKENS, stack.auth_headers)
         time.sleep(1.0)
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
         if "faults" in phases:
-            tally, scenario_rows = _fault_phase(stack, references, findings, quick, clients, max_tokens)
+            tally, scenario_rows = _fault_phase(
+                stack, references, long_references, findings, quick, clients, max_tokens
+            )
         if "load" in phases:
             load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
         leaked, check = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
@@ -1236,6 +1306,7 @@ def run_chaos(
         "failed": tally.failed,
         "wrong_outputs": tally.wrong,
         "cut_after_text": tally.cut_after_text,
+        "cut_after_text_by_scenario": {row[0]: int(row[5]) for row in scenario_rows},
         "refused": dict(tally.refused),
         "unclear_errors": tally.unclear + findings.battery_unclear,
         "transport_errors": tally.transport,
@@ -1264,7 +1335,8 @@ def run_chaos(
 def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_rows: list[list[str]]) -> None:
     if scenario_rows:
         click.echo("")
-        columns = ["scenario", "seconds", "recovered in s", "requests", "failed", "attacks", "refused", "no answer"]
+        columns = ["scenario", "seconds", "recovered in s", "requests", "failed", "cut after text", "attacks"]
+        columns += ["refused", "no answer"]
         for line in table_lines(columns, scenario_rows):
             click.echo(line)
     if load_rows:

@@ -32,6 +32,9 @@ def test_chaos_quick_keeps_every_output_right(tmp_path: Path) -> None:
     assert result["check"] == "ok", context
     assert result["problems"] == [], context
     assert result["unclear_errors"] == 0, context
+    # An executor killed under a stream it serves (and under the load's streams) cuts none: they go on elsewhere.
+    cuts = result["cut_after_text_by_scenario"]
+    assert cuts["kill -9 executor-0"] == 0 and cuts["kill -9 executor-1"] == 0, context
     assert result["blockd_frames"] >= 2_000 and result["executor_frames"] >= 4_000, context
     assert result["slowest_blockd_reply_s"] < 1.0, context
     # The authenticated stack: peers without keys got no answer; keys of the wrong role and missing or wrong API
