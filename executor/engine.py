@@ -19,6 +19,7 @@ import torch
 from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
+from executor.beam import BeamSearch
 from executor.kv_budget import pool_window
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
@@ -180,6 +181,10 @@ class Engine:
             request.prompt_logprobs = []
         first = self.model_step.new_choice(request, 0)  # (its grammar matcher comes once the grammar is compiled)
         request.sequences.append(first)
+        if params.beam_search:
+            stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.loop.eos)
+            limit = min(len(prompt) + params.max_tokens, self.loop.max_model_len, self.loop.max_seq_tokens)
+            request.beam = BeamSearch.start(request, first, stop, limit)
         self.requests[request_id] = request
         if params.structured is not None:
             if self.grammars is None:
