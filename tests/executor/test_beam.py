@@ -4,36 +4,10 @@ and blockd's counters show them sharing their history's blocks."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from executor.engine import RequestRejected
 from executor.params import SamplingParams
-from tests.executor.harness import drive, hf_greedy_ignoring_eos, hf_model, make_engine, random_prompts
-
-
-def hf_beams(model_dir, prompt, params: SamplingParams) -> list[list[int]]:
-    """transformers' own beam search: the oracle (its sequences padded past an end, cut back here)."""
-    model = hf_model(model_dir)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=params.max_tokens,
-            num_beams=params.beam_width,
-            num_return_sequences=params.n,
-            length_penalty=params.length_penalty,
-            early_stopping=params.early_stopping,
-            do_sample=False,
-        )
-    eos = set(
-        model.generation_config.eos_token_id
-        if isinstance(model.generation_config.eos_token_id, list)
-        else [model.generation_config.eos_token_id]
-    )
-    beams = []
-    for row in out[:, len(prompt) :].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        beams.append(row[:cut])
-    return beams
+from tests.executor.harness import drive, hf_beams, hf_greedy_ignoring_eos, make_engine, random_prompts
 
 
 @pytest.mark.parametrize(
@@ -99,3 +73,38 @@ def test_beams_share_their_history_blocks_in_blockd(tiny_models, blockd):
         assert in_use <= shared + width * (-(-(longest - shared * bs) // bs) + 2) + greedy_blocks, seen
     assert copies, "a forked beam's first write copies the open block it shares"
     assert len(copies) < len(seen) * width  # one copy per fork, not one per token
+
+
+def test_beams_preempted_when_blocks_run_short_still_match_transformers(tiny_models, blockd):
+    """Beam searches run one at a time, in a pool that holds one at its longest but not the greedy requests
+    beside it: beams are preempted and recomputed (a beam waits for its preempted siblings' logprobs) and the
+    outputs are still transformers'."""
+    model = tiny_models["llama"]
+    prompts = random_prompts([40, 33, 50, 20, 30, 25, 35], vocab=512, seed=9)
+    params = SamplingParams(max_tokens=20, temperature=0.0, n=2, beam_width=4)
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model, blockd.endpoint, pool_id="beam-tight", num_blocks=48, block_size=8)
+    arrivals = [(f"b{i}", prompt, params) for i, prompt in enumerate(prompts[:3])]
+    arrivals += [(f"g{i}", prompt, greedy) for i, prompt in enumerate(prompts[3:])]
+    preempted_beams = set()
+
+    def on_step(step, engine):
+        for seq in engine.scheduler.waiting:
+            if seq.request.beam is not None and seq.preemptions:
+                preempted_beams.add(seq.seq_id)
+
+    results = drive(engine, {0: arrivals}, on_step=on_step)
+    assert preempted_beams, "no beam was preempted: the pool is not tight enough for this test"
+    for i, prompt in enumerate(prompts[:3]):
+        assert [c.tokens for c in results[f"b{i}"]] == hf_beams(model, prompt, params), f"request {i}"
+    for i, prompt in enumerate(prompts[3:]):
+        assert results[f"g{i}"][0].tokens == hf_greedy_ignoring_eos(model, prompt, greedy.max_tokens)
+
+
+def test_beam_search_too_wide_for_the_cache_is_refused(tiny_models, blockd):
+    model = tiny_models["llama"]
+    engine = make_engine(model, blockd.endpoint, pool_id="beam-small", num_blocks=16, block_size=8)
+    params = SamplingParams(max_tokens=40, temperature=0.0, beam_width=8)
+    with pytest.raises(RequestRejected, match="beam search of width 8"):
+        engine.add_request("wide", [1, 2, 3], params)
+    assert not engine.has_work()
