@@ -38,7 +38,7 @@ from executor.parallel_group import WorkerGroup
 from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
-from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
+from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, EmbedFault, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 from kernels.quant import KV_CACHE_DTYPES
 
@@ -242,6 +242,14 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 )
 @insecure_option("Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).")
 @click.option(
+    "--fault-embed-error",
+    "embed_fault",
+    type=click.IntRange(min=1),
+    default=None,
+    hidden=True,
+    help="TEST ONLY, fault injection: embedding pass N (counted from 1) raises.",
+)
+@click.option(
     "--fault-stall-step",
     "stall_spec",
     default=None,
@@ -280,6 +288,7 @@ def main(
     tensor_parallel_timeout,
     keys_dir,
     insecure,
+    embed_fault,
     stall_spec,
     log_level,
 ) -> None:
@@ -412,6 +421,7 @@ def main(
         auth=auth,
         stall=stall,
         embedder=embedder,
+        embed_fault=None if embed_fault is None else EmbedFault(embed_fault),
     )
     log.info(
         "executor_ready",

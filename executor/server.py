@@ -49,6 +49,19 @@ class StepStall:
             pass
 
 
+@dataclass
+class EmbedFault:
+    """Fault injection, for tests only (--fault-embed-error): embedding pass number `passes` (counted from 1)
+    raises, as an out-of-memory error would."""
+
+    passes: int
+    seen: int = 0
+
+    def due(self) -> bool:
+        self.seen += 1
+        return self.seen == self.passes
+
+
 class Fenced(RuntimeError):
     """blockd says the pool is another executor's now: using it would mix another executor's KV into this one's
     outputs, so every request ends with finish_reason "error" and the process exits."""
@@ -68,9 +81,11 @@ class ExecutorServer:
         stall: StepStall | None = None,
         alive_interval_s: float = ep.ALIVE_INTERVAL_S,
         embedder: Embedder | None = None,
+        embed_fault: EmbedFault | None = None,
     ) -> None:
         self.engine = engine
         self.stall = stall
+        self.embed_fault = embed_fault
         self.embedder = embedder  # --task embed: Embed requests are served, Submit ones refused
         self.embeds: deque[tuple[bytes, EmbedJob]] = deque()  # (the gateway connection, its job), first come first
         self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
@@ -322,7 +337,18 @@ class ExecutorServer:
     def _embed_pass(self) -> None:
         """One forward pass of the oldest embedding request; its answer once its last pass is done."""
         identity, job = self.embeds[0]
-        answer = job.step()
+        try:
+            if self.embed_fault is not None and self.embed_fault.due():
+                raise RuntimeError("fault injection (--fault-embed-error): this embedding pass fails")
+            answer = job.step()
+        except Exception as exc:  # a failed pass (out of memory, a kernel's error) fails its request alone
+            log.exception("embedding_failed", request_id=job.request_id)
+            self.embeds.popleft()
+            message = f"the embedding pass failed: {type(exc).__name__}: {exc}"
+            self._reply(
+                identity, ep.Rejected(request_id=job.request_id, code=ep.RejectCode.EMBEDDING_FAILED, message=message)
+            )
+            return
         if answer is not None:
             self.embeds.popleft()
             self._reply(identity, answer)
