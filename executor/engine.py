@@ -49,6 +49,7 @@ class EngineLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
+    scheduling_policy: str = "fcfs"  # or "priority" (vLLM's): requests' priority orders the queue and preemption
 
 
 class Engine:
@@ -86,6 +87,7 @@ class Engine:
             blocks=pool,
             sliding_window=pool.sliding_window,
             max_step_ms=limits.max_step_ms,
+            policy=limits.scheduling_policy,
         )
         self.loop = StepLoop(
             scheduler,
@@ -159,6 +161,12 @@ class Engine:
         problem = params.validate(self.config.vocab_size)
         if problem:
             raise RequestRejected(ep.RejectCode.INVALID_REQUEST, problem)
+        if params.priority != 0 and self.scheduler.policy != "priority":
+            raise RequestRejected(
+                ep.RejectCode.INVALID_REQUEST,
+                "priority: this executor serves first come, first served (--scheduling-policy fcfs): leave priority "
+                "at 0, or start the executors with --scheduling-policy priority",
+            )
         prompt = list(prompt)
         if not prompt:
             raise RequestRejected(ep.RejectCode.INVALID_REQUEST, "the prompt is empty")

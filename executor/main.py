@@ -131,6 +131,14 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "host. 0: no time bound, the token budget alone.",
 )
 @click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default="fcfs",
+    help="fcfs: requests are served first come, first served (a non-zero priority is refused); priority (vLLM's): "
+    "the waiting queue is ordered by (priority, arrival), lower sooner, and when blocks run short the worst-ranked "
+    "running requests are preempted, also to admit a better-ranked one.",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["auto", *DTYPES]),
     default="auto",
@@ -269,6 +277,7 @@ def main(
     max_num_seqs,
     max_num_batched_tokens,
     max_step_ms,
+    scheduling_policy,
     dtype,
     kv_cache_dtype,
     kernels,
@@ -382,7 +391,7 @@ def main(
         pool_id=pool_id,
         num_blocks=blocks,
         block_size=block_size_int,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None),
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None, scheduling_policy),
         backend=kernels,
         seed=seed,
         retry_for_s=2.0,

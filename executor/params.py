@@ -76,6 +76,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     beam_width: int = 0
     length_penalty: float = 1.0  # a finished beam's score: its logprob / (generated tokens ** length_penalty)
     early_stopping: bool | str = False  # True, False or "never" (transformers' meaning)
+    # vLLM's priority: lower is served sooner, on an executor started with --scheduling-policy priority (an
+    # executor that serves first come, first served refuses any other than 0).
+    priority: int = 0
 
     def validate(self, vocab_size: int) -> str | None:
         if not self.max_tokens >= 0:
@@ -90,6 +93,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             return f"top_k must be >= 0 (0 = no limit), got {self.top_k}"
         if not 1 <= self.n <= 64:
             return f"n must be in [1, 64], got {self.n}"
+        if not -(2**63) <= self.priority < 2**63:
+            return f"priority must fit in 64 bits, got {self.priority}"
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             return f"seed must fit in 64 bits, got {self.seed}"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

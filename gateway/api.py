@@ -76,7 +76,8 @@ class GenerationRequest(StructuredOutputFields):
     # Each word banned with and without a leading space, as vLLM does.
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORD_STRINGS)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
-    priority: int = 0  # 0 only: requests are served first come, first served
+    # vLLM's: lower is served sooner, by executors with --scheduling-policy priority (others refuse non-zero)
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
     request_id: str | None = Field(default=None, max_length=200)
     # vLLM's output settings
     include_stop_str_in_output: bool = False
@@ -110,10 +111,6 @@ class GenerationRequest(StructuredOutputFields):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ParamError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
-            )
-        if self.priority != 0:
-            raise ParamError(
-                "priority", "priority scheduling is not supported by pagedkv (first come, first served): leave it at 0"
             )
         if self.prompt_logprobs is not None and self.stream:
             raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
@@ -213,6 +210,7 @@ class GenerationRequest(StructuredOutputFields):
             bad_words_token_ids=self.bad_words_token_ids(tokenizer),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             structured=self.grammar_spec(),
+            priority=self.priority,
             beam_width=self.beam_width,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
