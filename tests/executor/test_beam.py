@@ -7,7 +7,14 @@ import pytest
 
 from executor.engine import RequestRejected
 from executor.params import SamplingParams
-from tests.executor.harness import drive, hf_beams, hf_greedy_ignoring_eos, make_engine, random_prompts
+from tests.executor.harness import (
+    check_sequence_invariants,
+    drive,
+    hf_beams,
+    hf_greedy_ignoring_eos,
+    make_engine,
+    random_prompts,
+)
 
 
 @pytest.mark.parametrize(
@@ -108,3 +115,33 @@ def test_beam_search_too_wide_for_the_cache_is_refused(tiny_models, blockd):
     with pytest.raises(RequestRejected, match="beam search of width 8"):
         engine.add_request("wide", [1, 2, 3], params)
     assert not engine.has_work()
+
+
+def test_aborted_beam_searches_free_every_beam_and_the_queued_one_starts(tiny_models, blockd):
+    """A beam search aborted mid-way ends its n choices with "abort" and frees all its beams' blocks; one
+    aborted while queued behind it never starts; the one queued after them runs as transformers' (the blockd
+    fixture checks at teardown that no block is left in use)."""
+    model = tiny_models["llama"]
+    prompts = random_prompts([30, 20, 25], vocab=512, seed=13)
+    params = SamplingParams(max_tokens=16, temperature=0.0, n=2, beam_width=3)
+    engine = make_engine(model, blockd.endpoint, pool_id="beam-abort")
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, params)
+    for _ in range(4):
+        assert not engine.step()  # nothing is sent before a search ends
+    assert len(engine.requests["a0"].beam.running) == 3
+    aborted = engine.abort("a0") + engine.abort("a1")
+    assert sorted((d.request_id, d.index, d.finish_reason) for d in aborted) == [
+        ("a0", 0, "abort"),
+        ("a0", 1, "abort"),
+        ("a1", 0, "abort"),
+        ("a1", 1, "abort"),
+    ]
+    tokens: dict[int, list[int]] = {}
+    while engine.has_work():
+        for delta in engine.step():
+            assert delta.request_id == "a2" and delta.finish_reason is not None
+            tokens[delta.index] = delta.token_ids
+        check_sequence_invariants(engine)
+    assert [tokens[0], tokens[1]] == hf_beams(model, prompts[2], params)
+    assert engine.pool.blocks_in_use == 0
