@@ -7,6 +7,7 @@ import pytest
 
 from executor.engine import RequestRejected
 from executor.params import SamplingParams
+from pagedkv.tools.model_gen import write_model
 from tests.executor.harness import (
     check_sequence_invariants,
     drive,
@@ -15,6 +16,7 @@ from tests.executor.harness import (
     make_engine,
     random_prompts,
 )
+from tests.support.models import TINY
 
 
 @pytest.mark.parametrize(
@@ -145,3 +147,23 @@ def test_aborted_beam_searches_free_every_beam_and_the_queued_one_starts(tiny_mo
         check_sequence_invariants(engine)
     assert [tokens[0], tokens[1]] == hf_beams(model, prompts[2], params)
     assert engine.pool.blocks_in_use == 0
+
+
+def test_beam_search_on_a_sliding_window_model_matches_transformers(tmp_path, blockd):
+    """A Mistral whose window (24) is shorter than its beams: the pool slides, a beam forked past its window
+    shares the parent's holes, and the child computes from the parent's registered tokens on, which no hole is
+    read by."""
+    model = write_model(tmp_path / "mistral", quiet=True, **TINY, arch="mistral", sliding_window=24)
+    prompts = random_prompts([5, 40, 70], vocab=512, seed=3)
+    params = SamplingParams(max_tokens=30, temperature=0.0, n=3, beam_width=4)
+    engine = make_engine(model, blockd.endpoint, pool_id="beams-window", block_size=8)
+    assert engine.pool.sliding_window == 24
+    holes = []
+    results = drive(
+        engine,
+        {0: [(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]},
+        on_step=lambda _step, e: holes.append(sum(s.holes for s in e.pool.seqs.values())),
+    )
+    assert max(holes) > 0  # blocks behind the window went back
+    for i, prompt in enumerate(prompts):
+        assert [c.tokens for c in results[f"r{i}"]] == hf_beams(model, prompt, params), f"request {i}"
