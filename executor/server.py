@@ -315,7 +315,8 @@ class ExecutorServer:
             total += sum(
                 max(0, params.max_tokens - s.num_generated) for s in started if s.status is not Status.FINISHED
             )
-            total += (params.n - len(started)) * params.max_tokens  # choices not forked yet
+            # Choices not forked yet; a beam search's beams not forked yet, as its width says.
+            total += max(0, max(params.n, params.beam_width) - len(started)) * params.max_tokens
         return total
 
     def _queue_embedding(self, identity: bytes, message: ep.Embed) -> None:
