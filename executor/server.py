@@ -191,7 +191,9 @@ class ExecutorServer:
             if identity is None:
                 continue
             for index in range(request.params.n):
-                seq = next((q for q in request.sequences if q.index == index), None)
+                # (a beam search's sequences are its beams, no choices: each of its n choices ends here)
+                choices = request.sequences if request.beam is None else []
+                seq = next((q for q in choices if q.index == index), None)
                 if seq is not None and seq.status is Status.FINISHED:
                     continue
                 delta = ep.Delta(
