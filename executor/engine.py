@@ -9,6 +9,7 @@ drives it and carries its deltas to gateways.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 from concurrent import futures
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
+from executor.beam import BeamSearch
 from executor.kv_budget import pool_window
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
@@ -47,6 +49,7 @@ class EngineLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
+    scheduling_policy: str = "fcfs"  # or "priority" (vLLM's): requests' priority orders the queue and preemption
 
 
 class Engine:
@@ -84,6 +87,7 @@ class Engine:
             blocks=pool,
             sliding_window=pool.sliding_window,
             max_step_ms=limits.max_step_ms,
+            policy=limits.scheduling_policy,
         )
         self.loop = StepLoop(
             scheduler,
@@ -96,6 +100,8 @@ class Engine:
         # whose grammar is still compiling, kept out of the scheduler until it is ready.
         self.grammars: Grammars | None = None
         self._compiling: dict[str, tuple[Sequence, futures.Future]] = {}
+        self._beam_active: Request | None = None  # the beam search running: the others wait in _beam_queue
+        self._beam_queue: deque[Sequence] = deque()  # their first beams
 
     @property
     def scheduler(self) -> Scheduler:
@@ -155,6 +161,12 @@ class Engine:
         problem = params.validate(self.config.vocab_size)
         if problem:
             raise RequestRejected(ep.RejectCode.INVALID_REQUEST, problem)
+        if params.priority != 0 and self.scheduler.policy != "priority":
+            raise RequestRejected(
+                ep.RejectCode.INVALID_REQUEST,
+                "priority: this executor serves first come, first served (--scheduling-policy fcfs): leave priority "
+                "at 0, or start the executors with --scheduling-policy priority",
+            )
         prompt = list(prompt)
         if not prompt:
             raise RequestRejected(ep.RejectCode.INVALID_REQUEST, "the prompt is empty")
@@ -180,6 +192,15 @@ class Engine:
             request.prompt_logprobs = []
         first = self.model_step.new_choice(request, 0)  # (its grammar matcher comes once the grammar is compiled)
         request.sequences.append(first)
+        if params.beam_search:
+            limit = min(len(prompt) + params.max_tokens, self.loop.max_model_len, self.loop.max_seq_tokens)
+            self._check_beam_room(params.beam_width, limit)
+            stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.loop.eos)
+            request.beam = BeamSearch.start(request, first, stop, limit)
+            self.requests[request_id] = request
+            self._beam_queue.append(first)  # one beam search at a time (docs/architecture.md, "Beam search")
+            self._start_next_beam()
+            return
         self.requests[request_id] = request
         if params.structured is not None:
             if self.grammars is None:
@@ -217,6 +238,32 @@ class Engine:
             self.scheduler.add(seq)
         return out
 
+    def _check_beam_room(self, width: int, limit: int) -> None:
+        """A beam waits for its siblings' logprobs while holding its blocks: the search can always go on only if
+        all its beams fit at once, unshared, at their longest (each with its reserved room)."""
+        s = self.scheduler
+        need = width * (-(-limit // s.block_size) + 2)
+        if need > s.num_blocks - s.watermark:
+            raise RequestRejected(
+                ep.RejectCode.CAPACITY_EXCEEDED,
+                f"beam search of width {width} over up to {limit} tokens needs up to {need} blocks; this executor's "
+                f"KV cache holds {s.num_blocks - s.watermark}: fewer beams or max_tokens",
+            )
+
+    def _start_next_beam(self) -> None:
+        """Once the running beam search is over, the next one queued starts (aborted ones are skipped)."""
+        active = self._beam_active
+        if active is not None and self.requests.get(active.request_id) is active and not active.beam.done:
+            return
+        self._beam_active = None
+        while self._beam_queue:
+            first = self._beam_queue.popleft()
+            request = first.request
+            if self.requests.get(request.request_id) is request and not request.beam.done:
+                self._beam_active = request
+                self.scheduler.add(first)
+                return
+
     def abort(self, request_id: str, index: int | None = None) -> list[ep.Delta]:
         """Stop a request, or only its choice `index` (executor.step_loop.StepLoop.abort)."""
         request = self.requests.get(request_id)
@@ -225,7 +272,7 @@ class Engine:
         return self.loop.abort(request_id, index)
 
     def has_work(self) -> bool:
-        return self.loop.has_work() or bool(self._compiling)
+        return self.loop.has_work() or bool(self._compiling) or bool(self._beam_queue)
 
     def load(self) -> ep.LoadReport:
         s = self.scheduler
@@ -250,6 +297,8 @@ class Engine:
         """Run one step; raises BlockdUnavailable (the step stays pending, nothing is lost) if blockd is away.
         Besides deltas, it returns `Rejected` for requests whose structured-output grammar did not compile."""
         report = self.loop.step()
+        if self._beam_queue:
+            self._start_next_beam()
         if self._compiling:  # admitted here, after the step's blockd call: a rejection is never lost to its failure
             if not report.chunks:  # nothing else to do: wait a little for a grammar rather than spin
                 futures.wait(

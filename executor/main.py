@@ -38,7 +38,7 @@ from executor.parallel_group import WorkerGroup
 from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
-from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
+from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, EmbedFault, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 from kernels.quant import KV_CACHE_DTYPES
 
@@ -129,6 +129,14 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "every running sequence still gets its decode token). It bounds the wait of streams already decoding while a "
     "burst of long prompts is prefilled, and keeps any step from running for seconds on a slow device or a busy "
     "host. 0: no time bound, the token budget alone.",
+)
+@click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default="fcfs",
+    help="fcfs: requests are served first come, first served (a non-zero priority is refused); priority (vLLM's): "
+    "the waiting queue is ordered by (priority, arrival), lower sooner, and when blocks run short the worst-ranked "
+    "running requests are preempted, also to admit a better-ranked one.",
 )
 @click.option(
     "--dtype",
@@ -242,6 +250,14 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
 )
 @insecure_option("Allow --bind beyond loopback without --keys (anyone who reaches the port may submit).")
 @click.option(
+    "--fault-embed-error",
+    "embed_fault",
+    type=click.IntRange(min=1),
+    default=None,
+    hidden=True,
+    help="TEST ONLY, fault injection: embedding pass N (counted from 1) raises.",
+)
+@click.option(
     "--fault-stall-step",
     "stall_spec",
     default=None,
@@ -261,6 +277,7 @@ def main(
     max_num_seqs,
     max_num_batched_tokens,
     max_step_ms,
+    scheduling_policy,
     dtype,
     kv_cache_dtype,
     kernels,
@@ -280,6 +297,7 @@ def main(
     tensor_parallel_timeout,
     keys_dir,
     insecure,
+    embed_fault,
     stall_spec,
     log_level,
 ) -> None:
@@ -373,7 +391,7 @@ def main(
         pool_id=pool_id,
         num_blocks=blocks,
         block_size=block_size_int,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None),
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None, scheduling_policy),
         backend=kernels,
         seed=seed,
         retry_for_s=2.0,
@@ -412,6 +430,7 @@ def main(
         auth=auth,
         stall=stall,
         embedder=embedder,
+        embed_fault=None if embed_fault is None else EmbedFault(embed_fault),
     )
     log.info(
         "executor_ready",

@@ -54,8 +54,23 @@ class ModelStep:
         picked = logits[: len(sampling)]
         if index != list(range(len(sampling))):  # (an echo row skipped, or new choices drawing from one row)
             picked = picked[torch.tensor(index, device=logits.device)]
+        beams = [i for i, (seq, _) in enumerate(rows) if seq.params.beam_search]
+        if not beams:
+            return self._sample(picked, rows)
+        # Beam search rows draw nothing: their logprobs go to executor.beam, which ranks every beam's together.
+        draws: list[Draw | None] = [None] * len(rows)
+        logprobs = torch.log_softmax(picked[beams].float(), dim=-1)
+        for j, i in enumerate(beams):
+            draws[i] = Draw(-1, beam_logprobs=logprobs[j])
+        others = [i for i in range(len(rows)) if draws[i] is None]
+        if others:
+            for i, draw in zip(others, self._sample(picked[others], [rows[i] for i in others]), strict=True):
+                draws[i] = draw
+        return [draw for draw in draws if draw is not None]
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, Chunk]]) -> list[Draw]:
         sampled = self.sampler(
-            picked, [SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len, seq.matcher) for seq, _ in rows]
+            logits, [SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len, seq.matcher) for seq, _ in rows]
         )
         return [Draw(t, lp) for t, lp in zip(sampled.token_ids, sampled.logprobs, strict=True)]
 

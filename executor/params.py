@@ -71,6 +71,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # last token banned where the output ends with the rest
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     structured: GrammarSpec | None = None  # output constrained to a JSON schema, regex, choice or grammar
+    # Beam search (vLLM's use_beam_search, with best_of as the width): 0 = none; k = k beams, the n best returned
+    # (executor.beam, as transformers' generate(num_beams=k, do_sample=False)).
+    beam_width: int = 0
+    length_penalty: float = 1.0  # a finished beam's score: its logprob / (generated tokens ** length_penalty)
+    early_stopping: bool | str = False  # True, False or "never" (transformers' meaning)
+    # vLLM's priority: lower is served sooner, on an executor started with --scheduling-policy priority (an
+    # executor that serves first come, first served refuses any other than 0).
+    priority: int = 0
 
     def validate(self, vocab_size: int) -> str | None:
         if not self.max_tokens >= 0:
@@ -85,6 +93,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             return f"top_k must be >= 0 (0 = no limit), got {self.top_k}"
         if not 1 <= self.n <= 64:
             return f"n must be in [1, 64], got {self.n}"
+        if not -(2**63) <= self.priority < 2**63:
+            return f"priority must fit in 64 bits, got {self.priority}"
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             return f"seed must fit in 64 bits, got {self.seed}"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -96,7 +106,40 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             return f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"
         if self.structured is not None and (problem := self.structured.validate()):
             return problem
+        if self.beam_width and (problem := self._validate_beam()):
+            return problem
         return self._validate_processing(vocab_size)
+
+    def _validate_beam(self) -> str | None:
+        if not 1 <= self.beam_width <= 64:
+            return f"the beam width (best_of) must be in [1, 64], got {self.beam_width}"
+        if self.n > self.beam_width:
+            return f"beam search returns at most its width's beams: n ({self.n}) must be at most {self.beam_width}"
+        if self.early_stopping not in (True, False, "never"):
+            return f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+        if not math.isfinite(self.length_penalty):
+            return f"length_penalty must be a finite number, got {self.length_penalty}"
+        if self.max_tokens < 1:
+            return "beam search needs max_tokens of at least 1"
+        refused = [
+            name
+            for name, asked in (
+                ("temperature > 0", self.temperature != 0.0),
+                ("top_p", self.top_p != 1.0),
+                ("top_k", self.top_k != 0),
+                ("logprobs", self.logprobs is not None),
+                ("prompt_logprobs", self.prompt_logprobs is not None),
+                ("structured output", self.structured is not None),
+                (
+                    "logits processing (penalties, min_p, min_tokens, logit_bias, bad_words, allowed_token_ids)",
+                    self.processes_logits,
+                ),
+            )
+            if asked
+        ]
+        if refused:
+            return f"beam search (deterministic, over the model's own logprobs) takes no {refused[0]}"
+        return None
 
     def _validate_processing(self, vocab_size: int) -> str | None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -137,6 +180,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             if bad:
                 return f"allowed_token_ids must be token ids in [0, {vocab_size}), got {bad[:3]}"
         return None
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width > 0
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ class RejectCode(StrEnum):
     STRUCTURED_OUTPUT_UNAVAILABLE = "structured_output_unavailable"  # no tokenizer here, or xgrammar broken
     FORBIDDEN = "forbidden"  # with keys: the sender's role may not send this message
     WRONG_TASK = "wrong_task"  # a submit to an embedding executor, or an embed to a generating one
+    EMBEDDING_FAILED = "embedding_failed"  # an embedding pass raised (out of memory...): that request alone fails
 
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]

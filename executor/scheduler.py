@@ -133,8 +133,12 @@ class Scheduler:
         watermark_blocks: int | None = None,
         sliding_window: int | None = None,
         max_step_ms: float | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.block_size = block_size
+        # "fcfs": the waiting queue in arrival order, the newest admitted preempted first; "priority" (vLLM's):
+        # ordered by (priority, arrival), the worst of those preempted first, also to admit a better one.
+        self.policy = policy
         self.sliding_window = sliding_window  # every layer's (the pool's): blocks no query reads any more go back
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
@@ -160,8 +164,25 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- state
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._queue_by_priority(seq)
+        else:
+            self.waiting.append(seq)
         self.arrived = True
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, float]:
+        """Under the priority policy, who goes first (and who is preempted last): lower is sooner."""
+        return seq.params.priority, seq.request.arrival_s
+
+    def _queue_by_priority(self, seq: Sequence) -> None:
+        """Into the waiting queue behind every sequence ranked as well or better (a preempted one among equals
+        first, as fcfs queues it)."""
+        rank = self._rank(seq)
+        at = next((i for i, other in enumerate(self.waiting) if self._rank(other) > rank), len(self.waiting))
+        if seq.preemptions:
+            at = next((i for i, other in enumerate(self.waiting) if self._rank(other) >= rank), at)
+        self.waiting.insert(at, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.to_free or self.to_fork or self.to_preempt)
@@ -293,9 +314,19 @@ class Scheduler:
     def plan_ahead(self, chunks: list[Chunk]) -> StepPlan | None:
         """The next step's ops while `chunks` still run (docs/architecture.md, "A step"); None if that plan would need
         a preemption."""
-        if self.to_preempt:
+        if self.to_preempt or self._priority_preemption_due():
             return None
         return self._plan(chunks)
+
+    def _priority_preemption_due(self) -> bool:
+        """Under the priority policy: the head of the queue does not fit and a worse-ranked sequence runs (so the
+        plan that preempts it is made after sampling, as every preemption is)."""
+        if self.policy != "priority" or not self.waiting:
+            return False
+        head = self.waiting[0]
+        if growth(self.block_size, 0, len(head.tokens), 0).blocks <= self.blocks.free_blocks - self.watermark:
+            return False
+        return any(s.params.priority > head.params.priority for s in self.running)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step computed `tokens` tokens in `seconds`: what the budget of the steps planned after it is sized by."""
@@ -359,7 +390,7 @@ class Scheduler:
         for seq in self.running:
             left = len(seq.tokens) + (id(seq) in sampling) - computed.get(id(seq), seq.num_computed)
             budget -= min(left, budget)
-        free = self._admit(plan, free, budget)
+        free = self._admit(plan, free, budget, preempt=ahead is None)
         if wide and plan.entries:
             self._renew(plan, free, growing, sampling, forking)
         return plan
@@ -416,13 +447,14 @@ class Scheduler:
         self._admit(plan, self.blocks.free_blocks, budget)
         return plan
 
-    def _admit(self, plan: StepPlan, free: int, budget: int) -> int:
-        """Admits for the waiting sequences, first come first served, while blocks (`free`, above the watermark),
-        sequence slots and the token budget allow; returns the blocks still free after them (worst case)."""
+    def _admit(self, plan: StepPlan, free: int, budget: int, preempt: bool = False) -> int:
+        """Admits for the waiting sequences, in queue order, while blocks (`free`, above the watermark), sequence
+        slots and the token budget allow; returns the blocks still free after them (worst case). With `preempt`
+        under the priority policy, running sequences of a worse priority are preempted to make room."""
         self.arrived = False
         free_slots = self.max_num_seqs - len(self.running)
         pending = self._uncommitted_prefixes() if self.waiting else {}
-        for seq in self.waiting:
+        for seq in list(self.waiting):  # (a preemption below queues its victim behind `seq`)
             if free_slots <= 0 or budget <= 0:
                 break
             hold = None
@@ -435,8 +467,17 @@ class Scheduler:
                 # at most those the first query past the hit reads (blockd.pool.cached_prefix_blocks).
                 reclaimed = max(1, -(-(self.sliding_window - 1) // self.block_size))
                 worst = growth(self.block_size, 0, min(len(seq.tokens), hold), 0).blocks + reclaimed
+            if worst > free - self.watermark and preempt and self.policy == "priority":
+                while worst > free - self.watermark:
+                    worse = [s for s in self.running if s.params.priority > seq.params.priority]
+                    if not worse:
+                        break
+                    victim = max(worse, key=lambda s: (*self._rank(s), s.admitted_order))
+                    free += self._releases(victim)
+                    self._preempt(plan, victim)
+                    free_slots += 1
             if worst > free - self.watermark:
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             request = seq.request
             # A prompt still to be scored for prompt logprobs is computed whole: a cached prefix has no logits.
             reuse = not request.prompt_logprobs_pending
@@ -492,6 +533,8 @@ class Scheduler:
         return sum(1 for b in blocks if b != HOLE and refcount[b] == 1)
 
     def _victim(self) -> Sequence:
+        if self.policy == "priority":
+            return max(self.running, key=lambda s: (*self._rank(s), s.admitted_order))
         return max(self.running, key=lambda s: s.admitted_order)
 
     def _preempt(self, plan: StepPlan, seq: Sequence) -> None:
@@ -509,7 +552,10 @@ class Scheduler:
         seq.num_computed = seq.committed_tokens = 0
         seq.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._queue_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     # ----------------------------------------------------------------------------------------- results
 

@@ -35,6 +35,7 @@ class Request:
     # complete, in the request's first delta.
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    beam: Any = None  # its executor.beam.BeamSearch, with params.beam_width (its sequences are the beams)
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -43,6 +44,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.status is Status.FINISHED for s in self.sequences) and len(self.sequences) == self.params.n
 
 

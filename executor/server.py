@@ -49,6 +49,19 @@ class StepStall:
             pass
 
 
+@dataclass
+class EmbedFault:
+    """Fault injection, for tests only (--fault-embed-error): embedding pass number `passes` (counted from 1)
+    raises, as an out-of-memory error would."""
+
+    passes: int
+    seen: int = 0
+
+    def due(self) -> bool:
+        self.seen += 1
+        return self.seen == self.passes
+
+
 class Fenced(RuntimeError):
     """blockd says the pool is another executor's now: using it would mix another executor's KV into this one's
     outputs, so every request ends with finish_reason "error" and the process exits."""
@@ -68,9 +81,11 @@ class ExecutorServer:
         stall: StepStall | None = None,
         alive_interval_s: float = ep.ALIVE_INTERVAL_S,
         embedder: Embedder | None = None,
+        embed_fault: EmbedFault | None = None,
     ) -> None:
         self.engine = engine
         self.stall = stall
+        self.embed_fault = embed_fault
         self.embedder = embedder  # --task embed: Embed requests are served, Submit ones refused
         self.embeds: deque[tuple[bytes, EmbedJob]] = deque()  # (the gateway connection, its job), first come first
         self.auth = auth  # None: no keys (loopback or --insecure): every peer may do everything
@@ -176,7 +191,9 @@ class ExecutorServer:
             if identity is None:
                 continue
             for index in range(request.params.n):
-                seq = next((q for q in request.sequences if q.index == index), None)
+                # (a beam search's sequences are its beams, no choices: each of its n choices ends here)
+                choices = request.sequences if request.beam is None else []
+                seq = next((q for q in choices if q.index == index), None)
                 if seq is not None and seq.status is Status.FINISHED:
                     continue
                 delta = ep.Delta(
@@ -300,7 +317,8 @@ class ExecutorServer:
             total += sum(
                 max(0, params.max_tokens - s.num_generated) for s in started if s.status is not Status.FINISHED
             )
-            total += (params.n - len(started)) * params.max_tokens  # choices not forked yet
+            # Choices not forked yet; a beam search's beams not forked yet, as its width says.
+            total += max(0, max(params.n, params.beam_width) - len(started)) * params.max_tokens
         return total
 
     def _queue_embedding(self, identity: bytes, message: ep.Embed) -> None:
@@ -322,7 +340,18 @@ class ExecutorServer:
     def _embed_pass(self) -> None:
         """One forward pass of the oldest embedding request; its answer once its last pass is done."""
         identity, job = self.embeds[0]
-        answer = job.step()
+        try:
+            if self.embed_fault is not None and self.embed_fault.due():
+                raise RuntimeError("fault injection (--fault-embed-error): this embedding pass fails")
+            answer = job.step()
+        except Exception as exc:  # a failed pass (out of memory, a kernel's error) fails its request alone
+            log.exception("embedding_failed", request_id=job.request_id)
+            self.embeds.popleft()
+            message = f"the embedding pass failed: {type(exc).__name__}: {exc}"
+            self._reply(
+                identity, ep.Rejected(request_id=job.request_id, code=ep.RejectCode.EMBEDDING_FAILED, message=message)
+            )
+            return
         if answer is not None:
             self.embeds.popleft()
             self._reply(identity, answer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -19,6 +19,9 @@ from blockd.client import BlockdUnavailable, PoolClient
 from executor import protocol as ep
 from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, window_blocks
 from executor.sequence import Request, Sequence, Status
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger("executor")
 
@@ -32,6 +35,7 @@ class Draw:
 
     token: int
     logprob: Logprob = None
+    beam_logprobs: torch.Tensor | None = None  # a beam search's row: its next-token logprobs, nothing drawn
 
 
 class StepModel(Protocol):
@@ -121,6 +125,9 @@ class StepLoop:
         request = self.requests.get(request_id)
         if request is None:
             return []
+        if request.beam is not None:  # its beams are no choices: the whole search stops
+            del self.requests[request_id]
+            return request.beam.abort(self.scheduler)
         if index is not None and request.params.n > 1:
             return self._abort_choice(request, index)
         del self.requests[request_id]
@@ -208,6 +215,8 @@ class StepLoop:
         """Plan the next step while `chunks` run and send it, so that blockd answers during the forward pass."""
         if not self.plan_ahead or self._resync_first:
             return  # (after blockd was away, the next step re-syncs, then plans and sends as it used to)
+        if any(request.beam is not None for request in self.requests.values()):
+            return  # a beam search forks its beams once this step's logprobs are in: the next plan must see them
         plan = self.scheduler.plan_ahead(chunks)
         if plan is None:
             return
@@ -253,7 +262,8 @@ class StepLoop:
                 continue
             rows.append((seq, chunk))
             request = seq.request
-            if seq.index == 0 and len(request.sequences) == 1 and request.params.n > 1 and seq.num_generated == 0:
+            first = seq.index == 0 and len(request.sequences) == 1 and seq.num_generated == 0
+            if first and request.params.n > 1 and request.beam is None:
                 for index in range(1, request.params.n):  # the other choices start from the same prompt logits
                     rows.append((self.model.new_choice(request, index), chunk))
         draws = self.model.run(chunks, rows)
@@ -267,6 +277,10 @@ class StepLoop:
                 deltas.append(self._delta(seq, [], None))
                 self._forget_if_done(seq.request)
         for (seq, chunk), draw in zip(rows, draws, strict=True):
+            if draw.beam_logprobs is not None:
+                deltas += seq.request.beam.take(seq, draw.beam_logprobs, self.scheduler)
+                self._forget_if_done(seq.request)
+                continue
             deltas.append(self._take(seq, chunk.seq, draw))
         return deltas
 

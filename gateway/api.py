@@ -76,7 +76,8 @@ class GenerationRequest(StructuredOutputFields):
     # Each word banned with and without a leading space, as vLLM does.
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORD_STRINGS)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
-    priority: int = 0  # 0 only: requests are served first come, first served
+    # vLLM's: lower is served sooner, by executors with --scheduling-policy priority (others refuse non-zero)
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
     request_id: str | None = Field(default=None, max_length=200)
     # vLLM's output settings
     include_stop_str_in_output: bool = False
@@ -88,8 +89,19 @@ class GenerationRequest(StructuredOutputFields):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM's: each prompt token's logprob (after the first) and the k most likely there; not streamed
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's beam search (executor.beam): best_of beams (n without it), the n best returned; not streamed
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
+    early_stopping: bool | str = False  # true, false or "never" (transformers' meaning)
 
     _bad_words_ids: tuple[tuple[int, ...], ...] | None = PrivateAttr(default=None)
+
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and value != "never":
+            raise ValueError(f'early_stopping must be true, false or "never", got {value!r}')
+        return value
 
     @model_validator(mode="after")
     def _supported(self) -> GenerationRequest:
@@ -100,17 +112,40 @@ class GenerationRequest(StructuredOutputFields):
             raise ParamError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
             )
-        if self.priority != 0:
-            raise ParamError(
-                "priority", "priority scheduling is not supported by pagedkv (first come, first served): leave it at 0"
-            )
         if self.prompt_logprobs is not None and self.stream:
             raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
             raise ParamError("stop", f"stop accepts at most {MAX_STOP_STRINGS} strings")
+        if self.use_beam_search:
+            self._check_beam_search()
         return self
+
+    def _check_beam_search(self) -> None:
+        """What beam search cannot be combined with, each refused by its name (the executor checks the rest)."""
+        refused = {
+            "stream": self.stream,
+            "temperature": "temperature" in self.model_fields_set and self.temperature > 0.0,
+            "top_p": self.top_p != 1.0,
+            "top_k": self.top_k != 0,
+            "stop": bool(self.stop_strings()),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured output": self.grammar_spec() is not None,
+        }
+        for name, asked in refused.items():
+            if asked:
+                why = {
+                    "stream": "beams are ranked only once the search ends: stream must be false",
+                    "temperature": "beam search is deterministic: leave temperature out or set it to 0",
+                    "stop": "beam search stops at end-of-sequence and stop_token_ids only, not at stop strings",
+                }.get(name, f"{name} is not available with beam search")
+                raise ParamError("response_format" if name == "structured output" else name, why)
+
+    @property
+    def beam_width(self) -> int:
+        """Beams searched per prompt (0: no beam search): n here; completions' best_of where given."""
+        return self.n if self.use_beam_search else 0
 
     def _check_logit_bias(self) -> None:
         for key, bias in (self.logit_bias or {}).items():
@@ -157,7 +192,7 @@ class GenerationRequest(StructuredOutputFields):
             raise invalid_request("logit_bias names a token more than once", param="logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
+            temperature=0.0 if self.use_beam_search else self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
@@ -175,6 +210,10 @@ class GenerationRequest(StructuredOutputFields):
             bad_words_token_ids=self.bad_words_token_ids(tokenizer),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             structured=self.grammar_spec(),
+            priority=self.priority,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
 
     def bad_words_token_ids(self, tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
@@ -251,8 +290,12 @@ class CompletionRequest(GenerationRequest):
         if self.best_of is not None:
             if not self.n <= self.best_of <= MAX_N:
                 raise ParamError("best_of", f"best_of must be at least n ({self.n}) and at most {MAX_N}")
-            if self.best_of > self.n and self.stream:
+            if self.best_of > self.n and self.stream and not self.use_beam_search:
                 raise ParamError("best_of", "best_of greater than n cannot be streamed")
+        if self.use_beam_search and self.logprobs is not None:
+            raise ParamError("logprobs", "logprobs is not available with beam search")
+        if self.use_beam_search and self.echo:
+            raise ParamError("echo", "echo is not available with beam search")
         if self.max_tokens == 0 and self.prompt_logprobs_k is not None and self.sampled_choices != 1:
             # The executor scores the prompt once; echo alone (no logprobs) is answered by the gateway, any n.
             raise ParamError("n", "max_tokens 0 with the prompt's logprobs (the prompt only) needs n = 1")
@@ -260,7 +303,16 @@ class CompletionRequest(GenerationRequest):
 
     @property
     def sampled_choices(self) -> int:
-        """How many choices are sampled per prompt: best_of, of which the n best are returned."""
+        """How many choices are sampled per prompt: best_of, of which the n best are returned (beam search: the
+        executor ranks its beams itself and returns n)."""
+        if self.use_beam_search:
+            return self.n
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def beam_width(self) -> int:
+        if not self.use_beam_search:
+            return 0
         return self.best_of if self.best_of is not None else self.n
 
     @property
@@ -410,6 +462,8 @@ class ChatCompletionRequest(GenerationRequest):
                 )
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs: true")
+        if self.use_beam_search and self.logprobs:
+            raise ParamError("logprobs", "logprobs is not available with beam search")
         return self
 
     @property

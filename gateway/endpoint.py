@@ -56,6 +56,7 @@ class Endpoint(ABC, Generic[Body, Collected]):
     id_prefix: ClassVar[str]  # of the response's id
     chunk_object: ClassVar[str]  # the `object` of its stream chunks (the usage chunk's too)
     done: ClassVar[str | None] = DONE  # what ends its stream (None: nothing after the last chunk)
+    usage_at_opening: ClassVar[bool] = False  # `opening` gets the usage so far always, not only when asked
 
     def __init__(self, body: Body, tokenizer: Tokenizer, logprobs: int | None, sampled: int | None = None) -> None:
         self.body = body

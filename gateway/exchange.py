@@ -131,8 +131,9 @@ class Exchange:
             status = "200"
             streamed: dict[int, StreamedChoice] = {}
             try:
+                opened = self.usage() if endpoint.usage_at_opening else self.usage_so_far()
                 for index in range(len(self.generations) * self.body.n):
-                    opening = endpoint.opening(self.envelope, index, self.usage_so_far())
+                    opening = endpoint.opening(self.envelope, index, opened)
                     if opening is not None:
                         yield self._frames(opening)
                 yield self._chunk(*first, streamed)

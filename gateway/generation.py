@@ -26,12 +26,18 @@ log = structlog.get_logger("gateway")
 
 # The executor's refusals a client caused, as the client's errors; any other code is ours (500).
 _REJECTIONS = {
-    ep.RejectCode.INVALID_REQUEST: lambda m: errors.invalid_request(m),
+    # (a message that starts by naming its parameter, "priority: ...", names it for the client too)
+    ep.RejectCode.INVALID_REQUEST: lambda m: errors.invalid_request(m, param=_named(m)),
     ep.RejectCode.CONTEXT_LENGTH_EXCEEDED: lambda m: errors.context_length_exceeded(m),
     ep.RejectCode.CAPACITY_EXCEEDED: lambda m: errors.context_length_exceeded(m),
     # The executor holds --max-queued-requests already: refused before anything ran, as the door would have.
     ep.RejectCode.QUEUE_FULL: lambda m: errors.APIError(429, m, type="rate_limit_error", code="queue_full"),
 }
+
+
+def _named(message: str) -> str | None:
+    head, colon, _ = message.partition(": ")
+    return head if colon and head.isidentifier() else None
 
 
 class GenerationFailed(RuntimeError):

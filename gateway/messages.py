@@ -26,7 +26,17 @@ def anthropic_event(payload: dict[str, Any]) -> str:
 
 
 def message_usage(usage: Usage) -> dict[str, int]:
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    """Anthropic's usage: `input_tokens` are those not read from the cache. The prefix cache is automatic, so
+    nothing is written to it at the client's request (`cache_creation_input_tokens` 0); the hit is reported only
+    where cached tokens are (a request with a cache salt, or --report-cached-tokens), else input is the prompt."""
+    if not usage.report_cached:
+        return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+    }
 
 
 def stop_reason(finish_reason: str | None, stop_string: str | None, called: bool) -> str:
@@ -50,6 +60,7 @@ class Messages(Endpoint[ChatCompletionRequest, CollectedChoice]):
     id_prefix = "msg"
     chunk_object = "message"
     done = None  # message_stop ends the stream
+    usage_at_opening = True  # message_start's usage carries the prefix hit
 
     def __init__(self, body: ChatCompletionRequest, tokenizer: Tokenizer, tool_call_parser: str, prompt: int) -> None:
         super().__init__(body, tokenizer, None)
@@ -79,7 +90,11 @@ class Messages(Endpoint[ChatCompletionRequest, CollectedChoice]):
         }
 
     def opening(self, envelope: Envelope, index: int, usage: Usage | None) -> Chunks:
-        start = self.message(envelope, [], Usage(prompt_tokens=self.prompt_tokens))
+        # (usage: the first event's, which carries the prefix hit; no output counted yet)
+        opened = Usage(prompt_tokens=self.prompt_tokens)
+        if usage is not None:
+            opened = Usage(usage.prompt_tokens, 0, usage.cached_tokens, usage.report_cached)
+        start = self.message(envelope, [], opened)
         return [{"type": "message_start", "message": start}, {"type": "ping"}]
 
     def streamed(self, envelope: Envelope, position: int, index: int) -> StreamedChoice:

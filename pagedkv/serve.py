@@ -549,6 +549,13 @@ def _curl_example(stack: LocalStack) -> str:
     is_flag=True,
     help="With --tensor-parallel-size: split MoE experts whole by rank instead of slicing every expert.",
 )
+@click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default="fcfs",
+    help="The executors' (see pagedkv-executor --help): priority lets requests' `priority` order the queue and "
+    "preempt worse-ranked ones.",
+)
 @click.option("--insecure", is_flag=True, help="Serve an open API on a --host beyond loopback.")
 def serve(
     model_dir: Path | None,
@@ -565,6 +572,7 @@ def serve(
     api_keys: tuple[str, ...],
     tensor_parallel_size: int,
     enable_expert_parallel: bool,
+    scheduling_policy: str,
     insecure: bool,
 ) -> None:
     """Run a whole local stack: blockd, executors and the OpenAI-compatible gateway, until Ctrl-C.
@@ -585,7 +593,10 @@ def serve(
         log_dir=log_dir,
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=enable_expert_parallel,
-        executor_args=[] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype],
+        executor_args=[
+            *([] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]),
+            *([] if scheduling_policy == "fcfs" else ["--scheduling-policy", scheduling_policy]),
+        ],
         gateway_args=[
             *(a for key in api_keys for a in ("--api-key", key)),
             *(["--insecure"] if insecure else []),

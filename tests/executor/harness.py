@@ -136,6 +136,32 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt) :].tolist()
 
 
+def hf_beams(model_dir: Path, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """transformers' own beam search: the oracle (its sequences padded past an end, cut back here)."""
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=params.max_tokens,
+            num_beams=params.beam_width,
+            num_return_sequences=params.n,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            do_sample=False,
+        )
+    eos = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
+    beams = []
+    for row in out[:, len(prompt) :].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        beams.append(row[:cut])
+    return beams
+
+
 def hf_greedy_ignoring_eos(model, prompt, n):
     """Greedy continuation of exactly n tokens, end-of-sequence tokens included (the argmax of transformers'
     logits at each position, fed back)."""

@@ -75,3 +75,18 @@ def test_embedding_options_are_checked(tiny_models) -> None:
     ):
         done = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_a_failed_embedding_pass_fails_its_request_alone(tiny_models, blockd, start_executor) -> None:
+    """An embedding pass that raises (here by fault injection, as an out-of-memory error would) answers its
+    request `embedding_failed`, and the executor goes on serving: the next request gets its vectors."""
+    executor = start_executor(tiny_models["llama"], blockd.endpoint, "--task", "embed", "--fault-embed-error", "1")
+    with executor.client(timeout_s=10) as client:
+        client.send_raw(ep.encode(ep.Embed(request_id="doomed", prompts=[pack_tokens(p) for p in PROMPTS])))
+        failed = _reply(client, "doomed")
+        assert type(failed) is ep.Rejected and failed.code == "embedding_failed", failed
+        assert "RuntimeError" in failed.message
+        client.send_raw(ep.encode(ep.Embed(request_id="after", prompts=[pack_tokens(p) for p in PROMPTS])))
+        answer = _reply(client, "after")
+        assert type(answer) is ep.Embedded and len(answer.embeddings) == len(PROMPTS)
+        assert client.load().running == 0

@@ -107,6 +107,7 @@ class Harness:
         pipelined: bool = False,
         stops: random.Random | None = None,
         sliding_window: int | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.stops = stops  # when given, a sampled token now and then is a stop token
         self.blockd = InProcessBlockd()
@@ -130,6 +131,7 @@ class Harness:
             blocks=self.pool,
             watermark_blocks=watermark_blocks,
             sliding_window=sliding_window,
+            policy=policy,
         )
         self.scheduler.harness = self
         self.loop = StepLoop(
@@ -166,11 +168,14 @@ class Harness:
         prompt: list[int] | None = None,
         cache_salt: str | None = None,
         prompt_logprobs: int | None = None,
+        priority: int = 0,
     ) -> Sequence:
         salt = len(self.requests)  # distinct prompts: no prefix hits unless a test wants them
         prompt = prompt if prompt is not None else [(7 * i + salt) % 50 + 1 for i in range(prompt_len)]
         stop_ids = (STOP,) if self.stops is not None else ()
-        params = SamplingParams(max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids)
+        params = SamplingParams(
+            max_tokens=max_tokens, n=n, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids, priority=priority
+        )
         request = Request(name, params, prompt, cache_salt, 0.0)
         if prompt_logprobs is not None:
             request.prompt_logprobs = []  # as the engine starts it: scored during the prefill

@@ -140,7 +140,7 @@ def test_openai_penalties_are_accepted_in_their_range(field: str) -> None:
         ({"bad_words": "word"}, "bad_words"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [1, "x"]}, "allowed_token_ids.1"),
-        ({"priority": 1}, "priority"),
+        ({"priority": 2**63}, "priority"),
         ({"request_id": "x" * 201}, "request_id"),
         (
             {"stream_options": {"continuous_usage_stats": "often"}, "stream": True},

@@ -134,6 +134,7 @@ def test_help_is_fast_and_complete() -> None:
         "--kv-cache-memory",
         "--state-dir",
         "--log-dir",
+        "--scheduling-policy",
     ):
         assert option in result.output
     # --help must not pay for torch
