@@ -3,7 +3,8 @@ outputs.
 
 Redis, blockd, two CPU executors and a gateway, authenticated and supervised; kills, pauses, foreign keys and
 malformed frames while clients compare every answer with the clean stack's, then the load-held phase (overload,
-a stalled step). The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
+a stalled step); with the ranks phase executor-1 is a tensor-parallel group of two, whose worker rank is killed
+and paused. The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from common.auth import ClientCurve, KeySet, generate
 from common.net import free_port
 from common.tokens import pack_tokens
 from executor import protocol as ep
+from executor.parallel_runner import EX_GROUP_FAILED
 from executor.params import SamplingParams
 from pagedkv.bench.common import table_lines
 from pagedkv.tools.model_gen import write_model
@@ -52,7 +54,10 @@ MAX_QUEUE_DELAY_S = 2.0
 # Tokens each answer of the load-held scenarios holds: enough that the executors, not the HTTP clients, are what
 # an overload saturates.
 LOAD_MAX_TOKENS = 128
-PHASES = ("faults", "load")  # the fault and attack scenarios under greedy load; then the load-held scenarios
+# The fault and attack scenarios under greedy load; the load-held scenarios; a tensor-parallel group's rank faults
+# under greedy load (executor-1 is then a group of two ranks).
+PHASES = ("faults", "load", "ranks")
+TP_TIMEOUT_S = 3.0  # the group's --tensor-parallel-timeout: a paused rank stops it this long after
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
     "Once upon a time in a land far away",
@@ -117,7 +122,7 @@ class Service:
 
 
 class Stack:
-    def __init__(self, root: Path, model_dir: Path) -> None:
+    def __init__(self, root: Path, model_dir: Path, tensor_parallel: bool = False) -> None:
         self.root = root
         # The key set: server, gateway, operator, pool-executor-0/1; and an any-pool executor key held by the
         # attacker of the cross-pool scenario (a leaked or misissued key: fencing must still hold).
@@ -143,7 +148,10 @@ class Stack:
         blockd_argv += ["--keys", str(self.keys_dir)]
         self._add("blockd", blockd_argv)
         for i, endpoint in enumerate(self.executors):
-            self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
+            argv = self.executor_argv(endpoint, f"executor-{i}")
+            if tensor_parallel and i == 1:  # one executor of the two a group: rank 0 and its worker, rank 1
+                argv += ["--tensor-parallel-size", "2", "--tensor-parallel-timeout", f"{TP_TIMEOUT_S:g}"]
+            self._add(f"executor-{i}", argv, {"OMP_NUM_THREADS": "1"})
         gateway_argv = [py, "-m", "gateway.main", "--model", str(model_dir), "--executors", ",".join(self.executors)]
         gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port)]
         gateway_argv += ["--executor-timeout", f"{EXECUTOR_TIMEOUT_S:g}", "--max-queue-delay", f"{MAX_QUEUE_DELAY_S:g}"]
@@ -377,6 +385,57 @@ def _pause(stack: Stack, name: str, seconds: float) -> None:
 def _kill9(stack: Stack, name: str) -> None:
     stack.services[name].signal(signal.SIGKILL)
     time.sleep(0.5)
+
+
+def _worker_rank(pid: int) -> int | None:
+    """The worker rank (executor.parallel_worker) that the group's rank 0 at `pid` started, if any."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    for child in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"executor.parallel_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _rank_fault(stack: Stack, findings: Findings, sig: signal.Signals) -> None:
+    """SIGKILL or SIGSTOP executor-1's worker rank: the whole group must stop (rank 0 exits 70; the supervisor
+    starts it again, which registers the pool under a new epoch), its pool's blocks come back by the lease, the
+    gateway sends elsewhere meanwhile, and the rank does not outlive its group."""
+    service = stack.services["executor-1"]
+    process = service.process
+    worker = _worker_rank(service.pid) if process is not None else None
+    if process is None or worker is None:
+        findings.problem("executor-1 has no worker rank to fault (is it a tensor-parallel group?)")
+        return
+    what = "killed" if sig == signal.SIGKILL else "paused"
+    os.kill(worker, sig)
+    code: int | None = None
+    try:
+        code = process.wait(timeout=4 * TP_TIMEOUT_S + 10)
+    except subprocess.TimeoutExpired:
+        findings.problem(f"executor-1 kept serving {4 * TP_TIMEOUT_S + 10:g} s after its rank 1 was {what}")
+    finally:
+        if sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+    findings.notes.append(f"rank 1 of executor-1 {what}: the group exited with {code}")
+    if code is not None and code != EX_GROUP_FAILED:
+        findings.problem(f"executor-1 exited with {code} after its rank 1 was {what}, not {EX_GROUP_FAILED}")
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not _gone(worker):
+        findings.problem(f"rank 1 (pid {worker}) outlived its group by 10 s")
 
 
 def _duplicate_pool(stack: Stack, findings: Findings) -> None:
@@ -1129,16 +1188,19 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
     return scenarios
 
 
+def _rank_scenarios(stack: Stack, findings: Findings) -> list[tuple[str, Callable[[], None]]]:
+    return [
+        ("kill -9 executor-1's rank 1", lambda: _rank_fault(stack, findings, signal.SIGKILL)),
+        (f"SIGSTOP executor-1's rank 1 (> {TP_TIMEOUT_S:g} s)", lambda: _rank_fault(stack, findings, signal.SIGSTOP)),
+    ]
+
+
 def _fault_phase(
-    stack: Stack, references: dict[str, str], findings: Findings, quick: bool, clients: int, max_tokens: int
-) -> tuple[Tally, list[list[str]]]:
-    """The fault and attack scenarios, one after the other, under the greedy load; the load's tally and a row per
-    scenario."""
+    stack: Stack, load: Load, findings: Findings, quick: bool, scenarios: list[tuple[str, Callable[[], None]]]
+) -> list[list[str]]:
+    """Scenarios one after the other under the greedy load (started already); a row per scenario."""
     rows: list[list[str]] = []
-    load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
-    load.start()
-    time.sleep(2.0)
-    for name, action in _scenarios(stack, findings, quick):
+    for name, action in scenarios:
         before, failed_before = load.tally.requests, load.tally.failed
         attacks, refused, unanswered = findings.attacks, findings.refused, findings.unanswered
         t0 = time.monotonic()
@@ -1165,8 +1227,7 @@ def _fault_phase(
                 str(findings.unanswered - unanswered),
             ]
         )
-    load.stop()
-    return load.tally, rows
+    return rows
 
 
 def _load_phase(
@@ -1201,10 +1262,11 @@ def run_chaos(
 ) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = write_model(root / "tiny-chaos", arch="llama", quiet=True, dtype="float32", **MODEL)
-    stack = Stack(root, model_dir)
+    stack = Stack(root, model_dir, tensor_parallel="ranks" in phases)
     findings = Findings()
     tally, scenario_rows, load_scenarios = Tally(), [], []
-    _log(f"chaos: starting redis, blockd, 2 executors and a gateway; logs in {root}")
+    group = " (executor-1 a tensor-parallel group of 2)" if "ranks" in phases else ""
+    _log(f"chaos: starting redis, blockd, 2 executors{group} and a gateway; logs in {root}")
     try:
         stack.start(timeout_s=300)
         references = _references(stack.url, max_tokens, stack.auth_headers)
@@ -1213,8 +1275,16 @@ def run_chaos(
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
-        if "faults" in phases:
-            tally, scenario_rows = _fault_phase(stack, references, findings, quick, clients, max_tokens)
+        under_load = [_scenarios(stack, findings, quick)] if "faults" in phases else []
+        under_load += [_rank_scenarios(stack, findings)] if "ranks" in phases else []
+        if under_load:
+            load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
+            load.start()
+            time.sleep(2.0)
+            for scenarios in under_load:
+                scenario_rows += _fault_phase(stack, load, findings, quick, scenarios)
+            load.stop()
+            tally = load.tally
         if "load" in phases:
             load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
         leaked, check = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
@@ -1306,8 +1376,9 @@ def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_r
     "--only",
     type=click.Choice(PHASES),
     default=None,
-    help="Run one phase: faults (kills, pauses, attacks under greedy load) or load (overload at 3x capacity, a "
-    "step stalled for 2x the gateway's executor timeout). Default: both.",
+    help="Run one phase: faults (kills, pauses, attacks under greedy load), load (overload at 3x capacity, a "
+    "step stalled for 2x the gateway's executor timeout) or ranks (executor-1 a tensor-parallel group of 2, its "
+    "worker rank killed and paused under greedy load). Default: all three.",
 )
 @click.option(
     "--overload-seconds",
