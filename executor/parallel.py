@@ -164,6 +164,14 @@ def prove_membership(rank: int, world: int, token: str, device: torch.device) ->
             raise GroupIntruder(f"rank {other} of the group does not hold the group's token: it was not admitted")
 
 
+def destroy_group() -> None:
+    """Leave the group before the interpreter exits: process groups (and rank 0's store) left to the C++
+    destructors at exit abort the process ("terminate called without an active exception")."""
+    _serving.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def broadcast(x: torch.Tensor) -> None:
     """Rank 0's `x` into every rank's `x`, on the serving group."""
     dist.broadcast(x, src=0, group=_serving[0])

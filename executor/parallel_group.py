@@ -9,6 +9,7 @@ group: rank 0 exits too (`parallel_runner.fail`); one started apart is seen by t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from common.auth import KeySet
-from executor.parallel import free_port, init_group
+from executor.parallel import destroy_group, free_port, init_group
 from executor.parallel_rendezvous import GroupSettings, Placement, admit_workers, new_token
 from executor.parallel_runner import fail
 
@@ -157,3 +158,5 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        with contextlib.suppress(RuntimeError, ValueError):  # a failed peer may have left it half broken
+            destroy_group()

@@ -58,11 +58,12 @@ def placement(size: int, rank: int | None, master: str | None, environ: os._Envi
     """The options, else what a LeaderWorkerSet puts in every pod's environment (LWS_GROUP_SIZE,
     LWS_WORKER_INDEX, LWS_LEADER_ADDRESS; the leader's port is then DEFAULT_PORT). ValueError says what is wrong."""
     if master is None and environ.get("LWS_LEADER_ADDRESS"):
-        master = f"{environ['LWS_LEADER_ADDRESS']}:{DEFAULT_PORT}"
         if size == 1 and environ.get("LWS_GROUP_SIZE"):
             size = _int(environ["LWS_GROUP_SIZE"], "LWS_GROUP_SIZE")
         if rank is None and environ.get("LWS_WORKER_INDEX"):
             rank = _int(environ["LWS_WORKER_INDEX"], "LWS_WORKER_INDEX")
+        if size > 1:  # a group of one is a plain executor
+            master = f"{environ['LWS_LEADER_ADDRESS']}:{DEFAULT_PORT}"
     rank = rank or 0
     if master is None:
         if rank:

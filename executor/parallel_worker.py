@@ -20,7 +20,7 @@ import torch.distributed as dist
 from common.auth import ClientCurve
 from common.logs import configure_logging
 from executor.checkpoint import load_config
-from executor.parallel import init_group, make_shard
+from executor.parallel import destroy_group, init_group, make_shard
 from executor.parallel_group import WorkerSpec
 from executor.parallel_rendezvous import Placement, join_leader
 from executor.parallel_runner import broadcast_int, fail, serve_worker
@@ -75,7 +75,7 @@ def run(spec: WorkerSpec, share_cores: bool = True) -> None:
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=spec.block_size, backend=spec.backend)  # type: ignore[arg-type]
     log.info("tensor_parallel_worker_ready", rank=spec.rank, world=spec.world, device=str(device), kv_blocks=num_blocks)
     serve_worker(runner)
-    dist.destroy_process_group()
+    destroy_group()
     log.info("tensor_parallel_worker_stopped", rank=spec.rank)
 
 
