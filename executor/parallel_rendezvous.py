@@ -8,10 +8,11 @@ it serves. Why and what is not covered: docs/architecture.md ("Tensor parallelis
 
 from __future__ import annotations
 
+import ipaddress
 import json
-import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ class Placement:
         return int(self.master.rsplit(":", 1)[1])
 
 
-def placement(size: int, rank: int | None, master: str | None, environ: os._Environ[str] | dict[str, str]) -> Placement:
+def placement(size: int, rank: int | None, master: str | None, environ: Mapping[str, str]) -> Placement:
     """The options, else what a LeaderWorkerSet puts in every pod's environment (LWS_GROUP_SIZE,
     LWS_WORKER_INDEX, LWS_LEADER_ADDRESS; the leader's port is then DEFAULT_PORT). ValueError says what is wrong."""
     if master is None and environ.get("LWS_LEADER_ADDRESS"):
@@ -102,8 +103,6 @@ class GroupSettings:
 
 def _bind_endpoint(host: str, port: int) -> str:
     """An IP literal is bound as it is; a name (a LeaderWorkerSet's leader address) on every interface."""
-    import ipaddress
-
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -208,12 +207,17 @@ def join_leader(where: Placement, model_id: str, *, curve: ClientCurve | None, t
                 "(no leader there, the other ranks not all started, or it does not admit this key)"
             )
         reply = json.loads(socket.recv())
+    except ValueError:
+        raise RendezvousError(f"the leader at {where.master} answered rank {where.rank} with no JSON") from None
     finally:
         socket.close()
-    if reply.get("type") != "admitted":
-        raise RendezvousError(f"the leader at {where.master} refused rank {where.rank}: {reply.get('reason')}")
-    fields = {k: v for k, v in reply.items() if k != "type"}
-    return GroupSettings(**fields)
+    if not isinstance(reply, dict) or reply.get("type") != "admitted":
+        reason = reply.get("reason") if isinstance(reply, dict) else reply
+        raise RendezvousError(f"the leader at {where.master} refused rank {where.rank}: {reason}")
+    try:
+        return GroupSettings(**{k: v for k, v in reply.items() if k != "type"})
+    except TypeError:  # another version's leader
+        raise RendezvousError(f"the leader at {where.master} sent settings this worker does not know") from None
 
 
 def new_token() -> str:
