@@ -136,6 +136,7 @@ def test_the_leaderworkerset_has_only_fields_of_its_v1_api() -> None:
     assert set(spec["rolloutStrategy"]["rollingUpdateConfiguration"]) <= LWS_ROLLING
     assert set(spec["networkConfig"]) == {"subdomainPolicy"}
     assert spec["startupPolicy"] in LWS_ENUMS["startupPolicy"]
+    assert spec["startupPolicy"] == "LeaderCreated"  # the leader is ready only once its workers joined
     assert template["restartPolicy"] == "RecreateGroupOnPodRestart"  # the group stops as a unit: recreate it whole
     assert spec["rolloutStrategy"]["type"] in LWS_ENUMS["rolloutStrategy.type"]
     assert spec["networkConfig"]["subdomainPolicy"] == "Shared"
