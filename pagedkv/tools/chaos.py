@@ -3,8 +3,8 @@ outputs.
 
 Redis, blockd, two CPU executors and a gateway, authenticated and supervised; kills, pauses, foreign keys and
 malformed frames while clients compare every answer with the clean stack's, then the load-held phase (overload,
-a stalled step); with the ranks phase executor-1 is a tensor-parallel group of two, whose worker rank is killed
-and paused. The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
+a stalled step), then the ranks phase: executor-1 restarted as a tensor-parallel group of two, whose worker rank
+is killed and paused. The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ MAX_QUEUE_DELAY_S = 2.0
 # an overload saturates.
 LOAD_MAX_TOKENS = 128
 # The fault and attack scenarios under greedy load; the load-held scenarios; a tensor-parallel group's rank faults
-# under greedy load (executor-1 is then a group of two ranks).
+# under greedy load (executor-1 restarted as a group of two ranks).
 PHASES = ("faults", "load", "ranks")
 TP_TIMEOUT_S = 3.0  # the group's --tensor-parallel-timeout: a paused rank stops it this long after
 PROMPTS = [
@@ -122,7 +122,7 @@ class Service:
 
 
 class Stack:
-    def __init__(self, root: Path, model_dir: Path, tensor_parallel: bool = False) -> None:
+    def __init__(self, root: Path, model_dir: Path) -> None:
         self.root = root
         # The key set: server, gateway, operator, pool-executor-0/1; and an any-pool executor key held by the
         # attacker of the cross-pool scenario (a leaked or misissued key: fencing must still hold).
@@ -148,10 +148,7 @@ class Stack:
         blockd_argv += ["--keys", str(self.keys_dir)]
         self._add("blockd", blockd_argv)
         for i, endpoint in enumerate(self.executors):
-            argv = self.executor_argv(endpoint, f"executor-{i}")
-            if tensor_parallel and i == 1:  # one executor of the two a group: rank 0 and its worker, rank 1
-                argv += ["--tensor-parallel-size", "2", "--tensor-parallel-timeout", f"{TP_TIMEOUT_S:g}"]
-            self._add(f"executor-{i}", argv, {"OMP_NUM_THREADS": "1"})
+            self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
         gateway_argv = [py, "-m", "gateway.main", "--model", str(model_dir), "--executors", ",".join(self.executors)]
         gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port)]
         gateway_argv += ["--executor-timeout", f"{EXECUTOR_TIMEOUT_S:g}", "--max-queue-delay", f"{MAX_QUEUE_DELAY_S:g}"]
@@ -305,13 +302,19 @@ def _refusal(response: httpx.Response) -> str:
 
 class Load:
     def __init__(
-        self, url: str, references: dict[str, str], max_tokens: int, clients: int, headers: dict[str, str]
+        self,
+        url: str,
+        references: dict[str, str],
+        max_tokens: int,
+        clients: int,
+        headers: dict[str, str],
+        tally: Tally | None = None,  # counted on from an earlier load's
     ) -> None:
         self.url = url
         self.headers = headers
         self.references = references
         self.max_tokens = max_tokens
-        self.tally = Tally()
+        self.tally = tally if tally is not None else Tally()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
 
@@ -1188,8 +1191,17 @@ def _scenarios(stack: Stack, findings: Findings, quick: bool) -> list[tuple[str,
     return scenarios
 
 
+def _as_group(stack: Stack) -> None:
+    """executor-1 restarted as a tensor-parallel group of two (it stays one for the rest of the run): its answers
+    are then held to the references the clean stack's single-device executors gave."""
+    service = stack.services["executor-1"]
+    group = ["--tensor-parallel-size", "2", "--tensor-parallel-timeout", f"{TP_TIMEOUT_S:g}"]
+    _restart(stack, "executor-1", [*service.argv, *group])
+
+
 def _rank_scenarios(stack: Stack, findings: Findings) -> list[tuple[str, Callable[[], None]]]:
     return [
+        ("executor-1 restarted as a tensor-parallel group of 2", lambda: _as_group(stack)),
         ("kill -9 executor-1's rank 1", lambda: _rank_fault(stack, findings, signal.SIGKILL)),
         (f"SIGSTOP executor-1's rank 1 (> {TP_TIMEOUT_S:g} s)", lambda: _rank_fault(stack, findings, signal.SIGSTOP)),
     ]
@@ -1262,11 +1274,10 @@ def run_chaos(
 ) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = write_model(root / "tiny-chaos", arch="llama", quiet=True, dtype="float32", **MODEL)
-    stack = Stack(root, model_dir, tensor_parallel="ranks" in phases)
+    stack = Stack(root, model_dir)
     findings = Findings()
     tally, scenario_rows, load_scenarios = Tally(), [], []
-    group = " (executor-1 a tensor-parallel group of 2)" if "ranks" in phases else ""
-    _log(f"chaos: starting redis, blockd, 2 executors{group} and a gateway; logs in {root}")
+    _log(f"chaos: starting redis, blockd, 2 executors and a gateway; logs in {root}")
     try:
         stack.start(timeout_s=300)
         references = _references(stack.url, max_tokens, stack.auth_headers)
@@ -1275,18 +1286,19 @@ def run_chaos(
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
-        under_load = [_scenarios(stack, findings, quick)] if "faults" in phases else []
-        under_load += [_rank_scenarios(stack, findings)] if "ranks" in phases else []
-        if under_load:
-            load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
+        # The phases in this order: the ranks phase last, as executor-1 stays a group once it is one.
+        for phase in ("faults", "load", "ranks"):
+            if phase not in phases:
+                continue
+            if phase == "load":
+                load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
+                continue
+            load = Load(stack.url, references, max_tokens, clients, stack.auth_headers, tally)
             load.start()
             time.sleep(2.0)
-            for scenarios in under_load:
-                scenario_rows += _fault_phase(stack, load, findings, quick, scenarios)
+            scenarios = _scenarios(stack, findings, quick) if phase == "faults" else _rank_scenarios(stack, findings)
+            scenario_rows += _fault_phase(stack, load, findings, quick, scenarios)
             load.stop()
-            tally = load.tally
-        if "load" in phases:
-            load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
         leaked, check = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
         for service in stack.services.values():
             service.peak_rss = max(service.peak_rss, service.rss())
@@ -1377,8 +1389,8 @@ def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_r
     type=click.Choice(PHASES),
     default=None,
     help="Run one phase: faults (kills, pauses, attacks under greedy load), load (overload at 3x capacity, a "
-    "step stalled for 2x the gateway's executor timeout) or ranks (executor-1 a tensor-parallel group of 2, its "
-    "worker rank killed and paused under greedy load). Default: all three.",
+    "step stalled for 2x the gateway's executor timeout) or ranks (executor-1 restarted as a tensor-parallel group "
+    "of 2, its worker rank killed and paused under greedy load). Default: all three.",
 )
 @click.option(
     "--overload-seconds",
