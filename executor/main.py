@@ -2,7 +2,8 @@
 registered at blockd (waiting for it, and for a predecessor's lease on the pool); then the serving loop
 (executor/server.py) until SIGTERM. Exit status: 69 blockd unreachable, 78 the pool held by another live
 executor, 75 the pool taken over later, 70 a rank of its tensor-parallel group died or stopped answering
-(`--tensor-parallel-size`: the group is started before the model is loaded, executor/parallel_group.py).
+(`--tensor-parallel-size`: the group is started before the model is loaded, executor/parallel_group.py; with
+`--tp-master` the ranks are started apart and a rank above 0 runs as that group's worker, parallel_worker.py).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from executor.engine import Engine, EngineLimits
 from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
 from executor.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
-from executor.parallel import Shard, make_shard
+from executor.parallel import STARTUP_TIMEOUT_S, GroupIntruder, Shard, free_port, make_shard
 from executor.parallel_group import WorkerGroup
+from executor.parallel_rendezvous import GroupSettings, Placement, RendezvousError, new_token, placement
 from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
@@ -244,6 +246,28 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     default=DEFAULT_TP_TIMEOUT_S,
     help="Seconds a collective of the group may wait for a rank (dead or paused) before the whole group stops.",
 )
+@click.option(
+    "--tp-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --tp-master: this process's rank in a group whose ranks are started apart (one per node or pod): "
+    "0 is the leader (talks to blockd and the gateways), 1..N-1 its workers. Default: LWS_WORKER_INDEX, else 0.",
+)
+@click.option(
+    "--tp-master",
+    default=None,
+    metavar="HOST:PORT",
+    help="The leader's join address, for ranks started apart: the leader listens there, the workers ask it to "
+    "admit them (CURVE, with --keys: a worker needs an executor key for this pool). Default: LWS_LEADER_ADDRESS "
+    "and port 5570 in a LeaderWorkerSet, else none: rank 0 starts its workers itself, on this machine.",
+)
+@click.option(
+    "--tensor-parallel-join-timeout",
+    type=click.FloatRange(min=1),
+    default=STARTUP_TIMEOUT_S,
+    help="With --tp-master: seconds the leader waits for every worker to join (and a worker for the leader to "
+    "admit it) before giving up.",
+)
 @keys_option(
     "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
     "pool's executor key (pool-POOL, else executor).",
@@ -295,6 +319,9 @@ def main(
     tensor_parallel_size,
     enable_expert_parallel,
     tensor_parallel_timeout,
+    tp_rank,
+    tp_master,
+    tensor_parallel_join_timeout,
     keys_dir,
     insecure,
     embed_fault,
@@ -310,6 +337,18 @@ def main(
     if refusal:
         raise click.UsageError(refusal)
     device = _device(device_spec)
+    try:
+        where = placement(tensor_parallel_size, tp_rank, tp_master, os.environ)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    tensor_parallel_size = where.size
+    if where.independent:  # the join and the store are reached beyond loopback like any other link
+        refusal = unkeyed_refusal("the tensor-parallel group", f"tcp://{where.master}", keys_dir, insecure)
+        if refusal:
+            raise click.UsageError(refusal)
+    if where.rank > 0:
+        _run_worker(where, model_dir, device, keys_dir, pool_id, tensor_parallel_join_timeout, log_level)
+        return
     embed = _embedding_task(task, runner)
     if embed and kv_cache_dtype != "auto":  # an embedding pass keeps its own scratch cache, in the model's dtype
         raise click.UsageError("--kv-cache-dtype applies to generation; an embedding executor keeps no KV cache")
@@ -334,10 +373,11 @@ def main(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     block_size_int = int(block_size)
+    pool_id = pool_id or _default_pool_id(bind, device)
     parallel = None
     if tensor_parallel_size > 1:
         parallel = _start_group(
-            tensor_parallel_size,
+            where,
             enable_expert_parallel,
             tensor_parallel_timeout,
             model_dir,
@@ -346,6 +386,7 @@ def main(
             kernels,
             block_size_int,
             log_level,
+            _Admission(keys_dir, pool_id, tensor_parallel_join_timeout),
         )
     log.info("loading_model", model=str(model_dir), device=str(device), tensor_parallel_size=tensor_parallel_size)
     try:
@@ -376,7 +417,6 @@ def main(
     group_runner = None
     if parallel is not None:
         group_runner = _parallel_runner(loaded, blocks, block_size_int, kernels, tensor_parallel_timeout)
-    pool_id = pool_id or _default_pool_id(bind, device)
     keys = curve = None
     if keys_dir is not None:
         try:
@@ -493,8 +533,37 @@ def _embedding_task(task: str | None, runner: str | None) -> bool:
     return bool(from_task or from_runner)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Admission:
+    """For a group whose ranks are started apart: the keys the leader admits workers by, and for how long."""
+
+    keys_dir: Path | None
+    pool_id: str
+    timeout_s: float
+
+
+def _run_worker(
+    where: Placement, model_dir: Path | None, device: torch.device, keys_dir: Path | None, pool_id: str | None,
+    timeout_s: float, log_level: str,
+) -> None:  # fmt: skip
+    """Rank 1..N-1 started apart: admitted by the leader (with keys: this pool's executor key, else the any-pool
+    one), then its share of every step until the leader says stop."""
+    from executor.parallel_worker import join, run_apart  # the worker's modules, only where one runs
+
+    if model_dir is None:
+        from common.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    try:
+        curve = KeySet(keys_dir).executor_client(pool_id or "") if keys_dir is not None else None
+        spec = join(where, model_dir, device, curve=curve, timeout_s=timeout_s, log_level=log_level)
+    except (KeysError, RendezvousError, CheckpointError) as exc:
+        raise click.ClickException(str(exc)) from None
+    run_apart(spec)
+
+
 def _start_group(
-    size: int,
+    where: Placement,
     expert_parallel: bool,
     timeout_s: float,
     model_dir: Path,
@@ -503,12 +572,30 @@ def _start_group(
     kernels: str,
     block_size: int,
     log_level: str,
+    admission: _Admission,
 ) -> tuple[Shard, WorkerGroup]:
-    """Ranks 1..size-1 started and joined; rank 0's shard of the model (refused early if it does not split)."""
+    """Ranks 1..size-1 started (or, started apart, admitted) and joined; rank 0's shard of the model (refused
+    early if it does not split)."""
+    size = where.size
     try:
-        shard = make_shard(load_config(model_dir), 0, size, expert_parallel)
+        config = load_config(model_dir)
+        shard = make_shard(config, 0, size, expert_parallel)
     except (CheckpointError, UnsupportedModel) as exc:
         raise click.ClickException(str(exc)) from None
+    if where.independent:
+        settings = GroupSettings(
+            free_port(), new_token(), config.model_id, dtype, kernels, block_size, expert_parallel, timeout_s
+        )
+        try:
+            keys = KeySet(admission.keys_dir) if admission.keys_dir is not None else None
+            group = WorkerGroup.admit(
+                where, settings, device, keys=keys, pool_id=admission.pool_id, join_timeout_s=admission.timeout_s
+            )
+        except (KeysError, RendezvousError, GroupIntruder) as exc:
+            log.error("tensor_parallel_join_failed", reason=str(exc))
+            raise click.ClickException(str(exc)) from None
+        log.info("tensor_parallel_group_joined", size=size, expert_parallel=expert_parallel, leader=where.master)
+        return shard, group
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
         raise click.BadParameter(
             f"{size} ranks from {device} need more than this machine's {torch.cuda.device_count()} CUDA devices",

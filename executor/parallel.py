@@ -8,6 +8,7 @@ parallelism").
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import socket
 import time
 from dataclasses import dataclass
@@ -123,20 +124,52 @@ def free_port() -> int:
 _serving: list[dist.ProcessGroup] = []  # the group the step's collectives run on, once joined
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
-    """Join the group's loopback rendezvous at `port` (rank 0 hosts it). The default group, for startup (ranks
-    load at their own pace), waits up to STARTUP_TIMEOUT_S; the serving group's collectives (`broadcast`,
-    `all_reduce`, `all_gather`) fail after `timeout_s` if a rank does not take part (dead or paused), and the
-    group then stops as a unit."""
+class GroupIntruder(RuntimeError):
+    """A rank of the group does not hold the group's token: a process that was not admitted reached the store."""
+
+
+def init_group(
+    rank: int, world: int, port: int, device: torch.device, timeout_s: float, *, host: str = "127.0.0.1", token: str
+) -> None:
+    """Join the group's rendezvous at host:port (rank 0 hosts the store: on loopback when it started its workers,
+    at its own address when they were started apart). The default group, for startup (ranks load at their own
+    pace), waits up to STARTUP_TIMEOUT_S; the serving group's collectives (`broadcast`, `all_reduce`,
+    `all_gather`) fail after `timeout_s` if a rank does not take part (dead or paused), and the group then stops
+    as a unit. Before anything else every rank proves it holds `token` (GroupIntruder if one does not)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{host}:{port}",
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
     )
+    prove_membership(rank, world, token, device)
     _serving[:] = [dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))]
+
+
+def _proof(token: str, rank: int, world: int) -> list[int]:
+    return list(hmac.digest(bytes.fromhex(token), f"pagedkv tensor-parallel rank {rank} of {world}".encode(), "sha256"))
+
+
+def prove_membership(rank: int, world: int, token: str, device: torch.device) -> None:
+    """Every rank shows every other an HMAC of its rank under the group's token (handed out only to admitted
+    ranks: over CURVE, or on rank 0's command line to its children); the store itself admits anyone who reaches
+    it, so this is what keeps a stranger out of the group's collectives."""
+    mine = torch.tensor(_proof(token, rank, world), dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    for other, part in enumerate(parts):
+        if not hmac.compare_digest(bytes(part.tolist()), bytes(_proof(token, other, world))):
+            raise GroupIntruder(f"rank {other} of the group does not hold the group's token: it was not admitted")
+
+
+def destroy_group() -> None:
+    """Leave the group before the interpreter exits: process groups (and rank 0's store) left to the C++
+    destructors at exit abort the process ("terminate called without an active exception")."""
+    _serving.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def broadcast(x: torch.Tensor) -> None:

@@ -1,13 +1,15 @@
 """Rank 0's side of a tensor-parallel group: start the workers (ranks 1..N-1, `executor.parallel_worker`), join
-the rendezvous with them, watch them, stop them.
+the rendezvous with them, watch them, stop them; or, when the ranks are started apart (one per node or pod),
+admit the workers that ask to join (`executor.parallel_rendezvous`).
 
-The workers are rank 0's children in its process group (a stop of the executor's group takes them too) and get
-SIGTERM from the kernel when rank 0 exits. A worker that exits while the group serves stops the group: rank 0
-exits too (`parallel_runner.fail`).
+Started here, the workers are rank 0's children in its process group (a stop of the executor's group takes them
+too) and get SIGTERM from the kernel when rank 0 exits. A worker that exits while the group serves stops the
+group: rank 0 exits too (`parallel_runner.fail`); one started apart is seen by the collectives instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import signal
@@ -20,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from executor.parallel import free_port, init_group
+from common.auth import KeySet
+from executor.parallel import destroy_group, free_port, init_group
+from executor.parallel_rendezvous import GroupSettings, Placement, admit_workers, new_token
 from executor.parallel_runner import fail
 
 _PR_SET_PDEATHSIG = 1
@@ -42,6 +46,8 @@ class WorkerSpec:
     expert_parallel: bool
     timeout_s: float
     log_level: str = "info"
+    master: str = "127.0.0.1"  # the store's host: rank 0's address
+    token: str = ""  # the group's token (parallel.prove_membership)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -86,7 +92,7 @@ class WorkerGroup:
         log_level: str,
     ) -> WorkerGroup:
         """Start the workers and join the group as rank 0 (returns once every rank has joined)."""
-        port = free_port()
+        port, token = free_port(), new_token()
         processes = []
         for rank in range(1, size):
             spec = WorkerSpec(
@@ -101,6 +107,7 @@ class WorkerGroup:
                 expert_parallel,
                 timeout_s,
                 log_level,
+                token=token,
             )
             processes.append(
                 subprocess.Popen(
@@ -110,8 +117,20 @@ class WorkerGroup:
                 )
             )
         group = cls(processes)
-        init_group(0, size, port, device, timeout_s)
+        init_group(0, size, port, device, timeout_s, token=token)
         return group
+
+    @classmethod
+    def admit(
+        cls, where: Placement, settings: GroupSettings, device: torch.device, *, keys: KeySet | None, pool_id: str,
+        join_timeout_s: float,
+    ) -> WorkerGroup:  # fmt: skip
+        """The leader of ranks started apart: admit them (RendezvousError if they do not all come in time), then
+        host the group's store (it listens on every interface; rank 0 reaches it on loopback). No children to
+        watch: a worker lost later fails the step's collectives or the idle ping."""
+        admit_workers(where, settings, keys=keys, pool_id=pool_id, timeout_s=join_timeout_s)
+        init_group(0, where.size, settings.store_port, device, settings.timeout_s, token=settings.token)
+        return cls([])
 
     @property
     def pids(self) -> list[int]:
@@ -139,3 +158,5 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        with contextlib.suppress(RuntimeError, ValueError):  # a failed peer may have left it half broken
+            destroy_group()

@@ -3,7 +3,8 @@ outputs.
 
 Redis, blockd, two CPU executors and a gateway, authenticated and supervised; kills, pauses, foreign keys and
 malformed frames while clients compare every answer with the clean stack's, then the load-held phase (overload,
-a stalled step). The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
+a stalled step), then the ranks phase: executor-1 restarted as a tensor-parallel group of two, whose worker rank
+is killed and paused. The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from common.auth import ClientCurve, KeySet, generate
 from common.net import free_port
 from common.tokens import pack_tokens
 from executor import protocol as ep
+from executor.parallel_runner import EX_GROUP_FAILED
 from executor.params import SamplingParams
 from pagedkv.bench.common import table_lines
 from pagedkv.tools.model_gen import write_model
@@ -53,7 +55,10 @@ MAX_QUEUE_DELAY_S = 2.0
 # Tokens each answer of the load-held scenarios holds: enough that the executors, not the HTTP clients, are what
 # an overload saturates.
 LOAD_MAX_TOKENS = 128
-PHASES = ("faults", "load")  # the fault and attack scenarios under greedy load; then the load-held scenarios
+# The fault and attack scenarios under greedy load; the load-held scenarios; a tensor-parallel group's rank faults
+# under greedy load (executor-1 restarted as a group of two ranks).
+PHASES = ("faults", "load", "ranks")
+TP_TIMEOUT_S = 3.0  # the group's --tensor-parallel-timeout: a paused rank stops it this long after
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
     "Once upon a time in a land far away",
@@ -300,13 +305,19 @@ def _refusal(response: httpx.Response) -> str:
 
 class Load:
     def __init__(
-        self, url: str, references: dict[str, str], max_tokens: int, clients: int, headers: dict[str, str]
+        self,
+        url: str,
+        references: dict[str, str],
+        max_tokens: int,
+        clients: int,
+        headers: dict[str, str],
+        tally: Tally | None = None,  # counted on from an earlier load's
     ) -> None:
         self.url = url
         self.headers = headers
         self.references = references
         self.max_tokens = max_tokens
-        self.tally = Tally()
+        self.tally = tally if tally is not None else Tally()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
 
@@ -428,6 +439,57 @@ def _gateway_metric(stack: Stack, name: str) -> float:
     """An unlabelled metric of the gateway's /metrics (0 if absent: the gateway was restarted since)."""
     text = httpx.get(f"{stack.url}/metrics", headers=stack.auth_headers, timeout=10).text
     return next((float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+def _worker_rank(pid: int) -> int | None:
+    """The worker rank (executor.parallel_worker) that the group's rank 0 at `pid` started, if any."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    for child in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"executor.parallel_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _rank_fault(stack: Stack, findings: Findings, sig: signal.Signals) -> None:
+    """SIGKILL or SIGSTOP executor-1's worker rank: the whole group must stop (rank 0 exits 70; the supervisor
+    starts it again, which registers the pool under a new epoch), its pool's blocks come back by the lease, the
+    gateway sends elsewhere meanwhile, and the rank does not outlive its group."""
+    service = stack.services["executor-1"]
+    process = service.process
+    worker = _worker_rank(service.pid) if process is not None else None
+    if process is None or worker is None:
+        findings.problem("executor-1 has no worker rank to fault (is it a tensor-parallel group?)")
+        return
+    what = "killed" if sig == signal.SIGKILL else "paused"
+    os.kill(worker, sig)
+    code: int | None = None
+    try:
+        code = process.wait(timeout=4 * TP_TIMEOUT_S + 10)
+    except subprocess.TimeoutExpired:
+        findings.problem(f"executor-1 kept serving {4 * TP_TIMEOUT_S + 10:g} s after its rank 1 was {what}")
+    finally:
+        if sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+    findings.notes.append(f"rank 1 of executor-1 {what}: the group exited with {code}")
+    if code is not None and code != EX_GROUP_FAILED:
+        findings.problem(f"executor-1 exited with {code} after its rank 1 was {what}, not {EX_GROUP_FAILED}")
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not _gone(worker):
+        findings.problem(f"rank 1 (pid {worker}) outlived its group by 10 s")
 
 
 def _duplicate_pool(stack: Stack, findings: Findings) -> None:
@@ -1186,22 +1248,29 @@ def _scenarios(
     return scenarios
 
 
+def _as_group(stack: Stack) -> None:
+    """executor-1 restarted as a tensor-parallel group of two (it stays one for the rest of the run): its answers
+    are then held to the references the clean stack's single-device executors gave."""
+    service = stack.services["executor-1"]
+    group = ["--tensor-parallel-size", "2", "--tensor-parallel-timeout", f"{TP_TIMEOUT_S:g}"]
+    _restart(stack, "executor-1", [*service.argv, *group])
+
+
+def _rank_scenarios(stack: Stack, findings: Findings) -> list[tuple[str, Callable[[], None]]]:
+    return [
+        ("executor-1 restarted as a tensor-parallel group of 2", lambda: _as_group(stack)),
+        ("kill -9 executor-1's rank 1", lambda: _rank_fault(stack, findings, signal.SIGKILL)),
+        (f"SIGSTOP executor-1's rank 1 (> {TP_TIMEOUT_S:g} s)", lambda: _rank_fault(stack, findings, signal.SIGSTOP)),
+    ]
+
+
 def _fault_phase(
-    stack: Stack,
-    references: dict[str, str],
-    long_references: dict[str, str],
-    findings: Findings,
-    quick: bool,
-    clients: int,
-    max_tokens: int,
-) -> tuple[Tally, list[list[str]]]:
-    """The fault and attack scenarios, one after the other, under the greedy load; the load's tally and a row per
-    scenario. A kill -9 of an executor must cut no stream: each goes on on the other executor."""
+    stack: Stack, load: Load, findings: Findings, quick: bool, scenarios: list[tuple[str, Callable[[], None]]]
+) -> list[list[str]]:
+    """Scenarios one after the other under the greedy load (started already); a row per scenario. A kill -9 of an
+    executor must cut no stream: each goes on on the other executor."""
     rows: list[list[str]] = []
-    load = Load(stack.url, references, max_tokens, clients, stack.auth_headers)
-    load.start()
-    time.sleep(2.0)
-    for name, action in _scenarios(stack, findings, quick, load, long_references):
+    for name, action in scenarios:
         before, failed_before, cut_before = load.tally.requests, load.tally.failed, load.tally.cut_after_text
         attacks, refused, unanswered = findings.attacks, findings.refused, findings.unanswered
         t0 = time.monotonic()
@@ -1232,8 +1301,7 @@ def _fault_phase(
                 str(findings.unanswered - unanswered),
             ]
         )
-    load.stop()
-    return load.tally, rows
+    return rows
 
 
 def _load_phase(
@@ -1281,12 +1349,23 @@ def run_chaos(
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
-        if "faults" in phases:
-            tally, scenario_rows = _fault_phase(
-                stack, references, long_references, findings, quick, clients, max_tokens
+        # The phases in this order: the ranks phase last, as executor-1 stays a group once it is one.
+        for phase in ("faults", "load", "ranks"):
+            if phase not in phases:
+                continue
+            if phase == "load":
+                load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
+                continue
+            load = Load(stack.url, references, max_tokens, clients, stack.auth_headers, tally)
+            load.start()
+            time.sleep(2.0)
+            scenarios = (
+                _scenarios(stack, findings, quick, load, long_references)
+                if phase == "faults"
+                else _rank_scenarios(stack, findings)
             )
-        if "load" in phases:
-            load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
+            scenario_rows += _fault_phase(stack, load, findings, quick, scenarios)
+            load.stop()
         leaked, check = _drained(stack.blockd, stack.curve("operator"), timeout_s=60)
         for service in stack.services.values():
             service.peak_rss = max(service.peak_rss, service.rss())
@@ -1378,8 +1457,9 @@ def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_r
     "--only",
     type=click.Choice(PHASES),
     default=None,
-    help="Run one phase: faults (kills, pauses, attacks under greedy load) or load (overload at 3x capacity, a "
-    "step stalled for 2x the gateway's executor timeout). Default: both.",
+    help="Run one phase: faults (kills, pauses, attacks under greedy load), load (overload at 3x capacity, a "
+    "step stalled for 2x the gateway's executor timeout) or ranks (executor-1 restarted as a tensor-parallel group "
+    "of 2, its worker rank killed and paused under greedy load). Default: all three.",
 )
 @click.option(
     "--overload-seconds",

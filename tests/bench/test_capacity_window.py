@@ -48,3 +48,13 @@ def test_the_command_reports_the_gain() -> None:
     assert figures["grouped_full_mean_active"] == figures["paged_mean_active"]
     assert figures["grouped_window_vs_full_mean_active"] > 1.5
     assert "holds" in result.output and "every layer allocated in full" in result.output
+
+
+def test_the_real_executor_holds_more_sequences_in_layer_groups() -> None:
+    from pagedkv.bench.capacity_executor import compare
+
+    # The KV bytes of one sequence with every layer in full; the greedy tokens of both runs are compared inside.
+    full, grouped = compare(window=16, requests=3, prompt_len=64, output_len=4, block_size=16, full_sequences=1)
+    assert full.max_running == 1 and grouped.max_running == 3
+    assert grouped.num_blocks == 6 * full.num_blocks  # the same bytes in blocks of one layer, not six
+    assert grouped.steps < full.steps

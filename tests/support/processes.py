@@ -125,9 +125,12 @@ class ExecutorProcess:
     """One `pagedkv-executor` process on a free loopback port, serving `model` against the blockd at
     `blockd_endpoint` (small step limits, so the tests' few requests still interleave)."""
 
-    def __init__(self, model: Path, blockd_endpoint: str, log_path: Path, *args: str) -> None:
+    def __init__(
+        self, model: Path, blockd_endpoint: str, log_path: Path, *args: str, curve: ClientCurve | None = None
+    ) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.log_path = log_path
+        self.curve = curve  # the keys its clients use (a gateway's), when it serves CURVE
         command = [
             sys.executable,
             "-m",
@@ -147,14 +150,14 @@ class ExecutorProcess:
         self.process = processes.start(command, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout_s: float = 60.0) -> ep.Info:
-        with ExecutorClient(self.endpoint, timeout_s=0.5) as client:
+        with ExecutorClient(self.endpoint, timeout_s=0.5, curve=self.curve) as client:
             return _until_it_answers("executor", self.process, client.info, ExecutorUnavailable, self.log, timeout_s)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def client(self, timeout_s: float = 30.0) -> ExecutorClient:
-        return ExecutorClient(self.endpoint, timeout_s=timeout_s)
+        return ExecutorClient(self.endpoint, timeout_s=timeout_s, curve=self.curve)
 
     def stop(self) -> None:
         if self.process.poll() is None:
