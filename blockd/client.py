@@ -12,7 +12,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -214,6 +214,8 @@ class PoolClient:
         self._heartbeats: _Heartbeats | None = None
         self.needs_resync = False  # set by the heartbeat thread: blockd lost the pool (restarted, expired)
         self.fenced: str | None = None  # set when blockd says another executor holds the pool
+        # The executor's lower KV tiers, reported on every (re-)registration (blockd.tiers): what they hold now.
+        self.tiers: Callable[[], p.TierSpec] | None = None
 
     @property
     def epoch_fingerprint(self) -> str:
@@ -259,6 +261,7 @@ class PoolClient:
                 for seq_id, s in self.seqs.items()
             ],
             generations=self.generations,
+            tiers=self.tiers() if self.tiers is not None else None,
         )
         self.lease_timeout_s = result.lease_timeout_s
         self.needs_resync = False

@@ -17,6 +17,7 @@ from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.pool import HOLE, BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
+from blockd.tiers import TierDirectory
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 DEFAULT_MAX_POOLS = 64
@@ -122,6 +123,15 @@ class BlockManager:
                 f"{req.num_blocks} blocks is more than the {limits.max_blocks_per_pool} this blockd allows a pool "
                 "(--max-blocks-per-pool)",
             )
+        tiers = req.tiers
+        if tiers is not None and not (
+            0 <= tiers.host_blocks <= limits.max_blocks_per_pool and 0 <= tiers.disk_blocks <= 1 << 31
+        ):
+            raise BlockdError(
+                ErrorCode.POOL_TOO_LARGE,
+                f"tiers of {tiers.host_blocks} host and {tiers.disk_blocks} disk blocks: at most "
+                f"{limits.max_blocks_per_pool} host blocks (--max-blocks-per-pool) and 2**31 on disk",
+            )
         known = req.pool_id in self.pools or req.pool_id in self.dormant
         if not known and len(self.pools) + len(self.dormant) >= limits.max_pools:
             raise BlockdError(
@@ -175,6 +185,8 @@ class BlockManager:
         if generations is None and resync and previous is not None:
             generations = previous.generation  # blockd never lost them; the executor simply did not send its own
         pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal(), hash_key=self.hash_key)
+        if req.tiers is not None:  # what they hold is the executor's report: it is the truth about its memory and disk
+            pool.tiers = TierDirectory(spec, req.tiers, lambda: pool.kv_events)
         # Build the new pool completely before touching the registry: a bad sequence leaves everything as it was.
         if generations is not None:
             pool.adopt_generations(generations)

@@ -12,6 +12,7 @@ import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import AdmitResult, AppendResult, PoolStats
+from blockd.tiers import TierSpec
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 PROTOCOL_VERSION: Final = 1
@@ -130,6 +131,9 @@ class Register(Request, tag="register"):
     sliding_window: Window | None = None  # every layer's: a block no query's window reaches goes back (`slide`)
     sequences: list[LiveSequence] = []
     generations: list[Count] | None = None  # the executor's generation of every block (for re-sync)
+    # Its lower KV tiers and what they hold (blockd.tiers). Optional, so version 1 stands: without it no reply
+    # carries tier ops or loads, byte for byte as before.
+    tiers: TierSpec | None = None
 
 
 class Unregister(Request, tag="unregister"):

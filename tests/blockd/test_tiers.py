@@ -1,0 +1,97 @@
+"""blockd's tier directory (blockd.tiers) through the manager: demotion on eviction, loads on admission, spills
+from a full host tier to disk, drops from a full disk, the executor's report on registration, check()."""
+
+from __future__ import annotations
+
+from blockd import protocol as p
+from blockd.manager import BlockManager
+from blockd.tiers import TierHeld, TierSpec
+from common.tokens import pack_tokens
+
+BS = 4
+
+
+def _manager(host: int, disk: int, held: list[TierHeld] | None = None, epoch: int = 1) -> BlockManager:
+    manager = BlockManager()
+    tiers = TierSpec(host_blocks=host, disk_blocks=disk, disk=held or [])
+    manager.register(
+        p.Register(v=1, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=epoch, tiers=tiers)
+    )
+    return manager
+
+
+def _run(manager: BlockManager, seq: str, tokens: list[int]) -> p.StepOpResult:
+    """Admit, commit every full block, free: the prompt's blocks stay cached-free."""
+    (admitted,) = manager.step("x", 1, [p.Admit(seq, pack_tokens(tokens))]).results
+    assert type(admitted) is not p.OpError, admitted
+    manager.step("x", 1, [p.Commit(seq, len(tokens)), p.Free(seq)])
+    return admitted
+
+
+def _prompt(first: int) -> list[int]:
+    return list(range(first, first + 3 * BS + 1))  # three full blocks and one token
+
+
+def test_eviction_demotes_and_a_miss_on_the_device_loads_from_the_host():
+    manager = _manager(host=8, disk=0)
+    pool = manager.pools["x"]
+    _run(manager, "a", _prompt(0))
+    b = _run(manager, "b", _prompt(100))  # needs all 4 blocks: evicts a's three
+    saves = [op for op in b.tier_ops if op.kind == "save"]
+    assert [op.medium for op in saves] == ["CPU"] * 3
+    again = _run(manager, "a2", _prompt(0))
+    loads = [op for op in again.tier_ops if op.kind == "load"]
+    assert again.num_cached_tokens == 3 * BS and again.loaded_tokens == 3 * BS
+    assert [op.block for op in loads] == again.blocks[:3]
+    # Every load comes after the saves of the blocks it writes: a block is copied out before it is reused.
+    for load in loads:
+        saved_from = [i for i, op in enumerate(again.tier_ops) if op.kind == "save" and op.block == load.block]
+        assert all(i < again.tier_ops.index(load) for i in saved_from)
+    (cpu,) = pool.stats().tiers
+    assert cpu.counters.loads == 3 and cpu.counters.demotions >= 6 and cpu.blocks <= 8
+    assert manager.check() == []
+    # Loaded blocks were committed like computed ones: the next admit hits them on the device.
+    third = _run(manager, "a3", _prompt(0))
+    assert third.num_cached_tokens == 3 * BS and third.loaded_tokens == 0
+
+
+def test_a_full_host_tier_spills_to_disk_and_a_full_disk_drops_its_oldest():
+    manager = _manager(host=2, disk=3)
+    pool = manager.pools["x"]
+    ops = []
+    for first in (0, 100, 200, 300):
+        ops += _run(manager, f"s{first}", _prompt(first)).tier_ops
+    kinds = {op.kind for op in ops}
+    assert {"save", "spill", "discard"} <= kinds
+    cpu, disk = pool.stats().tiers
+    assert cpu.blocks == 2 and disk.blocks == 3
+    assert disk.counters.drops > 0
+    for i, op in enumerate(ops):  # a spilled slot is copied out before a later save writes it
+        if op.kind == "spill":
+            later = [o for o in ops[i + 1 :] if o.kind == "save" and o.slot == op.slot]
+            assert later
+    assert manager.check() == []
+
+
+def test_a_restarted_executor_reports_its_disk_and_hits_it_again():
+    manager = _manager(host=0, disk=16)
+    _run(manager, "a", _prompt(0))
+    b = _run(manager, "b", _prompt(100))
+    saved = [TierHeld(op.block_hash) for op in b.tier_ops if op.kind == "save"]
+    assert len(saved) == 3 and all(op.medium == "DISK" for op in b.tier_ops)
+    restarted = _manager(host=0, disk=16, held=saved, epoch=2)  # a new process: a new epoch, its disk scanned
+    (admitted,) = restarted.step("x", 2, [p.Admit("a", pack_tokens(_prompt(0)))]).results
+    assert admitted.loaded_tokens == 3 * BS
+    assert [op.kind for op in admitted.tier_ops] == ["load"] * 3
+
+
+def test_a_failed_admit_leaves_the_directory_unchanged():
+    manager = _manager(host=8, disk=0)
+    pool = manager.pools["x"]
+    _run(manager, "a", _prompt(0))
+    _run(manager, "b", _prompt(100))
+    before = [(t.medium, list(t.entries.items())) for t in pool.tiers.tiers]
+    (refused,) = manager.step("x", 1, [p.Admit("big", pack_tokens(list(range(1000, 1000 + 4 * BS + 1))))]).results
+    assert type(refused) is p.OpError
+    assert [(t.medium, list(t.entries.items())) for t in pool.tiers.tiers] == before
+    assert manager.check() == []
