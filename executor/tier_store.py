@@ -157,6 +157,16 @@ class TierStore:
             "kv_tier_block_dropped", block_hash=block_hash.hex(), reason=reason.value, detail=detail, **self.dropped()
         )
 
+    def report(self) -> dict[str, int]:
+        """Every counter, and what each tier holds now."""
+        return {
+            **self.counters,
+            **self.dropped(),
+            "host_held": sum(h is not None for h in self.host_hash),
+            "disk_held": len(self.disk),
+            "pending_writes": self.pending_writes(),
+        }
+
     def dropped(self) -> dict[str, int]:
         return {f"dropped_{r.value}": self.counters[f"dropped_{r.value}"] for r in Dropped}
 
