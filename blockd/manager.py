@@ -186,7 +186,7 @@ class BlockManager:
             generations = previous.generation  # blockd never lost them; the executor simply did not send its own
         pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal(), hash_key=self.hash_key)
         if req.tiers is not None:  # what they hold is the executor's report: it is the truth about its memory and disk
-            pool.tiers = TierDirectory(spec, req.tiers, lambda: pool.kv_events)
+            pool.tiers = TierDirectory(spec.pool_id, req.tiers, _tier_events(pool))
         # Build the new pool completely before touching the registry: a bad sequence leaves everything as it was.
         if generations is not None:
             pool.adopt_generations(generations)
@@ -332,6 +332,17 @@ class BlockManager:
         for pool in self.pools.values():
             problems += pool.check()
         return problems
+
+
+def _tier_events(pool: BlockPool) -> Callable[[bool, bytes, str], None]:
+    """The pool's tier changes to its KV event sink (set later, by blockd.kv_events, if blockd publishes)."""
+
+    def emit(entered: bool, block_hash: bytes, medium: str) -> None:
+        sink = pool.kv_events
+        if sink is not None:
+            (sink.tier_stored if entered else sink.tier_removed)(pool.spec, block_hash, medium)
+
+    return emit
 
 
 def totals(stats: list[PoolStats]) -> p.Totals:

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 import msgspec
-
-if TYPE_CHECKING:
-    from blockd.pool import KvEventSink, PoolSpec
 
 MEDIUM_GPU: Final = "GPU"  # vLLM's names (its KV events' `medium`): the device tier, whatever the device
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_DISK: Final = "DISK"
 
 Medium = Literal["CPU", "DISK"]
+#: Hears every entry that enters (True) or leaves (False) a tier: (entered, block hash, medium). blockd.kv_events
+#: publishes them; the manager binds it to the pool's sink.
+TierEvents = Callable[[bool, bytes, str], None]
 OpKind = Literal["save", "spill", "load", "discard"]
 
 
@@ -108,8 +108,8 @@ class Tier:
 class TierDirectory:
     """A pool's lower tiers (host first, then disk; either may be absent) and the ops their changes need."""
 
-    def __init__(self, spec: PoolSpec, tiers: TierSpec, events: Callable[[], KvEventSink | None]) -> None:
-        self.spec = spec
+    def __init__(self, pool_id: str, tiers: TierSpec, events: TierEvents | None = None) -> None:
+        self.pool_id = pool_id
         self._events = events
         self.tiers: list[Tier] = []
         if tiers.host_blocks:
@@ -193,9 +193,8 @@ class TierDirectory:
         else:
             self.ops.append(TierOp("spill", tier.medium, h, slot=slot))
         tier.counters.demotions += 1
-        sink = self._events()
-        if sink is not None:
-            sink.tier_stored(self.spec, h, tier.medium)
+        if self._events is not None:
+            self._events(True, h, tier.medium)
 
     def _evict(self, level: int, h: bytes) -> None:
         tier = self.tiers[level]
@@ -213,9 +212,8 @@ class TierDirectory:
         self.tiers[level].counters.drops += 1
 
     def _emit_removed(self, h: bytes, medium: str) -> None:
-        sink = self._events()
-        if sink is not None:
-            sink.tier_removed(self.spec, h, medium)
+        if self._events is not None:
+            self._events(False, h, medium)
 
     # ------------------------------------------------------------------------------------ observability
 
@@ -229,7 +227,7 @@ class TierDirectory:
     def check(self) -> list[str]:
         """T1 and T2 (the module docstring); one line per violation."""
         problems: list[str] = []
-        pid = self.spec.pool_id
+        pid = self.pool_id
         for tier in self.tiers:
             if len(tier.entries) > tier.capacity:
                 problems.append(f"{pid}: T1 tier {tier.medium} holds {len(tier.entries)} of {tier.capacity} blocks")

@@ -3,10 +3,15 @@ from a full host tier to disk, drops from a full disk, the executor's report on 
 
 from __future__ import annotations
 
+import msgspec
+import zmq
+
 from blockd import protocol as p
-from blockd.manager import BlockManager
+from blockd.kv_events import END_SEQ, AllBlocksCleared, KVEventBatch, KvEventPublisher
+from blockd.manager import BlockManager, PoolEvents
 from blockd.tiers import TierHeld, TierSpec
 from common.tokens import pack_tokens
+from tests.support.waiting import wait_for
 
 BS = 4
 
@@ -95,3 +100,39 @@ def test_a_failed_admit_leaves_the_directory_unchanged():
     assert type(refused) is p.OpError
     assert [(t.medium, list(t.entries.items())) for t in pool.tiers.tiers] == before
     assert manager.check() == []
+
+
+def test_kv_events_name_the_medium_of_every_tier():
+    publisher = KvEventPublisher(PoolEvents(), "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    context = zmq.Context()
+    try:
+        manager = BlockManager(events=publisher)
+        tiers = TierSpec(host_blocks=2, disk_blocks=8)
+        manager.register(
+            p.Register(v=1, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1, tiers=tiers)
+        )
+        for first in (0, 100, 200):
+            _run(manager, f"s{first}", _prompt(first))
+        publisher.flush()
+        replay = context.socket(zmq.DEALER)
+        replay.connect(publisher.replay_endpoint or "")
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        seen: set[tuple[str, str | None]] = set()
+
+        def replayed_all_media() -> bool:
+            replay.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                assert replay.poll(5000), "no answer to the replay request"
+                _, _, seq, payload = replay.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                for event in decoder.decode(payload).events:
+                    if type(event) is not AllBlocksCleared:
+                        seen.add((type(event).__name__, event.medium))
+            return {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU")} <= seen
+
+        wait_for(replayed_all_media, timeout_s=10, what="the tier events replayed")
+        assert {("BlockRemoved", "CPU"), ("BlockStored", "DISK")} <= seen
+    finally:
+        publisher.close()
+        context.destroy(linger=0)
