@@ -14,6 +14,7 @@ object of every figure.
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def percentile(values: list[float], q: float) -> float:
     """The q-th percentile of sorted values, nearest rank (0 for none)."""
     if not values:
         return 0.0
-    rank = max(0, min(len(values) - 1, round(q / 100 * len(values) + 0.5) - 1))
+    rank = max(0, min(len(values) - 1, math.ceil(q / 100 * len(values)) - 1))
     return values[rank]
 
 
