@@ -130,14 +130,18 @@ class TierDirectory:
         tier = self._tier(medium)
         if tier is None:
             return
+        host = tier.medium == MEDIUM_CPU
+        used: set[int] = set()
         for entry in held:
             if entry.block_hash in tier.entries or tier.full():
                 continue
-            if tier.medium == MEDIUM_CPU:
-                if entry.slot not in tier.free_slots:
+            if host:
+                if not 0 <= entry.slot < tier.capacity or entry.slot in used:
                     continue
-                tier.free_slots.remove(entry.slot)
-            tier.entries[entry.block_hash] = entry.slot if tier.medium == MEDIUM_CPU else -1
+                used.add(entry.slot)
+            tier.entries[entry.block_hash] = entry.slot if host else -1
+        if used:
+            tier.free_slots = [s for s in range(tier.capacity - 1, -1, -1) if s not in used]
 
     # ------------------------------------------------------------------------------------ the pool's calls
 

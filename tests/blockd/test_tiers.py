@@ -136,3 +136,16 @@ def test_kv_events_name_the_medium_of_every_tier():
     finally:
         publisher.close()
         context.destroy(linger=0)
+
+
+def test_a_resync_takes_the_executors_host_slots_and_leaves_out_bad_ones():
+    held = [TierHeld(b"a" * 16, 3), TierHeld(b"b" * 16, 3), TierHeld(b"c" * 16, 9), TierHeld(b"d" * 16, 0)]
+    manager = BlockManager()
+    tiers = TierSpec(host_blocks=4, host=held)
+    manager.register(
+        p.Register(v=1, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1, tiers=tiers)
+    )
+    (cpu,) = manager.pools["x"].tiers.tiers
+    assert dict(cpu.entries) == {b"a" * 16: 3, b"d" * 16: 0}  # a slot named twice, or outside the tier: left out
+    assert sorted(cpu.free_slots) == [1, 2]
+    assert manager.check() == []
