@@ -135,3 +135,19 @@ def test_the_disk_tier_survives_a_kill_and_drops_every_bad_file(tiny_models, dae
     assert report["loads_disk"] >= 1
     assert report["dropped_foreign"] == 2 and report["dropped_truncated"] == 2 and report["dropped_corrupt"] == 1
     assert not any(disk.glob("*.tmp"))
+
+
+def test_fp8_blocks_go_through_host_and_disk_byte_for_byte(tiny_models, daemon, executors, tmp_path):
+    """An fp8 cache's blocks (1 byte an element, its scales in the layout) come back from the tiers unchanged:
+    the answer after a load is the answer computed the first time."""
+    model = tiny_models["qwen2"]
+    disk = ("--disk-kv-dir", str(tmp_path / "kv8"), "--disk-kv-size", "4MiB")
+    executor = executors(model, daemon.endpoint, *DEVICE, "--kv-cache-dtype", "fp8", "--host-kv-memory", "32KiB", *disk)
+    prompts = random_prompts([4 * BS + 1] * 5, 512, seed=5)
+    with executor.client() as client:
+        first, cached = _generate(client, prompts[0])
+        assert cached == 0
+        _evict(client, prompts[1:])
+        assert _generate(client, prompts[0]) == (first, 4 * BS)
+        report = client.load().tiers
+    assert report["loads_disk"] + report["loads_cpu"] >= 4 and report["spills"] > 0
