@@ -3,6 +3,8 @@ from a full host tier to disk, drops from a full disk, the executor's report on 
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import zmq
 
@@ -149,3 +151,51 @@ def test_a_resync_takes_the_executors_host_slots_and_leaves_out_bad_ones():
     assert dict(cpu.entries) == {b"a" * 16: 3, b"d" * 16: 0}  # a slot named twice, or outside the tier: left out
     assert sorted(cpu.free_slots) == [1, 2]
     assert manager.check() == []
+
+
+def test_random_traffic_never_loads_or_saves_a_block_that_holds_other_content():
+    """The executor's side simulated by what each block, host slot and disk file holds: every op run in order
+    must read what its hash names (a save reads a device block before its reuse, a spill a slot before a save
+    overwrites it, a load reads a copy of its hash), and check() holds after every step."""
+    rng = random.Random(11)
+    manager = BlockManager()
+    tiers = TierSpec(host_blocks=3, disk_blocks=5)
+    manager.register(
+        p.Register(v=1, id=1, pool_id="x", num_blocks=8, block_size=BS, model_id="m", epoch=1, tiers=tiers)
+    )
+    pool = manager.pools["x"]
+    device: dict[int, bytes] = {}
+    host: dict[int, bytes] = {}
+    disk: set[bytes] = set()
+    prefixes = [[rng.randrange(1, 50) for _ in range(3 * BS)] for _ in range(6)]
+    loads = 0
+    for step in range(400):
+        tokens = rng.choice(prefixes)[: rng.randrange(BS, 3 * BS + 1)] + [rng.randrange(1, 50) for _ in range(3)]
+        (result,) = manager.step("x", 1, [p.Admit(f"s{step}", pack_tokens(tokens))]).results
+        if type(result) is p.OpError:
+            continue
+        for op in result.tier_ops:
+            if op.kind == "save":
+                assert device.get(op.block) == op.block_hash
+                if op.medium == "CPU":
+                    host[op.slot] = op.block_hash
+                else:
+                    disk.add(op.block_hash)
+            elif op.kind == "spill":
+                assert host.get(op.slot) == op.block_hash
+                disk.add(op.block_hash)
+            elif op.kind == "load":
+                held = host.get(op.slot) if op.medium == "CPU" else (op.block_hash if op.block_hash in disk else None)
+                assert held == op.block_hash
+                device[op.block] = op.block_hash
+                loads += 1
+            else:
+                disk.discard(op.block_hash)
+        seq = pool.seqs[f"s{step}"]
+        manager.step("x", 1, [p.Commit(f"s{step}", len(tokens))])
+        for i, h in enumerate(seq.hashes):  # the executor computed (or loaded) every full block
+            if pool.index.get(h) == seq.table[i]:
+                device[seq.table[i]] = h
+        manager.step("x", 1, [p.Free(f"s{step}")])
+        assert manager.check() == []
+    assert loads > 20
