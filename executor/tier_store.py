@@ -3,7 +3,8 @@
 bytes, in the order of blockd's ops, on the step's thread before the step's forward pass: a save copies a device
 block out before the step that reuses it writes there, a load completes before anything reads the block. Disk
 writes go behind, on a thread of their own; a disk load of a block still waiting for its write reads the copy
-waiting, so nothing is ever read that was not written whole. The file format: executor.kv_tiers.
+waiting (the writer checksums and writes it), so nothing is ever read that was not written whole. The file format:
+executor.kv_tiers.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class TierStore:
         self.disk_blocks = disk_bytes // layout.file_bytes if disk_dir is not None else 0
         self.disk: OrderedDict[bytes, None] = OrderedDict()  # hashes on disk (or queued for it), oldest first
         self.counters: Counter[str] = Counter()
-        self._pending: dict[bytes, bytes] = {}  # hash -> file bytes queued for the writer
+        self._pending: dict[bytes, bytes] = {}  # hash -> a block's bytes queued for the writer (it checksums them)
         self._lock = threading.Lock()  # guards _pending between the step's thread and the writer
         self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
@@ -112,7 +113,7 @@ class TierStore:
     def _to_disk(self, block_hash: bytes, payload: torch.Tensor) -> None:
         if self.disk_dir is None:
             raise RuntimeError("blockd sent a disk move to an executor without --disk-kv-dir")
-        data = encode_block(self.layout, block_hash, payload.cpu().numpy().tobytes())
+        data = payload.cpu().numpy().tobytes()  # a snapshot: the slot or block is free for reuse at once
         with self._lock:
             self._pending[block_hash] = data
         self.disk[block_hash] = None
@@ -137,11 +138,11 @@ class TierStore:
 
     def _read_disk(self, block_hash: bytes) -> memoryview | None:
         with self._lock:
-            data = self._pending.get(block_hash)
+            queued = self._pending.get(block_hash)
+        if queued is not None:  # not written yet: the bytes themselves
+            return memoryview(queued)
         try:
-            if data is None:
-                data = self._path(block_hash).read_bytes()
-            return decode_block(self.layout, block_hash, data)
+            return decode_block(self.layout, block_hash, self._path(block_hash).read_bytes())
         except FileNotFoundError:
             self._drop(block_hash, Dropped.TRUNCATED, "the file is gone")
         except BadBlock as exc:
@@ -229,7 +230,7 @@ class TierStore:
                 if data is None:
                     continue  # discarded meanwhile
                 temp = path.with_name(path.name + TEMP_SUFFIX)
-                temp.write_bytes(data)
+                temp.write_bytes(encode_block(self.layout, block_hash, data))
                 os.replace(temp, path)  # whole or not there: a kill mid-write leaves only the temporary file
                 self.counters["written"] += 1
                 with self._lock:
