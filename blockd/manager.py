@@ -244,10 +244,13 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ operations
 
-    def step(self, pool_id: str, epoch: int, ops: list[p.StepOp]) -> p.StepResult:
+    def step(self, pool_id: str, epoch: int, ops: list[p.StepOp], tier_drops: Collection[bytes] = ()) -> p.StepResult:
         """Apply one scheduler step's ops in order; each op succeeds or fails on its own. A step with another
-        epoch than the pool's is refused whole (stale_epoch) and neither changes the pool nor renews its lease."""
+        epoch than the pool's is refused whole (stale_epoch) and neither changes the pool nor renews its lease.
+        `tier_drops`: hashes the executor's disk tier lost (blockd.tiers), forgotten first."""
         pool = self.touch(pool_id, epoch)
+        if tier_drops and pool.tiers is not None:
+            pool.tiers.forget(tier_drops)
         results: list[p.StepOpResult] = []
         append = results.append
         for op in ops:

@@ -153,6 +153,9 @@ class Step(Request, tag="step"):
     pool_id: Name
     epoch: int
     ops: Annotated[list[StepOp], msgspec.Meta(max_length=MAX_STEP_OPS)]
+    # Hashes the executor's disk tier lost since its last step (a block file found bad at a load): blockd's
+    # directory forgets them before the ops, so it neither loads them again nor thinks them kept (blockd.tiers).
+    tier_drops: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
 
 
 class Lookup(Request, tag="lookup"):

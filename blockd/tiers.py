@@ -168,6 +168,17 @@ class TierDirectory:
         tier.counters.loads += 1
         self.ops.append(TierOp("load", tier.medium, h, block=block, slot=tier.entries[h]))
 
+    def forget(self, hashes: Iterable[bytes]) -> None:
+        """The executor lost these from its disk (a file found bad when loaded): no copy is there any more."""
+        tier = self._tier(MEDIUM_DISK)
+        if tier is None:
+            return
+        for h in hashes:
+            if h in tier.entries:
+                tier.remove(h)
+                tier.counters.drops += 1
+                self._emit_removed(h, MEDIUM_DISK)
+
     def take(self) -> tuple[TierOp, ...]:
         ops, self.ops = tuple(self.ops), []
         self.pinned.clear()

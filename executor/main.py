@@ -416,6 +416,7 @@ def main(
         )
         engine.model_step.tiers = store
         engine.pool.tiers = store.spec
+        engine.pool.tier_drops = store.take_drops
         log.info("kv_tiers", host_blocks=store.host_blocks, disk_blocks=store.disk_blocks, disk_held=len(store.disk))
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
     engine.pool.start_heartbeats()

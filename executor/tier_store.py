@@ -56,6 +56,7 @@ class TierStore:
         self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._d2h = False  # device-to-host copies queued on the stream, not yet waited for
+        self._lost: list[bytes] = []  # disk entries dropped since blockd last heard (`take_drops`)
         if disk_dir is not None and self.disk_blocks:
             disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -143,8 +144,8 @@ class TierStore:
             return memoryview(queued)
         try:
             return decode_block(self.layout, block_hash, self._path(block_hash).read_bytes())
-        except FileNotFoundError:
-            self._drop(block_hash, Dropped.TRUNCATED, "the file is gone")
+        except OSError as exc:  # gone (its write failed), or unreadable
+            self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}")
         except BadBlock as exc:
             self._drop(block_hash, exc.reason, str(exc))
         return None
@@ -152,11 +153,17 @@ class TierStore:
     def _drop(self, block_hash: bytes, reason: Dropped, detail: str) -> None:
         self.counters[f"dropped_{reason.value}"] += 1
         self.disk.pop(block_hash, None)
+        self._lost.append(block_hash)
         with contextlib.suppress(OSError):
             self._path(block_hash).unlink()
         log.warning(
             "kv_tier_block_dropped", block_hash=block_hash.hex(), reason=reason.value, detail=detail, **self.dropped()
         )
+
+    def take_drops(self) -> list[bytes]:
+        """The disk entries lost since the last call, for blockd's directory (sent with the next step)."""
+        lost, self._lost = self._lost, []
+        return lost
 
     def report(self) -> dict[str, int]:
         """Every counter, and what each tier holds now."""
@@ -200,6 +207,9 @@ class TierStore:
             except ValueError:
                 self.counters[f"dropped_{Dropped.FOREIGN.value}"] += 1
                 path.unlink(missing_ok=True)
+                continue
+            except OSError:  # not a readable file (a directory, no permission): not ours to delete
+                self.counters[f"dropped_{Dropped.CORRUPT.value}"] += 1
                 continue
             except BadBlock as exc:
                 self.counters[f"dropped_{exc.reason.value}"] += 1

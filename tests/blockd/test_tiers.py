@@ -90,6 +90,12 @@ def test_a_restarted_executor_reports_its_disk_and_hits_it_again():
     (admitted,) = restarted.step("x", 2, [p.Admit("a", pack_tokens(_prompt(0)))]).results
     assert admitted.loaded_tokens == 3 * BS
     assert [op.kind for op in admitted.tier_ops] == ["load"] * 3
+    # The executor found one bad when it loaded it: its next step says so, and the directory forgets it.
+    restarted.step("x", 2, [p.Free("a")], tier_drops=[saved[1].block_hash])
+    (disk,) = restarted.pools["x"].stats().tiers
+    assert disk.blocks == 2 and disk.counters.drops == 1
+    (again,) = restarted.step("x", 2, [p.Admit("a2", pack_tokens(_prompt(0)))]).results
+    assert again.loaded_tokens == BS  # the chain stops where the lost block was
 
 
 def test_a_failed_admit_leaves_the_directory_unchanged():

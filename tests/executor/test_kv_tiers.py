@@ -151,3 +151,27 @@ def test_fp8_blocks_go_through_host_and_disk_byte_for_byte(tiny_models, daemon, 
         assert _generate(client, prompts[0]) == (first, 4 * BS)
         report = client.load().tiers
     assert report["loads_disk"] + report["loads_cpu"] >= 4 and report["spills"] > 0
+
+
+def test_a_failing_disk_loses_blocks_but_never_an_answer(tiny_models, daemon, executors, tmp_path):
+    """Writes that fail (here: a directory squats each file's name, as a full or broken disk would refuse them)
+    are counted; the blocks blockd still names there fail to load, are dropped and recomputed."""
+    model = tiny_models["llama"]
+    disk = tmp_path / "kv"
+    executor = executors(model, daemon.endpoint, *DEVICE, "--disk-kv-dir", str(disk), "--disk-kv-size", "4MiB")
+    prompts = random_prompts([4 * BS + 1] * 5, 512, seed=6)
+    want = hf_greedy_ignoring_eos(model, prompts[0], GREEDY.max_tokens)
+    info = executor.wait_ready()
+    for h in BlockPool(PoolSpec("x", 1, BS, info.model_id, 1)).prompt_hashes(prompts[0]):
+        (disk / f"{h.hex()}.kvb" / "squatter").mkdir(parents=True)
+    with executor.client() as client:
+        assert _generate(client, prompts[0]) == (want, 0)
+        _evict(client, prompts[1:])
+        wait_for(lambda: client.load().tiers.get("write_failures", 0) >= 4, timeout_s=20, what="the writes failed")
+        tokens, cached = _generate(client, prompts[0])
+        report = client.load().tiers
+    assert tokens == want and cached == 0
+    assert report["dropped_truncated"] >= 1 and report.get("loads_disk", 0) == 0
+    # The next step tells blockd, whose directory forgets them (it would otherwise load them again, and never
+    # store them anew).
+    wait_for(lambda: _tiers(daemon)["DISK"].counters.drops >= 1, timeout_s=20, what="blockd forgot the lost blocks")
