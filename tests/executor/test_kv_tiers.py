@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from blockd.pool import BlockPool, PoolSpec
+from blockd.tiers import TierStats
 from executor.client import ExecutorClient, tokens_of
 from executor.kv_tiers import KvLayout, encode_block
 from executor.params import SamplingParams
@@ -54,7 +55,7 @@ def _generate(client: ExecutorClient, prompt: list[int]) -> tuple[list[int], int
     return tokens_of(deltas), deltas[-1].cached_tokens
 
 
-def _tiers(daemon: BlockdProcess) -> dict[str, dict]:
+def _tiers(daemon: BlockdProcess) -> dict[str, TierStats]:
     with daemon.client() as client:
         (pool,) = client.stats().pools
     return {t.medium: t for t in pool.tiers}
@@ -115,7 +116,7 @@ def test_the_disk_tier_survives_a_kill_and_drops_every_bad_file(tiny_models, dae
     assert cached == BS  # the first block loaded; the rest computed from the corrupt one on
     executor.stop()  # kill -9
     good = next(f for f in disk.iterdir() if f.suffix == ".kvb")
-    layout = json.loads(good.read_bytes()[48 : good.read_bytes().index(b"}") + 1])
+    layout = json.loads(good.read_bytes()[48 : good.read_bytes().index(b"}") + 1])  # (after the 48-byte header)
     other = KvLayout(**{**layout, "model_id": "another-model"})
     planted = {
         "foreign-layout": encode_block(other, b"\x01" * 16, b"\x00" * other.block_bytes),
