@@ -131,6 +131,22 @@ def stats(ctx: click.Context, as_json: bool, pool_id: str | None) -> None:
         "evictions",
     ]
     click.echo(_table(headers, rows))
+    tier_rows = [
+        [
+            s.pool_id,
+            t.medium,
+            f"{t.blocks}/{t.capacity_blocks}",
+            str(t.counters.hits),
+            str(t.counters.loads),
+            str(t.counters.demotions),
+            str(t.counters.drops),
+        ]
+        for s in result.pools
+        for t in s.tiers
+    ]
+    if tier_rows:  # the executors' lower KV tiers (blockd.tiers)
+        headers = ["pool", "tier", "blocks", "hits", "loads", "demotions", "drops"]
+        click.echo("\n" + _table(headers, tier_rows))
     ps = result.persistence
     detail = f" ({ps.redis}, lag {ps.lag_s:.3f} s, flush every {ps.flush_interval_s:g} s)" if ps.enabled else ""
     click.echo(f"\npersistence: {ps.state}{detail}")

@@ -12,7 +12,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -214,6 +214,9 @@ class PoolClient:
         self._heartbeats: _Heartbeats | None = None
         self.needs_resync = False  # set by the heartbeat thread: blockd lost the pool (restarted, expired)
         self.fenced: str | None = None  # set when blockd says another executor holds the pool
+        # The executor's lower KV tiers, reported on every (re-)registration (blockd.tiers): what they hold now.
+        self.tiers: Callable[[], p.TierSpec] | None = None
+        self.tier_drops: Callable[[], list[bytes]] | None = None  # what its disk lost since the last step
 
     @property
     def epoch_fingerprint(self) -> str:
@@ -259,6 +262,7 @@ class PoolClient:
                 for seq_id, s in self.seqs.items()
             ],
             generations=self.generations,
+            tiers=self.tiers() if self.tiers is not None else None,
         )
         self.lease_timeout_s = result.lease_timeout_s
         self.needs_resync = False
@@ -361,7 +365,9 @@ class PoolClient:
         if self._in_flight is not None:
             raise RuntimeError("a step is already in flight: finish_step() it first")
         ops = list(ops)
-        self.client.send(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=ops)
+        drops = self.tier_drops() if self.tier_drops is not None else []
+        # (A step resent after a re-sync carries none: the re-registration's report no longer names them.)
+        self.client.send(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=ops, tier_drops=drops)
         self._in_flight = ops  # only once sent: a send that raised leaves nothing in flight
 
     def finish_step(self) -> list[p.StepOpResult]:

@@ -48,7 +48,7 @@ class InProcessBlockd(BlockdClient):
         super().__init__(ENDPOINT, timeout_s=timeout_s)
         self.manager = manager or BlockManager()
         self._handlers: dict[type, Any] = {
-            p.Step: lambda r: self.manager.step(r.pool_id, r.epoch, r.ops),
+            p.Step: lambda r: self.manager.step(r.pool_id, r.epoch, r.ops, r.tier_drops),
             p.Register: self.manager.register,
             p.Unregister: lambda r: p.ResetResult(self.manager.unregister(r.pool_id, r.epoch)),
             p.Heartbeat: self._heartbeat,

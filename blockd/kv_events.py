@@ -19,9 +19,9 @@ import zmq
 
 from blockd.manager import PoolEvents
 from blockd.pool import BlockPool, Journal, PoolSpec
+from blockd.tiers import MEDIUM_GPU
 from common.tokens import unpack_tokens
 
-MEDIUM_GPU = "GPU"  # vLLM's name for the primary KV cache, whatever the executor's device
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
@@ -181,19 +181,31 @@ class KvEventPublisher(PoolEvents):
         bs = spec.block_size
         ids = unpack_tokens(tokens[i * bs * 4 : (i + 1) * bs * 4])
         last = events[-1] if events else None
-        if type(last) is BlockStored and parent is not None and last.block_hashes[-1] == parent:
+        if type(last) is BlockStored and parent is not None and last.block_hashes[-1] == parent and last.token_ids:
             last.block_hashes.append(block_hash)  # the chain goes on: one event, as vLLM sends per request
             last.token_ids.extend(ids)
             return
         events.append(BlockStored([block_hash], parent, ids, bs, None, MEDIUM_GPU, None))
 
     def removed(self, spec: PoolSpec, block_hash: bytes) -> None:
+        self.tier_removed(spec, block_hash, MEDIUM_GPU)
+
+    def tier_stored(self, spec: PoolSpec, block_hash: bytes, medium: str) -> None:
+        """A lower tier took the block (blockd.tiers): its token ids are not kept there, so none are sent."""
         events = self._events(spec)
         last = events[-1] if events else None
-        if type(last) is BlockRemoved:
+        if type(last) is BlockStored and last.medium == medium and not last.token_ids:
+            last.block_hashes.append(block_hash)
+            return
+        events.append(BlockStored([block_hash], None, [], spec.block_size, None, medium, None))
+
+    def tier_removed(self, spec: PoolSpec, block_hash: bytes, medium: str) -> None:
+        events = self._events(spec)
+        last = events[-1] if events else None
+        if type(last) is BlockRemoved and last.medium == medium:
             last.block_hashes.append(block_hash)
         else:
-            events.append(BlockRemoved([block_hash], MEDIUM_GPU))
+            events.append(BlockRemoved([block_hash], medium))
 
     def cleared(self, spec: PoolSpec) -> None:
         events = self._events(spec)

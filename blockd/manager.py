@@ -17,6 +17,7 @@ from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.pool import HOLE, BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
+from blockd.tiers import TierDirectory
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 DEFAULT_MAX_POOLS = 64
@@ -122,6 +123,15 @@ class BlockManager:
                 f"{req.num_blocks} blocks is more than the {limits.max_blocks_per_pool} this blockd allows a pool "
                 "(--max-blocks-per-pool)",
             )
+        tiers = req.tiers
+        if tiers is not None and not (
+            0 <= tiers.host_blocks <= limits.max_blocks_per_pool and 0 <= tiers.disk_blocks <= 1 << 31
+        ):
+            raise BlockdError(
+                ErrorCode.POOL_TOO_LARGE,
+                f"tiers of {tiers.host_blocks} host and {tiers.disk_blocks} disk blocks: at most "
+                f"{limits.max_blocks_per_pool} host blocks (--max-blocks-per-pool) and 2**31 on disk",
+            )
         known = req.pool_id in self.pools or req.pool_id in self.dormant
         if not known and len(self.pools) + len(self.dormant) >= limits.max_pools:
             raise BlockdError(
@@ -175,6 +185,8 @@ class BlockManager:
         if generations is None and resync and previous is not None:
             generations = previous.generation  # blockd never lost them; the executor simply did not send its own
         pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal(), hash_key=self.hash_key)
+        if req.tiers is not None:  # what they hold is the executor's report: it is the truth about its memory and disk
+            pool.tiers = TierDirectory(spec.pool_id, req.tiers, _tier_events(pool))
         # Build the new pool completely before touching the registry: a bad sequence leaves everything as it was.
         if generations is not None:
             pool.adopt_generations(generations)
@@ -232,10 +244,13 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ operations
 
-    def step(self, pool_id: str, epoch: int, ops: list[p.StepOp]) -> p.StepResult:
+    def step(self, pool_id: str, epoch: int, ops: list[p.StepOp], tier_drops: Collection[bytes] = ()) -> p.StepResult:
         """Apply one scheduler step's ops in order; each op succeeds or fails on its own. A step with another
-        epoch than the pool's is refused whole (stale_epoch) and neither changes the pool nor renews its lease."""
+        epoch than the pool's is refused whole (stale_epoch) and neither changes the pool nor renews its lease.
+        `tier_drops`: hashes the executor's disk tier lost (blockd.tiers), forgotten first."""
         pool = self.touch(pool_id, epoch)
+        if tier_drops and pool.tiers is not None:
+            pool.tiers.forget(tier_drops)
         results: list[p.StepOpResult] = []
         append = results.append
         for op in ops:
@@ -320,6 +335,17 @@ class BlockManager:
         for pool in self.pools.values():
             problems += pool.check()
         return problems
+
+
+def _tier_events(pool: BlockPool) -> Callable[[bool, bytes, str], None]:
+    """The pool's tier changes to its KV event sink (set later, by blockd.kv_events, if blockd publishes)."""
+
+    def emit(entered: bool, block_hash: bytes, medium: str) -> None:
+        sink = pool.kv_events
+        if sink is not None:
+            (sink.tier_stored if entered else sink.tier_removed)(pool.spec, block_hash, medium)
+
+    return emit
 
 
 def totals(stats: list[PoolStats]) -> p.Totals:

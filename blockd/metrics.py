@@ -32,6 +32,22 @@ class BlockdMetrics:
         )
         self.queried_tokens = Gauge("blockd_pool_prompt_tokens", "Prompt tokens admitted", ["pool"], registry=r)
         self.evictions = Gauge("blockd_pool_evictions", "Cached blocks evicted by allocation", ["pool"], registry=r)
+        tier = ["pool", "medium"]
+        self.tier_gauges = {
+            "capacity_blocks": Gauge(
+                "blockd_pool_tier_capacity_blocks", "Blocks a lower KV tier (CPU, DISK) holds at most", tier, registry=r
+            ),
+            "blocks": Gauge("blockd_pool_tier_blocks", "Blocks a lower KV tier holds", tier, registry=r),
+            "hits": Gauge("blockd_pool_tier_hits", "Admitted blocks found in a lower tier", tier, registry=r),
+            "loads": Gauge("blockd_pool_tier_loads", "Blocks loaded from a lower tier to the device", tier, registry=r),
+            "demotions": Gauge(
+                "blockd_pool_tier_demotions", "Blocks written into a lower tier (evicted above it)", tier, registry=r
+            ),
+            "drops": Gauge(
+                "blockd_pool_tier_drops", "Blocks that left a lower tier with no copy below", tier, registry=r
+            ),
+        }
+        self._known_tiers: set[tuple[str, str]] = set()
         self.persistence_degraded = Gauge("blockd_persistence_degraded", "1 while Redis writes are failing", registry=r)
         self.persistence_lag = Gauge(
             "blockd_persistence_lag_seconds", "Age of the oldest index change not yet in Redis", registry=r
@@ -77,6 +93,21 @@ class BlockdMetrics:
             ):
                 gauge.remove(gone)
         self._known_pools = set(pools)
+        tiers: set[tuple[str, str]] = set()
+        for pool_id, pool in pools.items():
+            for t in pool.tiers.tiers if pool.tiers is not None else ():
+                tiers.add((pool_id, t.medium))
+                g, c = self.tier_gauges, t.counters
+                g["capacity_blocks"].labels(pool_id, t.medium).set(t.capacity)
+                g["blocks"].labels(pool_id, t.medium).set(len(t.entries))
+                g["hits"].labels(pool_id, t.medium).set(c.hits)
+                g["loads"].labels(pool_id, t.medium).set(c.loads)
+                g["demotions"].labels(pool_id, t.medium).set(c.demotions)
+                g["drops"].labels(pool_id, t.medium).set(c.drops)
+        for gone in self._known_tiers - tiers:
+            for gauge in self.tier_gauges.values():
+                gauge.remove(*gone)
+        self._known_tiers = tiers
         self.persistence_degraded.set(1 if persistence.state == "degraded" else 0)
         self.persistence_lag.set(persistence.lag_s)
         self.persistence_skipped.set(persistence.skipped_records)

@@ -36,6 +36,7 @@ import msgspec
 from blockd.block_rule import dead_blocks, growth, reservable, reserved_after, shared_blocks, writes_open_block
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
+from blockd.tiers import Tier, TierDirectory, TierOp, TierStats
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
 from common.tokens import as_packed, unpack_tokens
 
@@ -78,6 +79,12 @@ class KvEventSink(Protocol):
     def cleared(self, spec: PoolSpec) -> None:
         """Every entry left the index."""
 
+    def tier_stored(self, spec: PoolSpec, block_hash: bytes, medium: str) -> None:
+        """A lower tier (blockd.tiers: CPU or DISK) now holds the block."""
+
+    def tier_removed(self, spec: PoolSpec, block_hash: bytes, medium: str) -> None:
+        """A lower tier no longer holds the block."""
+
 
 class PoolSpec(msgspec.Struct, frozen=True):
     """What an executor declares about its KV cache when it registers."""
@@ -105,7 +112,9 @@ class SeqState(msgspec.Struct):
 class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
     blocks: list[int]  # the whole block table (leading HOLEs: a cached prefix's blocks no query reads)
     generations: list[int]  # generation of each block of the table
-    num_cached_tokens: int  # prompt tokens whose KV is already there (cached prefix)
+    num_cached_tokens: int  # prompt tokens whose KV is already there (cached prefix), or loaded by `tier_ops`
+    loaded_tokens: int = 0  # of those, the tokens in blocks loaded from a lower tier (not in the index yet)
+    tier_ops: tuple[TierOp, ...] = ()  # moves the executor makes first, in order (blockd.tiers)
 
 
 class AppendResult(msgspec.Struct, tag="append", frozen=True, omit_defaults=True):
@@ -113,6 +122,7 @@ class AppendResult(msgspec.Struct, tag="append", frozen=True, omit_defaults=True
     generations: tuple[int, ...] = ()  # their generations
     copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy src into dst; dst takes src's place in the table
     copy_generations: tuple[int, ...] = ()  # generation of each dst
+    tier_ops: tuple[TierOp, ...] = ()  # demotions of the cached blocks its allocations evict (blockd.tiers)
 
 
 _NOTHING_APPENDED = AppendResult()
@@ -149,6 +159,7 @@ class PoolStats(msgspec.Struct):
     prefix_hit_rate_tokens: float
     prefix_hit_rate_blocks: float
     counters: PoolCounters
+    tiers: list[TierStats] = []  # the executor's lower tiers (blockd.tiers), host first
 
 
 def _written_ahead_problem(block: int, open_for: list[tuple[int, int]], holders: int) -> str | None:
@@ -211,6 +222,7 @@ class BlockPool:
         self.counters = PoolCounters()
         self.journal = journal
         self.kv_events: KvEventSink | None = None  # set by blockd.kv_events when blockd publishes KV events
+        self.tiers: TierDirectory | None = None  # the executor's lower tiers, when it declared any
         self._clock = 0
         self._recently_freed: OrderedDict[str, None] = OrderedDict()
 
@@ -250,6 +262,8 @@ class BlockPool:
                 evicted += 1
                 if self.kv_events is not None:
                     self.kv_events.removed(self.spec, old)
+                if self.tiers is not None:  # kept below instead of dropped (copied out before the block is reused)
+                    self.tiers.demote(old, block)
             generation[block] += 1
             refcount[block] = 1
             granted.append(block)
@@ -344,12 +358,13 @@ class BlockPool:
         extra = self.extra_for(cache_salt)
         hashes = chain_hashes(packed, bs, self.root, extra, key=self.hash_key)
         hits = self.cached_prefix_blocks(hashes, (n - 1) // bs) if reuse_prefix else []
+        loads = self._tier_hits(hashes, len(hits), (n - 1) // bs) if reuse_prefix else []
         refcount = self.refcount
-        cached = len(hits) * bs
+        cached = (len(hits) + len(loads)) * bs
         if hold is not None and cached + hold < n:
             n = cached + max(hold, 1)  # (the hashes of tokens not registered yet are not kept)
             packed, hashes = packed[: n * _TOKEN_BYTES], hashes[: n // bs]
-        needed = growth(bs, cached, n - cached, len(hits)).blocks
+        needed = growth(bs, cached, n - cached, len(hits) + len(loads)).blocks + len(loads)
         holes = _leading_holes(hits)
         reclaimed = sum(1 for b in hits[holes:] if refcount[b] == 0)  # cached-free hits leave the free queue
         counters = self.counters
@@ -365,7 +380,12 @@ class BlockPool:
                 if journal is not None:  # a cached prefix proved useful: persistence records its recency
                     journal[b] = (hashes[i], self.generation[b], self._clock)
             refcount[b] += 1
+        tiers = self.tiers
+        if loads:  # (tiers is set) its own allocations' demotions must not push out what it loads
+            tiers.pinned.update(h for _, h in loads)  # type: ignore[union-attr]
         table = hits + self._allocate(needed)
+        for j, (tier, h) in enumerate(loads):
+            tiers.load(tier, h, table[len(hits) + j])  # type: ignore[union-attr]
         self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra, holes=holes)
         full_blocks = n // bs
         counters.admits += 1
@@ -375,7 +395,22 @@ class BlockPool:
         counters.hit_tokens += cached
         counters.granted_blocks += needed
         generation = self.generation
-        return AdmitResult(table, [0 if b == HOLE else generation[b] for b in table], cached)
+        ops = tiers.take() if tiers is not None else ()
+        return AdmitResult(table, [0 if b == HOLE else generation[b] for b in table], cached, len(loads) * bs, ops)
+
+    def _tier_hits(self, hashes: Sequence[bytes], start: int, limit: int) -> list[tuple[Tier, bytes]]:
+        """The chain's blocks after the device's cached prefix that a lower tier holds, in a row (not with a
+        sliding window, whose hits may start with holes); the admit loads them into fresh blocks."""
+        tiers = self.tiers
+        if tiers is None or self.spec.sliding_window is not None:
+            return []
+        found: list[tuple[Tier, bytes]] = []
+        for h in hashes[start:limit]:
+            tier = None if h in self.index else tiers.find(h)  # (a device copy further on: stop, keep it simple)
+            if tier is None:
+                break
+            found.append((tier, h))
+        return found
 
     def append(self, seq_id: str, tokens: TokenIds, reserve: int = 0) -> AppendResult:
         """Register `tokens` after the sequence's current tokens (they fill its reserved slots first), and keep
@@ -426,7 +461,8 @@ class BlockPool:
             self.counters.copies_on_write += 1
         grown = self._allocate(new_blocks) if new_blocks > 0 else []
         table.extend(grown)
-        return AppendResult(tuple(grown), tuple(generation[b] for b in grown), copies, copy_generations)
+        ops = self.tiers.take() if self.tiers is not None else ()
+        return AppendResult(tuple(grown), tuple(generation[b] for b in grown), copies, copy_generations, ops)
 
     def commit(self, seq_id: str, num_computed_tokens: int) -> int:
         """Enter the sequence's computed full blocks into the prefix index; returns how many entries it added.
@@ -548,6 +584,8 @@ class BlockPool:
             if self.refcount[b] == 0:
                 self.free_queue.move_to_end(b, last=False)
         self.index.clear()
+        if self.tiers is not None:
+            self.tiers.clear()
         if self.kv_events is not None:
             self.kv_events.cleared(self.spec)
         return dropped
@@ -701,6 +739,7 @@ class BlockPool:
             prefix_hit_rate_tokens=c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0,
             prefix_hit_rate_blocks=c.hit_blocks / c.queried_blocks if c.queried_blocks else 0.0,
             counters=msgspec.structs.replace(c),
+            tiers=self.tiers.stats() if self.tiers is not None else [],
         )
 
     def check(self) -> list[str]:
@@ -766,4 +805,6 @@ class BlockPool:
                 if self.stamp[b] < last_stamp:
                     problems.append(f"{pid}: I5 cached free block {b} is out of LRU order")
                 last_stamp = self.stamp[b]
+        if self.tiers is not None:
+            problems += self.tiers.check()
         return problems

@@ -12,6 +12,7 @@ import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import AdmitResult, AppendResult, PoolStats
+from blockd.tiers import TierSpec
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 PROTOCOL_VERSION: Final = 1
@@ -130,6 +131,9 @@ class Register(Request, tag="register"):
     sliding_window: Window | None = None  # every layer's: a block no query's window reaches goes back (`slide`)
     sequences: list[LiveSequence] = []
     generations: list[Count] | None = None  # the executor's generation of every block (for re-sync)
+    # Its lower KV tiers and what they hold (blockd.tiers). Optional, so version 1 stands: without it no reply
+    # carries tier ops or loads, byte for byte as before.
+    tiers: TierSpec | None = None
 
 
 class Unregister(Request, tag="unregister"):
@@ -149,6 +153,9 @@ class Step(Request, tag="step"):
     pool_id: Name
     epoch: int
     ops: Annotated[list[StepOp], msgspec.Meta(max_length=MAX_STEP_OPS)]
+    # Hashes the executor's disk tier lost since its last step (a block file found bad at a load): blockd's
+    # directory forgets them before the ops, so it neither loads them again nor thinks them kept (blockd.tiers).
+    tier_drops: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
 
 
 class Lookup(Request, tag="lookup"):

@@ -125,7 +125,7 @@ class BlockdServer:
         return reply
 
     def _step(self, req: p.Step) -> p.StepResult:
-        return self.manager.step(req.pool_id, req.epoch, req.ops)
+        return self.manager.step(req.pool_id, req.epoch, req.ops, req.tier_drops)
 
     def _heartbeat(self, req: p.Heartbeat) -> p.HeartbeatResult:
         self.manager.heartbeat(req.pool_id, req.epoch)

@@ -289,6 +289,7 @@ class Engine:
             busy_s=round(s.step_budget.busy_s, 4),
             computed_tokens=s.step_budget.computed_tokens,
             step_token_budget=s.step_budget.tokens(),
+            tiers=self.model_step.tiers.report() if self.model_step.tiers is not None else {},
         )
 
     # ------------------------------------------------------------------------------------------ the step

@@ -31,7 +31,7 @@ from common.units import parse_size
 from executor import protocol as ep
 from executor.checkpoint import load_config
 from executor.engine import Engine, EngineLimits
-from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
+from executor.kv_budget import KvBudget, parse_kv_budget, pool_window, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
 from executor.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 from executor.parallel import STARTUP_TIMEOUT_S, GroupIntruder, Shard, free_port, make_shard
@@ -39,9 +39,10 @@ from executor.parallel_group import WorkerGroup
 from executor.parallel_rendezvous import GroupSettings, Placement, RendezvousError, new_token, placement
 from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
-from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
+from executor.runner import DTYPES, LoadedModel, ModelRunner, kv_layout, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, EmbedFault, ExecutorServer, Fenced, StepStall
 from executor.step_budget import DEFAULT_MAX_STEP_MS
+from executor.tier_store import TierStore
 from kernels.quant import KV_CACHE_DTYPES
 
 log = structlog.get_logger("executor")
@@ -268,6 +269,19 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     help="With --tp-master: seconds the leader waits for every worker to join (and a worker for the leader to "
     "admit it) before giving up.",
 )
+@click.option(
+    "--host-kv-memory",
+    default="0",
+    help="Bytes of host memory (pinned on CUDA) for KV blocks evicted from the device, which blockd loads back on "
+    "a prefix hit (e.g. 8GiB; 0: no host tier).",
+)
+@click.option(
+    "--disk-kv-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="A directory of this executor's for KV blocks (checksummed files): they survive restarts of the executor.",
+)
+@click.option("--disk-kv-size", default="0", help="Bytes the --disk-kv-dir tier may hold (e.g. 64GiB).")
 @keys_option(
     "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
     "pool's executor key (pool-POOL, else executor).",
@@ -322,6 +336,9 @@ def main(
     tp_rank,
     tp_master,
     tensor_parallel_join_timeout,
+    host_kv_memory,
+    disk_kv_dir,
+    disk_kv_size,
     keys_dir,
     insecure,
     embed_fault,
@@ -361,6 +378,9 @@ def main(
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
+    host_kv_bytes, disk_kv_bytes = _tier_sizes(host_kv_memory, disk_kv_dir, disk_kv_size)
+    if (host_kv_bytes or disk_kv_bytes) and (embed or tensor_parallel_size > 1):
+        raise click.UsageError("--host-kv-memory and --disk-kv-dir run with generation on one device, for now")
     stall = _stall(stall_spec) if stall_spec else None
     try:
         message_limit = parse_size(max_message_bytes)
@@ -441,6 +461,21 @@ def main(
         runner=group_runner,
     )
     model_runner = engine.runner
+    store = None
+    if host_kv_bytes or disk_kv_bytes:
+        if pool_window(loaded.config) is not None:
+            raise click.UsageError("--host-kv-memory and --disk-kv-dir need a model without a sliding window, for now")
+        store = TierStore(
+            kv_layout(loaded, block_size_int),
+            model_runner.kv_caches,
+            host_bytes=host_kv_bytes,
+            disk_dir=disk_kv_dir,
+            disk_bytes=disk_kv_bytes,
+        )
+        engine.model_step.tiers = store
+        engine.pool.tiers = store.spec
+        engine.pool.tier_drops = store.take_drops
+        log.info("kv_tiers", host_blocks=store.host_blocks, disk_blocks=store.disk_blocks, disk_held=len(store.disk))
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
     engine.pool.start_heartbeats()
     info = ep.Info(
@@ -507,9 +542,25 @@ def main(
         click.echo(f"error: pool {pool_id} is not this executor's any more: {exc}", err=True)
         sys.exit(EX_FENCED)
     finally:
+        if store is not None:
+            store.flush()  # the writes behind, on disk before the process goes
         if parallel is not None:
             _stop_group(group_runner, parallel[1])
     log.info("executor_stopped", pool_id=pool_id)
+
+
+def _tier_sizes(host: str, disk_dir: Path | None, disk: str) -> tuple[int, int]:
+    try:
+        host_bytes = parse_size(host)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--host-kv-memory") from None
+    try:
+        disk_bytes = parse_size(disk)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--disk-kv-size") from None
+    if (disk_dir is None) != (disk_bytes == 0):
+        raise click.UsageError("--disk-kv-dir and --disk-kv-size go together")
+    return host_bytes, disk_bytes
 
 
 def _stall(spec: str) -> StepStall:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from blockd.client import MirroredSequence
+from blockd.tiers import TierOp
 from executor import protocol as ep
 from executor.runner import ModelRunner
 from executor.sampling import Sampler, SampleRow, choice_generator
@@ -15,6 +16,7 @@ from executor.sequence import Request, Sequence
 from executor.step_loop import Draw
 from executor.structured import new_matcher
 from executor.threads import ThreadGovernor
+from executor.tier_store import TierStore
 
 
 class ModelStep:
@@ -29,6 +31,12 @@ class ModelStep:
         self.sampler = sampler
         self.tables = tables  # the block tables the forward pass reads: the pool client's mirror
         self.threads = threads
+        self.tiers: TierStore | None = None  # the lower KV tiers (--host-kv-memory, --disk-kv-dir), if any
+
+    def move_tiers(self, ops: list[TierOp]) -> list[int]:
+        if self.tiers is None:
+            raise RuntimeError("blockd sent tier moves to an executor without tiers")
+        return self.tiers.run(ops)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)

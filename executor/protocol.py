@@ -121,6 +121,9 @@ class LoadReport(Message, tag="load"):
     step_token_budget: int = 0  # the token budget of the next step (--max-step-ms sizes it; 0: not reported)
     # Tokens its requests (from every gateway) may still need computed: prompts' rest, choices' max_tokens left.
     queued_tokens: int = 0
+    # The lower KV tiers' counters (executor.tier_store): saves, spills, loads, writes and dropped block files
+    # by reason (corrupt, truncated, foreign, stale). Empty without tiers.
+    tiers: dict[str, int] = {}
 
 
 class Alive(Message, tag="alive"):

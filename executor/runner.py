@@ -18,6 +18,7 @@ import torch
 
 from blockd.client import MirroredSequence
 from executor.checkpoint import iter_weights, load_config
+from executor.kv_tiers import KvLayout
 from executor.model import ForwardBatch, PagedCausalLM, build_model
 from executor.model_config import ModelConfig, UnsupportedModel
 from executor.parallel import Collectives, Shard, local_config
@@ -62,6 +63,16 @@ def _ints(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype).to(device)
+
+
+def kv_layout(loaded: LoadedModel, block_size: int) -> KvLayout:
+    """The layout of this executor's KV blocks, which every block stored outside the device carries."""
+    c = loaded.config
+    element = torch.empty((), dtype=loaded.kv_dtype).element_size()
+    dtype = str(loaded.kv_dtype).removeprefix("torch.")
+    return KvLayout(
+        loaded.pool_model_id, dtype, 1.0, 1.0, block_size, c.num_layers, c.num_kv_heads, c.head_dim, element
+    )
 
 
 @dataclass

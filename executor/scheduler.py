@@ -20,6 +20,7 @@ from blockd.block_rule import dead_blocks, growth, reservable, shared_blocks, to
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
 from blockd.pool import HOLE
+from blockd.tiers import TierOp
 from common.tokens import TOKEN_BYTES, pack_tokens
 from executor.sequence import Sequence, Status
 from executor.step_budget import StepBudget
@@ -105,6 +106,7 @@ class StepOutcome:
     admitted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before attention
     failed: list[tuple[Sequence, p.OpError]] = field(default_factory=list)  # ops blockd refused (not admits)
+    tier_ops: list[TierOp] = field(default_factory=list)  # saves and loads (blockd.tiers), before everything else
 
 
 #: Steps in a row that may go without a round trip while commits or frees wait.
@@ -573,7 +575,10 @@ class Scheduler:
                     self.waiting.remove(seq)
                     seq.status = Status.RUNNING
                     seq.admitted_order = next(self._order)
-                    seq.num_computed = seq.committed_tokens = result.num_cached_tokens
+                    seq.num_computed = result.num_cached_tokens
+                    # Blocks loaded from a lower tier are not in the index yet: the next commit enters them.
+                    seq.committed_tokens = result.num_cached_tokens - result.loaded_tokens
+                    outcome.tier_ops.extend(result.tier_ops)
                     if seq.preemptions == 0 and seq.index == 0:
                         seq.request.num_cached_tokens = result.num_cached_tokens
                     self.running.append(seq)
@@ -581,6 +586,7 @@ class Scheduler:
                 case Purpose.APPEND:
                     assert type(result) is p.AppendResult
                     outcome.copies.extend(result.copies)
+                    outcome.tier_ops.extend(result.tier_ops)
                 case Purpose.FORK:
                     seq.fork_parent = None
                     self.to_fork.remove(seq)

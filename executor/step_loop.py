@@ -16,6 +16,7 @@ import structlog
 
 from blockd import protocol as p
 from blockd.client import BlockdUnavailable, PoolClient
+from blockd.tiers import TierOp
 from executor import protocol as ep
 from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, window_blocks
 from executor.sequence import Request, Sequence, Status
@@ -43,6 +44,12 @@ class StepModel(Protocol):
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, for each (src, dst), before the step's forward pass."""
+
+    def move_tiers(self, ops: list[TierOp]) -> list[int]:
+        """The lower KV tiers' moves (blockd.tiers), in order, before the step's copies and forward pass; returns
+        the device blocks whose load failed (a block file found corrupt: dropped, its tokens to be recomputed).
+        Only a pool registered with tiers gets any."""
+        ...
 
     def new_choice(self, request: Request, index: int) -> Sequence:
         """Choice `index` of `request`, at its prompt, with its own sampling state."""
@@ -174,12 +181,14 @@ class StepLoop:
         results = self._round_trip(plan.ops) if plan.entries else []
         self._pending, self._pending_ahead = None, False
         outcome = scheduler.apply(plan, results)
+        self._move_tiers(outcome)
         self.model.copy_blocks(outcome.copies)
         deltas = self._failed(outcome)
         for request_id, index in self._take_deferred_aborts():  # before scheduling: an aborted choice never runs
             deltas += self.abort(request_id, index)
         if planned_ahead and scheduler.arrived:
             late = self._admit_arrivals()
+            self._move_tiers(late)
             outcome.admitted += late.admitted
             deltas += self._failed(late)
         chunks = scheduler.schedule(outcome)
@@ -190,6 +199,27 @@ class StepLoop:
             deltas += self._run(chunks)
             scheduler.observe_step(sum(len(c.token_ids) for c in chunks), self.clock() - started)
         return StepReport(plan, outcome, chunks, deltas)
+
+    def _move_tiers(self, outcome: StepOutcome) -> None:
+        """Run the tier moves before anything writes or reads a block; a sequence whose load failed computes its
+        tokens from that block on instead (the blocks are its own: nothing else reads them before they are
+        committed)."""
+        if not outcome.tier_ops:
+            return
+        failed = set(self.model.move_tiers(outcome.tier_ops))
+        if not failed:
+            return
+        bs = self.scheduler.block_size
+        for seq in outcome.admitted:
+            mirrored = self.pool.seqs.get(seq.seq_id)
+            if mirrored is None:
+                continue
+            first = next((i for i, b in enumerate(mirrored.blocks) if b in failed), None)
+            if first is not None and first * bs < seq.num_computed:
+                seq.num_computed = mirrored.num_computed_tokens = first * bs
+                seq.committed_tokens = min(seq.committed_tokens, first * bs)
+                if seq.preemptions == 0 and seq.index == 0:
+                    seq.request.num_cached_tokens = first * bs
 
     def _admit_arrivals(self) -> StepOutcome:
         """Requests that arrived after this step was planned (ahead) get one more round trip, admits alone, so

@@ -47,6 +47,7 @@ def main() -> None:
         "capacity": "pagedkv.bench.capacity:bench_capacity",
         "throughput": "pagedkv.bench.throughput:bench_throughput",
         "tensor-parallel": "pagedkv.bench.tensor_parallel:bench_tensor_parallel",
+        "tiers": "pagedkv.bench.tiers:bench_tiers",
         "serve": "pagedkv.bench.serve:bench_serve",
         "peer": "pagedkv.bench.peer:bench_peer",
     },

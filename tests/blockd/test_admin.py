@@ -187,3 +187,45 @@ def test_a_second_blockd_on_the_same_state_dir_refuses_to_start(start_blockd, tm
         timeout=60,
     )
     assert result.returncode == 1 and "in use by another process" in result.stderr
+
+
+def _cli_module(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """blockd-cli as `python -m blockd.admin`: this checkout's code, whichever package the console script names."""
+    argv = [sys.executable, "-m", "blockd.admin", "--endpoint", endpoint, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+
+def test_stats_and_metrics_show_each_tier_of_a_pool(start_blockd):
+    import urllib.request
+
+    from blockd.tiers import TierSpec
+
+    port = free_port()
+    daemon = start_blockd("--no-persistence", "--metrics-port", str(port))
+    ex = PoolClient(BlockdClient(daemon.endpoint), pool_id="gpu0", num_blocks=4, block_size=4, model_id="tiny")
+    ex.tiers = lambda: TierSpec(host_blocks=2, disk_blocks=8)
+    ex.register()
+    for first in (0, 100, 200):  # each prompt takes every block: the one before is demoted
+        ex.admit(f"s{first}", list(range(first, first + 13)))
+        ex.commit(f"s{first}", 13)
+        ex.free(f"s{first}")
+    table = _cli_module(daemon.endpoint, "stats")
+    assert table.returncode == 0, table.stderr
+    rows = {
+        line.split()[1]: line.split()
+        for line in table.stdout.splitlines()
+        if line.startswith("gpu0 ") and len(line.split()) == 7
+    }
+    assert "CPU" in rows, table.stdout
+    assert rows["CPU"][2] == "2/2" and rows["DISK"][2].endswith("/8")
+    (pool,) = json.loads(_cli_module(daemon.endpoint, "stats", "--json").stdout)["pools"]
+    cpu, disk = pool["tiers"]
+    assert cpu["medium"] == "CPU" and cpu["counters"]["demotions"] == 6 and disk["counters"]["demotions"] == 4
+    assert _cli_module(daemon.endpoint, "check").returncode == 0
+
+    def scrape() -> str:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return text if 'blockd_pool_tier_demotions{medium="DISK",pool="gpu0"} 4.0' in text else ""
+
+    text = wait_for(scrape, timeout_s=10, what="tier gauges")
+    assert 'blockd_pool_tier_capacity_blocks{medium="CPU",pool="gpu0"} 2.0' in text

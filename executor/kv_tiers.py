@@ -1,0 +1,104 @@
+"""What a block stored outside the device is: its KV layout, and the block file format of the disk tier.
+
+A stored block is addressed by its chained hash (blockd.hashing) plus the layout of the bytes (model id, KV dtype
+with its fp8 scales, block size, layers, KV heads, head dim): a block file carries both, and a checksum of the
+bytes, so that a corrupt, partial (torn), foreign or stale file is recognised and dropped, never read.
+
+File: `MAGIC | format u16 | layout length u16 | payload length u64 | block hash 16 | BLAKE2b-128(payload) 16 |
+layout JSON | payload`, named `<hash hex>.kvb`, written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Final
+
+MAGIC: Final = b"PKVB"
+FORMAT: Final = 1
+SUFFIX: Final = ".kvb"
+TEMP_SUFFIX: Final = ".tmp"
+_HEADER = struct.Struct("<4sHHQ16s16s")
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """How one block's bytes are laid out: for each layer, K then V, each `[block_size, kv_heads, head_dim]`."""
+
+    model_id: str
+    dtype: str
+    k_scale: float
+    v_scale: float
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    element_bytes: int
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K (or V) block."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.layer_bytes
+
+    def encoded(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of one block file: what a disk budget is divided by."""
+        return _HEADER.size + len(self.encoded()) + self.block_bytes
+
+
+class Dropped(enum.Enum):
+    """Why a stored block was not used (each is counted)."""
+
+    TRUNCATED = "truncated"  # shorter than its header says, or a temporary file a write left behind (torn)
+    CORRUPT = "corrupt"  # not a block file, or its bytes do not match its checksum
+    FOREIGN = "foreign"  # another layout (model, dtype, block size, shape) or another block's file
+    STALE = "stale"  # an older (or newer) format of this file
+
+
+class BadBlock(Exception):
+    def __init__(self, reason: Dropped, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+
+
+def checksum(payload: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def encode_block(layout: KvLayout, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+    encoded = layout.encoded()
+    header = _HEADER.pack(MAGIC, FORMAT, len(encoded), len(payload), block_hash, checksum(payload))
+    return b"".join((header, encoded, payload))
+
+
+def decode_block(layout: KvLayout, block_hash: bytes, data: bytes) -> memoryview:
+    """The payload of a block file, or BadBlock saying why it must not be read."""
+    if len(data) < _HEADER.size:
+        raise BadBlock(Dropped.TRUNCATED, f"{len(data)} bytes, less than a header")
+    magic, fmt, layout_len, payload_len, stored_hash, stored_sum = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BadBlock(Dropped.CORRUPT, "not a block file")
+    if fmt != FORMAT:
+        raise BadBlock(Dropped.STALE, f"format {fmt}, this executor reads {FORMAT}")
+    if len(data) < _HEADER.size + layout_len + payload_len:
+        raise BadBlock(Dropped.TRUNCATED, f"{len(data)} bytes of {_HEADER.size + layout_len + payload_len}")
+    view = memoryview(data)
+    start = _HEADER.size + layout_len
+    payload = view[start : start + payload_len]
+    if len(data) != start + payload_len or checksum(payload) != stored_sum:
+        raise BadBlock(Dropped.CORRUPT, "its bytes do not match its checksum")
+    if bytes(view[_HEADER.size : start]) != layout.encoded() or payload_len != layout.block_bytes:
+        raise BadBlock(Dropped.FOREIGN, "another KV layout")
+    if stored_hash != block_hash:
+        raise BadBlock(Dropped.FOREIGN, "another block's content")
+    return payload

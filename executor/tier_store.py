@@ -1,0 +1,264 @@
+"""The executor's lower KV tiers: host memory (`--host-kv-memory`, pinned on CUDA) and a local disk directory
+(`--disk-kv-dir`, `--disk-kv-size`). blockd directs (blockd.tiers: which hash goes where, when); this moves the
+bytes, in the order of blockd's ops, on the step's thread before the step's forward pass: a save copies a device
+block out before the step that reuses it writes there, a load completes before anything reads the block. Disk
+writes go behind, on a thread of their own; a disk load of a block still waiting for its write reads the copy
+waiting (the writer checksums and writes it), so nothing is ever read that was not written whole. The file format:
+executor.kv_tiers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import structlog
+import torch
+
+from blockd.tiers import MEDIUM_CPU, TierHeld, TierOp, TierSpec
+from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, decode_block, encode_block
+
+log = structlog.get_logger("executor")
+
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class TierStore:
+    """The host buffer and the disk directory of one executor's KV blocks, and their counters."""
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        kv_caches: KvCaches,
+        *,
+        host_bytes: int = 0,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
+    ) -> None:
+        self.layout = layout
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
+        block = layout.block_bytes
+        self.host_blocks = host_bytes // block
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros((self.host_blocks, block), dtype=torch.uint8, pin_memory=pin)
+        self.host_hash: list[bytes | None] = [None] * self.host_blocks
+        self.disk_dir = disk_dir
+        self.disk_blocks = disk_bytes // layout.file_bytes if disk_dir is not None else 0
+        self.disk: OrderedDict[bytes, None] = OrderedDict()  # hashes on disk (or queued for it), oldest first
+        self.counters: Counter[str] = Counter()
+        self._pending: dict[bytes, bytes] = {}  # hash -> a block's bytes queued for the writer (it checksums them)
+        self._lock = threading.Lock()  # guards _pending between the step's thread and the writer
+        self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._d2h = False  # device-to-host copies queued on the stream, not yet waited for
+        self._lost: list[bytes] = []  # disk entries dropped since blockd last heard (`take_drops`)
+        if disk_dir is not None and self.disk_blocks:
+            disk_dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+            self._writer = threading.Thread(target=self._write_behind, name="kv-tier-writer", daemon=True)
+            self._writer.start()
+
+    # ------------------------------------------------------------------------------------ what blockd hears
+
+    def spec(self) -> TierSpec:
+        """What the tiers hold now, for (re-)registration."""
+        host = [TierHeld(h, s) for s, h in enumerate(self.host_hash) if h is not None]
+        return TierSpec(self.host_blocks, self.disk_blocks, host, [TierHeld(h) for h in self.disk])
+
+    # ------------------------------------------------------------------------------------ blockd's ops
+
+    def run(self, ops: list[TierOp]) -> list[int]:
+        """Every op in order; returns the device blocks whose load failed (their file dropped and counted)."""
+        failed: list[int] = []
+        for op in ops:
+            if op.kind == "save":
+                payload = self._device_block(op.block)
+                if op.medium == MEDIUM_CPU:
+                    self._to_host(op.slot, payload, op.block_hash)
+                else:
+                    self._to_disk(op.block_hash, payload)
+                self.counters[f"saves_{op.medium.lower()}"] += 1
+            elif op.kind == "spill":
+                self._sync()
+                self._to_disk(op.block_hash, self.host[op.slot].clone())
+                self.host_hash[op.slot] = None
+                self.counters["spills"] += 1
+            elif op.kind == "load":
+                if not self._load(op):
+                    failed.append(op.block)
+            else:
+                self.disk.pop(op.block_hash, None)
+                with self._lock:
+                    self._pending.pop(op.block_hash, None)
+                self._queue.put(("delete", op.block_hash))
+        return failed
+
+    def _device_block(self, block: int) -> torch.Tensor:
+        """Block `block` of every layer, K then V, as one uint8 tensor on the device."""
+        parts = []
+        for k, v in self.kv_caches:
+            parts.append(k[block].reshape(-1).view(torch.uint8))
+            parts.append(v[block].reshape(-1).view(torch.uint8))
+        return torch.cat(parts)
+
+    def _to_host(self, slot: int, payload: torch.Tensor, block_hash: bytes) -> None:
+        self.host[slot].copy_(payload, non_blocking=self.device.type == "cuda")
+        self._d2h = self._d2h or self.device.type == "cuda"
+        self.host_hash[slot] = block_hash
+
+    def _to_disk(self, block_hash: bytes, payload: torch.Tensor) -> None:
+        if self.disk_dir is None:
+            raise RuntimeError("blockd sent a disk move to an executor without --disk-kv-dir")
+        data = payload.cpu().numpy().tobytes()  # a snapshot: the slot or block is free for reuse at once
+        with self._lock:
+            self._pending[block_hash] = data
+        self.disk[block_hash] = None
+        self.disk.move_to_end(block_hash)
+        self._queue.put(("write", block_hash))
+
+    def _load(self, op: TierOp) -> bool:
+        if op.medium == MEDIUM_CPU:
+            source = self.host[op.slot]
+        else:
+            payload = self._read_disk(op.block_hash)
+            if payload is None:
+                return False
+            source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        source = source.to(self.device, non_blocking=True)
+        n = self.layout.layer_bytes
+        for i, (k, v) in enumerate(self.kv_caches):
+            k[op.block].reshape(-1).view(torch.uint8).copy_(source[2 * i * n : (2 * i + 1) * n])
+            v[op.block].reshape(-1).view(torch.uint8).copy_(source[(2 * i + 1) * n : (2 * i + 2) * n])
+        self.counters[f"loads_{op.medium.lower()}"] += 1
+        return True
+
+    def _read_disk(self, block_hash: bytes) -> memoryview | None:
+        with self._lock:
+            queued = self._pending.get(block_hash)
+        if queued is not None:  # not written yet: the bytes themselves
+            return memoryview(queued)
+        try:
+            return decode_block(self.layout, block_hash, self._path(block_hash).read_bytes())
+        except OSError as exc:  # gone (its write failed), or unreadable
+            self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}")
+        except BadBlock as exc:
+            self._drop(block_hash, exc.reason, str(exc))
+        return None
+
+    def _drop(self, block_hash: bytes, reason: Dropped, detail: str) -> None:
+        self.counters[f"dropped_{reason.value}"] += 1
+        self.disk.pop(block_hash, None)
+        self._lost.append(block_hash)
+        with contextlib.suppress(OSError):
+            self._path(block_hash).unlink()
+        log.warning(
+            "kv_tier_block_dropped", block_hash=block_hash.hex(), reason=reason.value, detail=detail, **self.dropped()
+        )
+
+    def take_drops(self) -> list[bytes]:
+        """The disk entries lost since the last call, for blockd's directory (sent with the next step)."""
+        lost, self._lost = self._lost, []
+        return lost
+
+    def report(self) -> dict[str, int]:
+        """Every counter, and what each tier holds now."""
+        return {
+            **self.counters,
+            **self.dropped(),
+            "host_held": sum(h is not None for h in self.host_hash),
+            "disk_held": len(self.disk),
+            "pending_writes": self.pending_writes(),
+        }
+
+    def dropped(self) -> dict[str, int]:
+        return {f"dropped_{r.value}": self.counters[f"dropped_{r.value}"] for r in Dropped}
+
+    def _sync(self) -> None:
+        if self._d2h:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._d2h = False
+
+    # ------------------------------------------------------------------------------------ the disk
+
+    def _path(self, block_hash: bytes) -> Path:
+        assert self.disk_dir is not None
+        return self.disk_dir / f"{block_hash.hex()}{SUFFIX}"
+
+    def _scan(self) -> None:
+        """At start: keep the block files that are whole and of this layout (oldest first, within the budget);
+        drop and count every other one (a torn write's temporary file, a corrupt, foreign or stale file)."""
+        assert self.disk_dir is not None
+        found: list[tuple[float, bytes]] = []
+        for path in self.disk_dir.iterdir():
+            if path.name.endswith(TEMP_SUFFIX):
+                self.counters[f"dropped_{Dropped.TRUNCATED.value}"] += 1
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                block_hash = bytes.fromhex(path.name.removesuffix(SUFFIX))
+                decode_block(self.layout, block_hash, path.read_bytes())
+            except ValueError:
+                self.counters[f"dropped_{Dropped.FOREIGN.value}"] += 1
+                path.unlink(missing_ok=True)
+                continue
+            except OSError:  # not a readable file (a directory, no permission): not ours to delete
+                self.counters[f"dropped_{Dropped.CORRUPT.value}"] += 1
+                continue
+            except BadBlock as exc:
+                self.counters[f"dropped_{exc.reason.value}"] += 1
+                path.unlink(missing_ok=True)
+                continue
+            found.append((path.stat().st_mtime, block_hash))
+        found.sort()
+        over = max(len(found) - self.disk_blocks, 0)
+        for _, block_hash in found[:over]:  # the budget shrank: the oldest go
+            self._path(block_hash).unlink(missing_ok=True)
+        for _, block_hash in found[over:]:
+            self.disk[block_hash] = None
+        log.info("kv_tier_disk_scanned", blocks=len(self.disk), over_budget=over, **self.dropped())
+
+    def _write_behind(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            action, block_hash = item
+            path = self._path(block_hash)
+            try:
+                if action == "delete":
+                    path.unlink(missing_ok=True)
+                    continue
+                with self._lock:
+                    data = self._pending.get(block_hash)
+                if data is None:
+                    continue  # discarded meanwhile
+                temp = path.with_name(path.name + TEMP_SUFFIX)
+                temp.write_bytes(encode_block(self.layout, block_hash, data))
+                os.replace(temp, path)  # whole or not there: a kill mid-write leaves only the temporary file
+                self.counters["written"] += 1
+                with self._lock:
+                    if self._pending.get(block_hash) is data:
+                        del self._pending[block_hash]
+            except OSError as exc:  # a full or failing disk: the block is not kept there
+                self.counters["write_failures"] += 1
+                with self._lock:
+                    self._pending.pop(block_hash, None)
+                log.warning("kv_tier_write_failed", block_hash=block_hash.hex(), error=str(exc))
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued write is on disk, then stop the writer (shutdown; tests)."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(timeout_s)
+            self._writer = None
+
+    def pending_writes(self) -> int:
+        with self._lock:
+            return len(self._pending)
