@@ -154,9 +154,14 @@ GROUP_MARK: Final = "@g"
 MAX_GROUPS: Final = 64
 
 
+def group_suffix(group: int) -> str:
+    """What a layer group's table id adds to its sequence's: nothing for the first, `@g<i>` for the others."""
+    return f"{GROUP_MARK}{group}" if group else ""
+
+
 def group_table_ids(seq_id: str, num_groups: int) -> list[str]:
     """The tables of a sequence, one per layer group: `<seq>` for the first, `<seq>@g<i>` for the others."""
-    return [seq_id] + [f"{seq_id}{GROUP_MARK}{g}" for g in range(1, num_groups)]
+    return [seq_id + group_suffix(g) for g in range(num_groups)]
 
 
 class PoolCounters(msgspec.Struct):
