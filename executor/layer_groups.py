@@ -34,16 +34,17 @@ class LayerGroups:
         return self.sliding if self.num_groups > 1 else ()
 
 
-def layer_groups(config: ModelConfig) -> LayerGroups:
+def layer_groups(config: ModelConfig, *, grouped: bool = True) -> LayerGroups:
     """The model's layer groups: one of every layer unless sliding layers of one window and global ones mix;
     then `size` is the smaller of their counts (Gemma 3, 5:1: its global layer count), and a kind whose count
-    does not divide by it is padded with empty slots (memory, nothing else)."""
+    does not divide by it is padded with empty slots (memory, nothing else). `grouped=False`: one group of every
+    layer whatever they are (every layer allocated in full: what `pagedkv bench capacity --executor` compares)."""
     windows = config.sliding_windows
     n = config.num_layers
     sliding = [i for i, w in enumerate(windows) if w is not None]
     full = [i for i, w in enumerate(windows) if w is None]
     distinct = {w for w in windows if w is not None}
-    if not sliding or not full or len(distinct) > 1:
+    if not sliding or not full or len(distinct) > 1 or not grouped:
         # One group: it slides when every layer does (by the widest window: a block none reaches is read by none).
         window = max(distinct) if sliding and not full else None
         return LayerGroups(n, (window is not None,), window, (0,) * n, tuple(range(n)))

@@ -21,7 +21,7 @@ import torch
 from blockd.client import MirroredSequence
 from blockd.pool import group_suffix
 from executor.checkpoint import iter_weights, load_config
-from executor.layer_groups import layer_groups
+from executor.layer_groups import LayerGroups, layer_groups
 from executor.model import ForwardBatch, PagedCausalLM, build_model
 from executor.model_config import ModelConfig, UnsupportedModel
 from executor.parallel import Collectives, Shard, local_config
@@ -33,11 +33,13 @@ from kernels.quant import kv_cache_dtype
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, layout: LayerGroups | None = None
+) -> int:
     """Bytes of one pool block: K and V of a layer group's layers (every layer's, for a model of one group),
-    `dtype` the cache's (1 byte an element for fp8)."""
+    `dtype` the cache's (1 byte an element for fp8); `layout`: the model's layer groups, unless given."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * layer_groups(config).size * block_size * config.num_kv_heads * config.head_dim * element
+    return 2 * (layout or layer_groups(config)).size * block_size * config.num_kv_heads * config.head_dim * element
 
 
 def zeroed_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -126,6 +128,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         backend: dispatch.Backend = "auto",
+        layout: LayerGroups | None = None,
     ) -> None:
         self.config = loaded.config
         self.model = loaded.model
@@ -137,7 +140,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.backend = backend
         c = self.config
-        self.groups = layer_groups(c)
+        self.groups = layout or layer_groups(c)  # (another layout: one group of every layer, to compare)
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         caches = zeroed_tensors(2 * self.groups.size, shape, self.kv_dtype, self.device)
         self.kv_pairs = [(caches[2 * j], caches[2 * j + 1]) for j in range(self.groups.size)]
@@ -145,7 +148,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.kv_dtype)
+        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.kv_dtype, self.groups)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -328,6 +328,28 @@ def simulate_reserved(
 # ---------------------------------------------------------------------------------------------------- command
 
 
+def _executor_line(window: int, requests: int) -> dict[str, object]:
+    """The real executor's run (`--executor`): a line, and its figures."""
+    from pagedkv.bench.capacity_executor import compare
+
+    click.echo("[+] the executor on a Gemma-3-shaped tiny model, grouped and in full", err=True)
+    full, hybrid = compare(window=window, requests=requests, prompt_len=128, output_len=16, block_size=16,
+                           full_sequences=2)  # fmt: skip
+    click.echo(
+        f"executor (tiny Gemma 3, 5 sliding layers of window {window} per global one, {requests} requests of 128 + "
+        f"16 tokens): layer groups run {hybrid.mean_running:.2f} sequences at once against "
+        f"{full.mean_running:.2f} in full (max {hybrid.max_running} against {full.max_running}; blocks in use at "
+        f"most {hybrid.max_blocks_in_use} of {hybrid.num_blocks} group blocks against {full.max_blocks_in_use} of "
+        f"{full.num_blocks} full ones; {hybrid.steps} steps against {full.steps}); greedy tokens equal"
+    )
+    return {
+        f"executor_{run.name.replace('-', '_')}_{key}": round(value, 3) if isinstance(value, float) else value
+        for run in (full, hybrid)
+        for key, value in vars(run).items()
+        if key not in ("name", "seconds")
+    }
+
+
 def _stderr_progress() -> Progress:
     """One line on stderr per quarter of the requests completed (rewritten in place on a terminal)."""
     tty = sys.stderr.isatty()
@@ -401,6 +423,15 @@ def _fmt(value: float | str) -> str:
     show_default=True,
     help="Sliding layers per global layer (Gemma 3: 5).",
 )
+@click.option(
+    "--executor",
+    "executor_requests",
+    type=click.IntRange(min=2),
+    default=None,
+    help="With --window: also run the real executor on a Gemma-3-shaped tiny model (CPU, in-process blockd) with "
+    "this many requests of 128-token prompts, its layer groups against every layer in full, in the KV bytes of "
+    "two sequences in full (pagedkv.bench.capacity_executor; about a minute on 2 cores for 6).",
+)
 @click.option("--prompt-median", type=click.IntRange(min=1), default=PROMPT_MEDIAN, show_default=True)
 @click.option("--output-median", type=click.IntRange(min=1), default=OUTPUT_MEDIAN, show_default=True)
 @click.option(
@@ -429,6 +460,7 @@ def bench_capacity(
     watermark: float,
     window: int | None,
     sliding_per_global: int,
+    executor_requests: int | None,
     prompt_median: int,
     output_median: int,
     kv_cache_dtype: str,
@@ -437,6 +469,8 @@ def bench_capacity(
     if quick:
         requests = unless_given(ctx, requests, "requests", QUICK_REQUESTS)
         kv_tokens = unless_given(ctx, kv_tokens, "kv_tokens", QUICK_KV_TOKENS)
+    if executor_requests is not None and window is None:
+        raise click.BadParameter("the executor's run needs a --window", param_hint="'--executor'")
     if kv_tokens < max_len:
         raise click.BadParameter(
             f"{kv_tokens} token slots hold no sequence of --max-len {max_len}; give at least --max-len",
@@ -597,6 +631,9 @@ def bench_capacity(
     }
     if window is not None:
         figures["grouped_window_vs_full_mean_active"] = round(hybrid.mean_active / full.mean_active, 3)
+    if executor_requests is not None:
+        assert window is not None
+        figures |= _executor_line(window, executor_requests)
     if fp8 is not None:
         figures["kv_cache_dtype"] = kv_cache_dtype
         figures["fp8_vs_auto_mean_active"] = round(fp8.mean_active / paged.mean_active, 3)

@@ -48,3 +48,12 @@ def test_the_command_reports_the_gain() -> None:
     assert figures["grouped_full_mean_active"] == figures["paged_mean_active"]
     assert figures["grouped_window_vs_full_mean_active"] > 1.5
     assert "holds" in result.output and "every layer allocated in full" in result.output
+
+
+def test_the_real_executor_holds_more_sequences_in_layer_groups() -> None:
+    from pagedkv.bench.capacity_executor import compare
+
+    # The KV bytes of two sequences with every layer in full; the greedy tokens of both runs are compared inside.
+    full, grouped = compare(window=16, requests=4, prompt_len=128, output_len=4, block_size=16, full_sequences=2)
+    assert full.max_running < grouped.max_running and full.mean_running < grouped.mean_running
+    assert grouped.num_blocks == 6 * full.num_blocks  # the same bytes in blocks of one layer, not six
