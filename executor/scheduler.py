@@ -570,6 +570,8 @@ class Scheduler:
                 case Purpose.APPEND:
                     assert type(result) is p.AppendResult
                     outcome.copies.extend(result.copies)
+                    for group in result.groups:  # (layer groups: every table's copies, into the same pairs)
+                        outcome.copies.extend(group.copies)
                 case Purpose.FORK:
                     seq.fork_parent = None
                     self.to_fork.remove(seq)

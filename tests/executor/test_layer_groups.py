@@ -108,7 +108,9 @@ def test_sliding_groups_give_blocks_back_and_match_transformers(grouped_model, b
     again = [*prompts[0], *results["a"][0].tokens[:16], 3, 1, 4]
     assert client.stats(engine.pool.pool_id).pools[0].counters.evictions > 0
     expected_hit = client.lookup(again)[engine.pool.pool_id]
-    second = drive(engine, {0: [("again", again, params), ("c2", prompts[2], params)]})
+    pair = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)  # forks every group's tables
+    second = drive(engine, {0: [("again", again, params), ("c2", prompts[2], params), ("pair", prompts[1], pair)]})
+    assert [c.tokens for c in second["pair"]] == [results["b"][0].tokens[:8]] * 2
     assert second["again"][0].cached_tokens == expected_hit == 176
     assert second["c2"][0].cached_tokens == 32  # all but the block holding its last token
     assert second["c2"][0].tokens == results["c"][0].tokens
