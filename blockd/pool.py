@@ -1,6 +1,6 @@
 """The block pool: one executor's KV blocks, their refcounts, block tables, prefix index and free queue; no I/O.
 
-How its operations work is told in docs/architecture.md ("The core"). I1-I5 hold in every state: `check()`
+How its operations work is told in docs/architecture.md ("The core"). I1-I5 and I7 hold in every state: `check()`
 verifies them (`blockd-cli check` on a live daemon). I6 is about a transition: the tests compare the whole state
 before and after every failed operation (tests/blockd/test_pool_model.py).
 
@@ -887,7 +887,7 @@ class BlockPool:
         )
 
     def check(self) -> list[str]:
-        """Verify the state invariants I1-I5 (this module's docstring; I6 needs a before and an after:
+        """Verify the state invariants I1-I5 and I7 (this module's docstring; I6 needs a before and an after:
         the tests compare states); returns one line per violation (empty: all hold)."""
         problems: list[str] = []
         pid = self.spec.pool_id
