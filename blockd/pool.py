@@ -484,36 +484,62 @@ class BlockPool:
         nothing.
         """
         packed = tokens if type(tokens) is bytes and not len(tokens) % _TOKEN_BYTES else _packed(tokens)
-        if self.num_groups == 1:
-            seqs = [self.seqs.get(seq_id) or self._seq(seq_id)]
-        else:
-            seqs = [self._seq(t) for t in self.table_ids(seq_id)]
-        first = seqs[0]
-        bs = self.block_size
-        n_old = len(first.tokens) // _TOKEN_BYTES
         k = len(packed) // _TOKEN_BYTES
-        if reserve and not 0 <= reserve <= reservable(bs, n_old + k):
+        if self.num_groups == 1:  # the hot path (a decode step's append), kept lean
+            seq = self.seqs.get(seq_id) or self._seq(seq_id)
+            if reserve:
+                self._check_reserve(seq_id, seq, k, reserve)
+            keep = reserved_after(seq.reserved, k, reserve)
+            need = self._table_need(seq, k, keep, reserve)
+            if need is None:
+                seq.tokens += packed
+                seq.reserved = keep
+                return _NOTHING_APPENDED
+            return self._grow_all([seq], packed, keep, [need], seq_id)
+        seqs = [self._seq(t) for t in self.table_ids(seq_id)]
+        if reserve:
+            self._check_reserve(seq_id, seqs[0], k, reserve)
+        keep = reserved_after(seqs[0].reserved, k, reserve)
+        return self._grow_all(seqs, packed, keep, [self._table_need(q, k, keep, reserve) for q in seqs], seq_id)
+
+    def _check_reserve(self, seq_id: str, seq: SeqState, k: int, reserve: int) -> None:
+        """Refuse a `reserve` past block_rule's bound for an append of `k` tokens."""
+        n = len(seq.tokens) // _TOKEN_BYTES + k
+        if not 0 <= reserve <= reservable(self.block_size, n):
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
                 f"reserve {reserve} for {seq_id!r} reaches more than a block past the block its first slot is in "
-                f"(at most {reservable(bs, n_old + k)})",
+                f"(at most {reservable(self.block_size, n)})",
             )
-        keep = reserved_after(first.reserved, k, reserve)
-        needs: list[tuple[int, bool] | None] = []
-        for seq in seqs:
-            table = seq.table
-            writes = writes_open_block(bs, n_old, k, seq.reserved, keep)
-            open_shared = writes and self.refcount[table[n_old // bs]] > 1  # (only then looked up: the common case)
-            if n_old + k + keep <= len(table) * bs and not open_shared:
-                needs.append(None)  # the block rule asks for nothing: the room is held, in a block nobody else reads
-            else:
-                grow = growth(bs, n_old, k, len(table), open_block_shared=open_shared, reserved=seq.reserved,
-                              reserve=reserve)  # fmt: skip
-                needs.append((grow.new_blocks, grow.copy_on_write))
+
+    def _table_need(self, seq: SeqState, k: int, keep: int, reserve: int) -> tuple[int, bool] | None:
+        """(new blocks, copy-on-write) one table's append takes; None: nothing (its room is held, in a block
+        nobody else reads)."""
+        bs = self.block_size
+        table = seq.table
+        n_old = len(seq.tokens) // _TOKEN_BYTES
+        writes = writes_open_block(bs, n_old, k, seq.reserved, keep)
+        open_shared = writes and self.refcount[table[n_old // bs]] > 1  # (only then looked up: the common case)
+        if n_old + k + keep <= len(table) * bs and not open_shared:
+            return None
+        grow = growth(bs, n_old, k, len(table), open_block_shared=open_shared, reserved=seq.reserved, reserve=reserve)
+        return grow.new_blocks, grow.copy_on_write
+
+    def _grow_all(
+        self,
+        seqs: list[SeqState],
+        packed: bytes | bytearray,
+        keep: int,
+        needs: list[tuple[int, bool] | None],
+        seq_id: str,
+    ) -> AppendResult:
+        """Apply an append to every table of a sequence, if the free blocks allow all of it."""
         needed = sum(new + cow for new, cow in filter(None, needs))
         if needed > len(self.free_queue):
+            k = len(packed) // _TOKEN_BYTES
             raise self._shortfall(needed, len(self.free_queue), f"appending {k} tokens to {seq_id!r}")
         self.counters.granted_blocks += needed
+        n_old = len(seqs[0].tokens) // _TOKEN_BYTES
         grown = [self._grow(seq, packed, keep, need, n_old) for seq, need in zip(seqs, needs, strict=True)]
         if len(grown) == 1:
             return grown[0]
