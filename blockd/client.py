@@ -23,7 +23,7 @@ from blockd.block_rule import dead_blocks, reserved_after, shared_blocks
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.manager import DEFAULT_MAX_LOOKUP_TOKENS
-from blockd.pool import HOLE, AdmitResult, AppendResult, TokenIds
+from blockd.pool import HOLE, AdmitResult, AppendResult, TokenIds, group_table_ids
 from common.auth import ClientCurve
 from common.tokens import TOKEN_BYTES, as_packed, unpack_tokens
 
@@ -164,6 +164,7 @@ class MirroredSequence(msgspec.Struct):
     cache_salt: str | None = None
     reserved: int = 0  # slots past the tokens held for a token not registered yet (blockd.block_rule)
     holes: int = 0  # leading entries of `blocks` that are HOLE
+    group: int = 0  # the layer group whose table this is
 
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)
@@ -192,6 +193,7 @@ class PoolClient:
         epoch: int | None = None,
         retry_for_s: float = 30.0,
         sliding_window: int | None = None,
+        groups: Sequence[bool] = (),
     ) -> None:
         self.client = client
         self.pool_id = pool_id
@@ -199,6 +201,11 @@ class PoolClient:
         self.block_size = block_size
         self.model_id = model_id
         self.sliding_window = sliding_window  # every layer's window: blocks past it go back (p.Slide)
+        # Layer groups: whether each slides by the window (() is one group). Each sequence has a table per group,
+        # mirrored under blockd's names (`<seq>`, `<seq>@g<i>`).
+        self.groups: tuple[bool, ...] = tuple(groups) if len(groups) > 1 else ()
+        self.num_groups = max(len(self.groups), 1)
+        self.windows = [sliding_window if slides else None for slides in self.groups] or [sliding_window]
         # New at every process start, and not from `random`, which a caller may have seeded.
         self.epoch = epoch if epoch is not None else secrets.randbelow(2**62) + 1
         self.retry_for_s = retry_for_s
@@ -257,13 +264,29 @@ class PoolClient:
             model_id=self.model_id,
             epoch=self.epoch,
             sliding_window=self.sliding_window,
+            groups=list(self.groups) or None,
             sequences=[
-                p.LiveSequence(seq_id, bytes(s.tokens), s.blocks, s.num_computed_tokens, s.cache_salt, s.reserved)
+                p.LiveSequence(
+                    seq_id,
+                    bytes(s.tokens),
+                    s.blocks,
+                    s.num_computed_tokens,
+                    s.cache_salt,
+                    s.reserved,
+                    [self.seqs[t].blocks for t in self.table_ids(seq_id)[1:]],
+                )
                 for seq_id, s in self.seqs.items()
+                if s.group == 0
             ],
             generations=self.generations,
             tiers=self.tiers() if self.tiers is not None else None,
         )
+        if result.groups != self.num_groups:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"blockd at {self.client.endpoint} keeps {result.groups} layer group(s) for pool {self.pool_id!r}, "
+                f"this executor has {self.num_groups}: that blockd is older than layer groups",
+            )
         self.lease_timeout_s = result.lease_timeout_s
         self.needs_resync = False
         return result
@@ -390,7 +413,30 @@ class PoolClient:
                 self._mirror(op, outcome)
         return result.results
 
+    def table_ids(self, seq_id: str) -> list[str]:
+        """The sequence's tables, one per layer group (blockd.pool.group_table_ids)."""
+        return [seq_id] if self.num_groups == 1 else group_table_ids(seq_id, self.num_groups)
+
     def _mirror(self, op: p.StepOp, outcome: Any) -> None:
+        if self.num_groups == 1:
+            self._mirror_table(op, outcome, 0)
+            return
+        for g, table_id in enumerate(self.table_ids(op.parent_id if type(op) is p.Fork else op.seq_id)):
+            if type(op) is p.Fork:
+                table_op: p.StepOp = p.Fork(table_id, self.table_ids(op.child_id)[g])
+            else:
+                table_op = msgspec.structs.replace(op, seq_id=table_id)
+            if type(op) is p.Admit and g:
+                table = outcome.groups[g - 1]
+                table_outcome = AdmitResult(table.blocks, table.generations, outcome.num_cached_tokens)
+            elif type(op) is p.Append:
+                table_outcome = outcome.of_group(g)
+            else:
+                table_outcome = outcome
+            self._mirror_table(table_op, table_outcome, g)
+
+    def _mirror_table(self, op: p.StepOp, outcome: Any, group: int) -> None:
+        """Mirror one table's part of an op (`op` names the table)."""
         gens = self.generations
         if type(op) is p.Append:
             seq = self.seqs[op.seq_id]
@@ -422,6 +468,7 @@ class PoolClient:
                 outcome.num_cached_tokens,
                 op.cache_salt,
                 holes=holes,
+                group=group,
             )
             self._hold(outcome.blocks)
         elif type(op) is p.Commit:
@@ -432,7 +479,7 @@ class PoolClient:
         elif type(op) is p.Slide:
             seq = self.seqs[op.seq_id]
             seq.num_computed_tokens = max(seq.num_computed_tokens, op.num_computed_tokens)
-            dead = dead_blocks(self.block_size, self.sliding_window, op.num_computed_tokens)
+            dead = dead_blocks(self.block_size, self.windows[group], op.num_computed_tokens)
             if dead > seq.holes:  # the blocks blockd released, by the same rule
                 self._release(seq.blocks[seq.holes : dead])
                 seq.blocks[seq.holes : dead] = [HOLE] * (dead - seq.holes)
@@ -442,7 +489,12 @@ class PoolClient:
             shared = parent.blocks[: shared_blocks(self.block_size, len(parent.tokens) // TOKEN_BYTES)]
             self._hold(shared)
             self.seqs[op.child_id] = MirroredSequence(
-                bytearray(parent.tokens), shared, parent.num_computed_tokens, parent.cache_salt, holes=parent.holes
+                bytearray(parent.tokens),
+                shared,
+                parent.num_computed_tokens,
+                parent.cache_salt,
+                holes=parent.holes,
+                group=group,
             )
 
     def _one(self, op: p.StepOp) -> Any:

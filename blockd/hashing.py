@@ -88,3 +88,10 @@ def epoch_fingerprint(epoch: int) -> str:
     showing it gives nobody the means to act on the pool."""
     data = b"pagedkv-epoch\0" + epoch.to_bytes(16, "little", signed=True)
     return blake2b(data, digest_size=4).hexdigest()
+
+
+def group_extra_key(extra: bytes, group: int, key: bytes = b"") -> bytes:
+    """The extra key of a layer group's chains (a pool with layer groups): the same tokens hash apart per group."""
+    state = _hasher(key).copy()
+    state.update(_field(b"pagedkv-group") + extra + group.to_bytes(4, "little"))
+    return state.digest()

@@ -146,7 +146,10 @@ class BlockManager:
 
     def register(self, req: p.Register) -> p.RegisterResult:
         self._check_register_bounds(req)
-        spec = PoolSpec(req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch, req.sliding_window)
+        groups = tuple(req.groups) if req.groups is not None and len(req.groups) > 1 else ()
+        spec = PoolSpec(
+            req.pool_id, req.num_blocks, req.block_size, req.model_id, req.epoch, req.sliding_window, groups
+        )
         previous = self.pools.get(req.pool_id)
         # A new epoch takes a pool over only once its lease ran out, or while it is dormant (no executor claimed it).
         if previous is not None and previous.spec.epoch != req.epoch and self._lease_alive(req.pool_id):
@@ -168,8 +171,9 @@ class BlockManager:
             raise BlockdError(
                 ErrorCode.POOL_MISMATCH,
                 f"pool {req.pool_id!r} was registered with {known.num_blocks} blocks of {known.block_size} tokens "
-                f"for model {known.model_id!r} (sliding window {known.sliding_window}), not {spec.num_blocks} of "
-                f"{spec.block_size} for {spec.model_id!r} (sliding window {spec.sliding_window})",
+                f"for model {known.model_id!r} (sliding window {known.sliding_window}, layer groups "
+                f"{list(known.group_sliding)}), not {spec.num_blocks} of {spec.block_size} for {spec.model_id!r} "
+                f"(sliding window {spec.sliding_window}, layer groups {list(spec.group_sliding)})",
             )
         if req.generations is not None and len(req.generations) != spec.num_blocks:
             raise BlockdError(
@@ -192,8 +196,9 @@ class BlockManager:
             pool.adopt_generations(generations)
         for seq in req.sequences:
             pool.restore_sequence(
-                seq.seq_id, seq.tokens, seq.blocks, seq.num_computed_tokens, seq.cache_salt, seq.reserved
-            )
+                seq.seq_id, seq.tokens, seq.blocks, seq.num_computed_tokens, seq.cache_salt, seq.reserved,
+                seq.group_blocks,
+            )  # fmt: skip
         if candidates:
             pool.restore_index(candidates.items(), generations)
         restored = len(pool.index)  # backed entries kept, plus the live sequences' computed blocks
@@ -211,6 +216,7 @@ class BlockManager:
             restored_index_entries=restored,
             dropped_index_entries=max(0, known_entries - restored),
             lease_timeout_s=self.lease_timeout_s,
+            groups=pool.num_groups,
         )
 
     def unregister(self, pool_id: str, epoch: int) -> int:
@@ -284,6 +290,9 @@ class BlockManager:
         chains: dict[tuple[int, str], list[bytes]] = {}
         found: dict[str, int] = {}
         for pool_id, pool in self.pools.items():
+            if pool.num_groups > 1:  # every group's chain is its own (keyed by the group)
+                found[pool_id] = pool.lookup(tokens, cache_salt)
+                continue
             kind = (pool.block_size, pool.spec.model_id)
             if kind not in chains:
                 chains[kind] = pool.prompt_hashes(tokens, cache_salt)

@@ -1,6 +1,6 @@
 """The block pool: one executor's KV blocks, their refcounts, block tables, prefix index and free queue; no I/O.
 
-How its operations work is told in docs/architecture.md ("The core"). I1-I5 hold in every state: `check()`
+How its operations work is told in docs/architecture.md ("The core"). I1-I5 and I7 hold in every state: `check()`
 verifies them (`blockd-cli check` on a live daemon). I6 is about a transition: the tests compare the whole state
 before and after every failed operation (tests/blockd/test_pool_model.py).
 
@@ -23,6 +23,9 @@ before and after every failed operation (tests/blockd/test_pool_model.py).
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
+ I7. Layer groups (`PoolSpec.group_sliding`): a sequence has one table per group (`<seq>`, `<seq>@g<i>`), all
+     with its tokens, reserved slots and committed blocks; each group's chains are keyed by the group, and only
+     sliding groups' tables have holes. Every op on a sequence applies to all its tables, all or nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import msgspec
 
 from blockd.block_rule import dead_blocks, growth, reservable, reserved_after, shared_blocks, writes_open_block
 from blockd.errors import BlockdError, ErrorCode
-from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, root_hash
+from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, group_extra_key, root_hash
 from blockd.tiers import Tier, TierDirectory, TierOp, TierStats
 from common.tokens import TOKEN_BYTES as _TOKEN_BYTES
 from common.tokens import as_packed, unpack_tokens
@@ -95,6 +98,9 @@ class PoolSpec(msgspec.Struct, frozen=True):
     model_id: str
     epoch: int
     sliding_window: int | None = None  # every layer sees keys k from a query q with q - k < window (None: all)
+    # Layer groups (blockd.grouped_pool), one flag each: whether the group's layers slide by `sliding_window`.
+    # () is one group of every layer, which slides when there is a window.
+    group_sliding: tuple[bool, ...] = ()
 
 
 class SeqState(msgspec.Struct):
@@ -107,6 +113,14 @@ class SeqState(msgspec.Struct):
     extra: bytes  # extra key (model identity and cache salt) of its chain
     reserved: int = 0  # slots past its tokens held for tokens not registered yet (blockd.block_rule)
     holes: int = 0  # leading table entries that are HOLE (blocks handed back by `slide`)
+    group: int = 0  # the layer group whose table this is (see `group_table_ids`)
+
+
+class GroupTable(msgspec.Struct, frozen=True):
+    """The table another layer group's admission gave (pools with layer groups)."""
+
+    blocks: list[int]
+    generations: list[int]
 
 
 class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
@@ -115,6 +129,16 @@ class AdmitResult(msgspec.Struct, tag="admit", omit_defaults=True):
     num_cached_tokens: int  # prompt tokens whose KV is already there (cached prefix), or loaded by `tier_ops`
     loaded_tokens: int = 0  # of those, the tokens in blocks loaded from a lower tier (not in the index yet)
     tier_ops: tuple[TierOp, ...] = ()  # moves the executor makes first, in order (blockd.tiers)
+    groups: list[GroupTable] = []  # layer groups 1.. (their tables `<seq>@g<i>`), with layer groups
+
+
+class GroupGrowth(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one append did to one table (`AppendResult`'s fields)."""
+
+    blocks: tuple[int, ...] = ()
+    generations: tuple[int, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
+    copy_generations: tuple[int, ...] = ()
 
 
 class AppendResult(msgspec.Struct, tag="append", frozen=True, omit_defaults=True):
@@ -123,9 +147,31 @@ class AppendResult(msgspec.Struct, tag="append", frozen=True, omit_defaults=True
     copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy src into dst; dst takes src's place in the table
     copy_generations: tuple[int, ...] = ()  # generation of each dst
     tier_ops: tuple[TierOp, ...] = ()  # demotions of the cached blocks its allocations evict (blockd.tiers)
+    groups: tuple[GroupGrowth, ...] = ()  # layer groups 1..: what it did to each of their tables (none: nothing)
+
+    def of_group(self, group: int) -> GroupGrowth:
+        if group == 0:
+            return GroupGrowth(self.blocks, self.generations, self.copies, self.copy_generations)
+        return self.groups[group - 1] if self.groups else _NO_GROWTH
 
 
 _NOTHING_APPENDED = AppendResult()
+_NO_GROWTH = GroupGrowth()
+
+#: Joins a sequence's id and a layer group's number into the id of that group's table.
+GROUP_MARK: Final = "@g"
+#: Most layer groups one pool has (a model's layer pattern: Gemma 3's is 6).
+MAX_GROUPS: Final = 64
+
+
+def group_suffix(group: int) -> str:
+    """What a layer group's table id adds to its sequence's: nothing for the first, `@g<i>` for the others."""
+    return f"{GROUP_MARK}{group}" if group else ""
+
+
+def group_table_ids(seq_id: str, num_groups: int) -> list[str]:
+    """The tables of a sequence, one per layer group: `<seq>` for the first, `<seq>@g<i>` for the others."""
+    return [seq_id + group_suffix(g) for g in range(num_groups)]
 
 
 class PoolCounters(msgspec.Struct):
@@ -181,6 +227,30 @@ def _leading_holes(table: Sequence[int]) -> int:
     return holes
 
 
+def valid_prefix_lengths(block_size: int, window: int | None, found: Sequence[int | None]) -> list[bool]:
+    """For each length L in 0..len(found) (in blocks), whether a prefix of L blocks is cached: `found` holds the
+    indexed block of each hash (None: not indexed). Without a window every block of it must be there; with one,
+    only the blocks the prefix's first query after it reads (a block's hash names its whole prefix, not the blocks
+    before it). Its last block always (a window of one reads none before a query's own key: no prefix is cached
+    that no block holds)."""
+    ok = [True]
+    run_start = 0  # where the indexed run ending at the current block starts
+    for i, b in enumerate(found):
+        if b is None:
+            if window is None:  # no longer prefix is cached
+                return ok + [False] * (len(found) - i)
+            run_start = i + 1
+        ok.append(b is not None and run_start <= dead_blocks(block_size, window, (i + 1) * block_size))
+    return ok
+
+
+def prefix_table(block_size: int, window: int | None, found: Sequence[int | None], length: int) -> list[int]:
+    """The table of a cached prefix of `length` blocks (a valid one: `valid_prefix_lengths`): its blocks, the
+    leading ones no query past it reads HOLE."""
+    holes = min(dead_blocks(block_size, window, length * block_size), max(length - 1, 0))
+    return [HOLE] * holes + [b for b in found[holes:length] if b is not None]
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -209,6 +279,16 @@ class BlockPool:
         self.spec = spec
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
+        sliding = spec.group_sliding or (spec.sliding_window is not None,)
+        if len(sliding) > MAX_GROUPS or (any(sliding) and spec.sliding_window is None):
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"{len(sliding)} layer groups (at most {MAX_GROUPS}), sliding ones need a window: "
+                f"{list(sliding)} with window {spec.sliding_window}",
+            )
+        self.num_groups = len(sliding)
+        #: Each layer group's window (None: its layers read every key, its table never slides).
+        self.windows: list[int | None] = [spec.sliding_window if slides else None for slides in sliding]
         self.hash_key = hash_key  # the deployment secret's key (b"": unkeyed hashes)
         self.root = root_hash(deployment, hash_key)
         self._default_extra = extra_key(spec.model_id, None, hash_key)
@@ -228,8 +308,22 @@ class BlockPool:
 
     # ----------------------------------------------------------------------------------------- helpers
 
-    def extra_for(self, cache_salt: str | None) -> bytes:
-        return self._default_extra if cache_salt is None else extra_key(self.spec.model_id, cache_salt, self.hash_key)
+    def extra_for(self, cache_salt: str | None, group: int = 0) -> bytes:
+        """The extra key of a chain; with layer groups it names the group too, so that one group's blocks (other
+        layers' KV) are never a hit for another's."""
+        extra = self._default_extra if cache_salt is None else extra_key(self.spec.model_id, cache_salt, self.hash_key)
+        return extra if self.num_groups == 1 else group_extra_key(extra, group, self.hash_key)
+
+    def table_ids(self, seq_id: str) -> list[str]:
+        """The sequence's tables (one per layer group); a client names a sequence, never a group's table."""
+        if self.num_groups == 1:
+            return [seq_id]
+        if GROUP_MARK in seq_id:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"sequence id {seq_id!r} holds {GROUP_MARK!r}, which names layer groups' tables in this pool",
+            )
+        return group_table_ids(seq_id, self.num_groups)
 
     def _seq(self, seq_id: str) -> SeqState:
         seq = self.seqs.get(seq_id)
@@ -299,32 +393,28 @@ class BlockPool:
     # --------------------------------------------------------------------------------------- operations
 
     def cached_prefix_blocks(self, hashes: Sequence[bytes], limit: int) -> list[int]:
-        """The table of the longest cached prefix among the first `limit` hashes: its indexed chain. With a
-        sliding window only the blocks the prefix's first query after it reads need be there (a block's hash
-        names its whole prefix, not the blocks before it): the others are HOLE. Its last block is always
-        indexed (a window of one reads none before a query's own key: no prefix is cached that no block holds)."""
-        index = self.index
+        """The table of the longest cached prefix among the first `limit` hashes (see `valid_prefix_lengths`)."""
         window = self.spec.sliding_window
-        if window is None:
-            blocks: list[int] = []
-            for h in hashes[:limit]:
-                b = index.get(h)
-                if b is None:
-                    break
-                blocks.append(b)
-            return blocks
+        found = [self.index.get(h) for h in hashes[:limit]]
+        lengths = valid_prefix_lengths(self.block_size, window, found)
+        return prefix_table(self.block_size, window, found, max(i for i, ok in enumerate(lengths) if ok))
+
+    def _cached_prefix(
+        self, packed: bytes | bytearray, cache_salt: str | None, limit: int
+    ) -> tuple[int, list[list[int]]]:
+        """(blocks, each group's table of them) of the longest prefix among the first `limit` full blocks that
+        every layer group has cached: one cached length for all (each group's rule: `valid_prefix_lengths`)."""
         bs = self.block_size
-        found: list[int | None] = []
-        best = run_start = 0  # (run_start: where the indexed run ending at the current block starts)
-        for i, h in enumerate(hashes[:limit]):
-            b = index.get(h)
-            found.append(b)
-            if b is None:
-                run_start = i + 1
-            elif run_start <= dead_blocks(bs, window, (i + 1) * bs):
-                best = i + 1
-        holes = min(dead_blocks(bs, window, best * bs), max(best - 1, 0))
-        return [HOLE] * holes + [b for b in found[holes:best] if b is not None]
+        found: list[list[int | None]] = []
+        valid: list[bool] | None = None
+        for g, window in enumerate(self.windows):
+            hashes = chain_hashes(packed, bs, self.root, self.extra_for(cache_salt, g), 0, limit, self.hash_key)
+            found.append([self.index.get(h) for h in hashes])
+            ok = valid_prefix_lengths(bs, window, found[-1])
+            valid = ok if valid is None else [a and b for a, b in zip(valid, ok, strict=True)]
+        assert valid is not None
+        length = max(i for i, ok in enumerate(valid) if ok)
+        return length, [prefix_table(bs, w, f, length) for w, f in zip(self.windows, found, strict=True)]
 
     def admit(
         self,
@@ -341,8 +431,10 @@ class BlockPool:
         blocks): the executor appends the rest as its prefill reaches them (a sliding window's long prompt).
 
         At least the prompt's last token is left to compute (its logits are needed), so a fully cached prompt
-        reuses all but its last block. All or nothing: if blocks are missing, nothing changes.
+        reuses all but its last block. With layer groups, every group's table is admitted at once, with the one
+        cached length every group has. All or nothing: if blocks are missing, nothing changes.
         """
+        table_ids = self.table_ids(seq_id)
         self._check_new_seq_id(seq_id)
         packed = _packed(tokens)
         n = len(packed) // _TOKEN_BYTES
@@ -355,48 +447,60 @@ class BlockPool:
                 ErrorCode.TOO_MANY_TOKENS,
                 f"a prompt of {n} tokens is more than pool {self.spec.pool_id!r} holds ({self.num_blocks * bs})",
             )
-        extra = self.extra_for(cache_salt)
-        hashes = chain_hashes(packed, bs, self.root, extra, key=self.hash_key)
-        hits = self.cached_prefix_blocks(hashes, (n - 1) // bs) if reuse_prefix else []
-        loads = self._tier_hits(hashes, len(hits), (n - 1) // bs) if reuse_prefix else []
+        cached_blocks, hit_tables = self._cached_prefix(packed, cache_salt, (n - 1) // bs if reuse_prefix else 0)
+        tiers = self.tiers
+        loads: list[tuple[Tier, bytes]] = []
+        if reuse_prefix and tiers is not None:  # (a pool with tiers has one group: the executor refuses windows)
+            hashes = chain_hashes(packed, bs, self.root, self.extra_for(cache_salt, 0), key=self.hash_key)
+            loads = self._tier_hits(hashes, cached_blocks, (n - 1) // bs)
         refcount = self.refcount
-        cached = (len(hits) + len(loads)) * bs
+        cached = (cached_blocks + len(loads)) * bs
         if hold is not None and cached + hold < n:
-            n = cached + max(hold, 1)  # (the hashes of tokens not registered yet are not kept)
-            packed, hashes = packed[: n * _TOKEN_BYTES], hashes[: n // bs]
-        needed = growth(bs, cached, n - cached, len(hits) + len(loads)).blocks + len(loads)
-        holes = _leading_holes(hits)
-        reclaimed = sum(1 for b in hits[holes:] if refcount[b] == 0)  # cached-free hits leave the free queue
+            n = cached + max(hold, 1)
+            packed = packed[: n * _TOKEN_BYTES]
+        needed = growth(bs, cached, n - cached, cached_blocks + len(loads)).blocks + len(loads)
+        # Cached-free hits leave the free queue (a block is in one group's chain only: hashes differ per group).
+        reclaimed = sum(1 for hits in hit_tables for b in hits if b != HOLE and refcount[b] == 0)
         counters = self.counters
         available = len(self.free_queue) - reclaimed
-        if needed > available:
+        if needed * self.num_groups > available:
             counters.admit_failures += 1
-            raise self._shortfall(needed, available, f"admitting {seq_id!r}")
+            raise self._shortfall(needed * self.num_groups, available, f"admitting {seq_id!r}")
         free = self.free_queue
         journal = self.journal
-        for i, b in enumerate(hits[holes:], holes):
-            if refcount[b] == 0:
-                del free[b]
-                if journal is not None:  # a cached prefix proved useful: persistence records its recency
-                    journal[b] = (hashes[i], self.generation[b], self._clock)
-            refcount[b] += 1
-        tiers = self.tiers
-        if loads:  # (tiers is set) its own allocations' demotions must not push out what it loads
+        if loads:  # its own allocations' demotions must not push out what it loads
             tiers.pinned.update(h for _, h in loads)  # type: ignore[union-attr]
-        table = hits + self._allocate(needed)
-        for j, (tier, h) in enumerate(loads):
-            tiers.load(tier, h, table[len(hits) + j])  # type: ignore[union-attr]
-        self.seqs[seq_id] = SeqState(bytearray(packed), table, hashes, len(hits), extra, holes=holes)
-        full_blocks = n // bs
+        tables: list[list[int]] = []
+        for g, (table_id, hits) in enumerate(zip(table_ids, hit_tables, strict=True)):
+            extra = self.extra_for(cache_salt, g)
+            hashes = chain_hashes(packed, bs, self.root, extra, key=self.hash_key)
+            holes = _leading_holes(hits)
+            for i, b in enumerate(hits[holes:], holes):
+                if refcount[b] == 0:
+                    del free[b]
+                    if journal is not None:  # a cached prefix proved useful: persistence records its recency
+                        journal[b] = (hashes[i], self.generation[b], self._clock)
+                refcount[b] += 1
+            table = hits + self._allocate(needed)
+            for j, (tier, h) in enumerate(loads):  # loaded blocks are indexed by the executor's next commit
+                tiers.load(tier, h, table[len(hits) + j])  # type: ignore[union-attr]
+            self.seqs[table_id] = SeqState(bytearray(packed), table, hashes, cached_blocks, extra, holes=holes, group=g)
+            tables.append(table)
         counters.admits += 1
-        counters.queried_blocks += full_blocks
-        counters.hit_blocks += len(hits)
+        counters.queried_blocks += n // bs
+        counters.hit_blocks += cached_blocks
         counters.queried_tokens += n
         counters.hit_tokens += cached
-        counters.granted_blocks += needed
+        counters.granted_blocks += needed * self.num_groups
         generation = self.generation
-        ops = tiers.take() if tiers is not None else ()
-        return AdmitResult(table, [0 if b == HOLE else generation[b] for b in table], cached, len(loads) * bs, ops)
+        result = [(table, [0 if b == HOLE else generation[b] for b in table]) for table in tables]
+        return AdmitResult(
+            *result[0],
+            cached,
+            loaded_tokens=len(loads) * bs,
+            tier_ops=tiers.take() if tiers is not None else (),
+            groups=[GroupTable(*r) for r in result[1:]],
+        )
 
     def _tier_hits(self, hashes: Sequence[bytes], start: int, limit: int) -> list[tuple[Tier, bytes]]:
         """The chain's blocks after the device's cached prefix that a lower tier holds, in a row (not with a
@@ -419,44 +523,95 @@ class BlockPool:
 
         New blocks are taken at block boundaries. If the tokens or new reserved slots land in an open block that
         another sequence shares (after a fork), that block is copied first: a fresh block in its place in the
-        table plus a (src, dst) copy instruction.
+        table plus a (src, dst) copy instruction. With layer groups, every group's table grows at once, all or
+        nothing.
         """
-        seq = self.seqs.get(seq_id) or self._seq(seq_id)
         packed = tokens if type(tokens) is bytes and not len(tokens) % _TOKEN_BYTES else _packed(tokens)
-        held = seq.tokens
-        table = seq.table
-        bs = self.block_size
-        n_old = len(held) // _TOKEN_BYTES
         k = len(packed) // _TOKEN_BYTES
-        if reserve and not 0 <= reserve <= reservable(bs, n_old + k):
+        if self.num_groups == 1:  # the hot path (a decode step's append), kept lean
+            seq = self.seqs.get(seq_id) or self._seq(seq_id)
+            if reserve:
+                self._check_reserve(seq_id, seq, k, reserve)
+            keep = reserved_after(seq.reserved, k, reserve)
+            need = self._table_need(seq, k, keep, reserve)
+            if need is None:
+                seq.tokens += packed
+                seq.reserved = keep
+                return _NOTHING_APPENDED
+            return self._grow_all([seq], packed, keep, [need], seq_id)
+        seqs = [self._seq(t) for t in self.table_ids(seq_id)]
+        if reserve:
+            self._check_reserve(seq_id, seqs[0], k, reserve)
+        keep = reserved_after(seqs[0].reserved, k, reserve)
+        return self._grow_all(seqs, packed, keep, [self._table_need(q, k, keep, reserve) for q in seqs], seq_id)
+
+    def _check_reserve(self, seq_id: str, seq: SeqState, k: int, reserve: int) -> None:
+        """Refuse a `reserve` past block_rule's bound for an append of `k` tokens."""
+        n = len(seq.tokens) // _TOKEN_BYTES + k
+        if not 0 <= reserve <= reservable(self.block_size, n):
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
                 f"reserve {reserve} for {seq_id!r} reaches more than a block past the block its first slot is in "
-                f"(at most {reservable(bs, n_old + k)})",
+                f"(at most {reservable(self.block_size, n)})",
             )
-        reserved = seq.reserved
-        keep = reserved_after(reserved, k, reserve)
-        writes = writes_open_block(bs, n_old, k, reserved, keep)
+
+    def _table_need(self, seq: SeqState, k: int, keep: int, reserve: int) -> tuple[int, bool] | None:
+        """(new blocks, copy-on-write) one table's append takes; None: nothing (its room is held, in a block
+        nobody else reads)."""
+        bs = self.block_size
+        table = seq.table
+        n_old = len(seq.tokens) // _TOKEN_BYTES
+        writes = writes_open_block(bs, n_old, k, seq.reserved, keep)
         open_shared = writes and self.refcount[table[n_old // bs]] > 1  # (only then looked up: the common case)
         if n_old + k + keep <= len(table) * bs and not open_shared:
-            held += packed  # the block rule asks for nothing: the room is held, in a block nobody else reads
-            seq.reserved = keep
-            return _NOTHING_APPENDED
-        need = growth(bs, n_old, k, len(table), open_block_shared=open_shared, reserved=reserved, reserve=reserve)
-        new_blocks, cow, needed = need.new_blocks, need.copy_on_write, need.blocks
+            return None
+        grow = growth(bs, n_old, k, len(table), open_block_shared=open_shared, reserved=seq.reserved, reserve=reserve)
+        return grow.new_blocks, grow.copy_on_write
+
+    def _grow_all(
+        self,
+        seqs: list[SeqState],
+        packed: bytes | bytearray,
+        keep: int,
+        needs: list[tuple[int, bool] | None],
+        seq_id: str,
+    ) -> AppendResult:
+        """Apply an append to every table of a sequence, if the free blocks allow all of it."""
+        needed = sum(new + cow for new, cow in filter(None, needs))
         if needed > len(self.free_queue):
+            k = len(packed) // _TOKEN_BYTES
             raise self._shortfall(needed, len(self.free_queue), f"appending {k} tokens to {seq_id!r}")
-        held += packed
-        seq.reserved = keep
         self.counters.granted_blocks += needed
+        n_old = len(seqs[0].tokens) // _TOKEN_BYTES
+        grown = [self._grow(seq, packed, keep, need, n_old) for seq, need in zip(seqs, needs, strict=True)]
+        if len(grown) == 1:
+            return grown[0]
+        if all(g is _NOTHING_APPENDED for g in grown):
+            return _NOTHING_APPENDED
+        head = grown[0]
+        others = tuple(GroupGrowth(g.blocks, g.generations, g.copies, g.copy_generations) for g in grown[1:])
+        return AppendResult(
+            head.blocks, head.generations, head.copies, head.copy_generations, head.tier_ops, groups=others
+        )
+
+    def _grow(
+        self, seq: SeqState, packed: bytes | bytearray, keep: int, need: tuple[int, bool] | None, n_old: int
+    ) -> AppendResult:
+        """Apply one table's part of an append (the blocks are there: `append` checked)."""
+        seq.tokens += packed
+        seq.reserved = keep
+        if need is None:
+            return _NOTHING_APPENDED
+        new_blocks, cow = need
+        table = seq.table
         generation = self.generation
         copies: tuple[tuple[int, int], ...] = ()
         copy_generations: tuple[int, ...] = ()
         if cow:
-            src = table[n_old // bs]
+            src = table[n_old // self.block_size]
             (dst,) = self._allocate(1)
             self.refcount[src] -= 1  # stays >= 1: another sequence holds it
-            table[n_old // bs] = dst
+            table[n_old // self.block_size] = dst
             copies, copy_generations = ((src, dst),), (generation[dst],)
             self.counters.copies_on_write += 1
         grown = self._allocate(new_blocks) if new_blocks > 0 else []
@@ -465,19 +620,22 @@ class BlockPool:
         return AppendResult(tuple(grown), tuple(generation[b] for b in grown), copies, copy_generations, ops)
 
     def commit(self, seq_id: str, num_computed_tokens: int) -> int:
-        """Enter the sequence's computed full blocks into the prefix index; returns how many entries it added.
+        """Enter the sequence's computed full blocks into the prefix index (every group's, each hashed from the
+        same tokens with its group's key); returns how many entries it added.
 
         A block whose hash is already indexed under another block (the same prefix computed twice) is left out
         of the index: the first copy stays the hit.
         """
-        seq = self._seq(seq_id)
-        n = len(seq.tokens) // _TOKEN_BYTES
+        seqs = [self._seq(t) for t in self.table_ids(seq_id)]
+        n = len(seqs[0].tokens) // _TOKEN_BYTES
         if num_computed_tokens < 0 or num_computed_tokens > n:
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
                 f"num_computed_tokens {num_computed_tokens} is outside [0, {n}] for {seq_id!r}",
             )
-        full = num_computed_tokens // self.block_size
+        return sum(self._commit_table(seq, num_computed_tokens // self.block_size) for seq in seqs)
+
+    def _commit_table(self, seq: SeqState, full: int) -> int:
         if full <= seq.committed:
             return 0
         hashes = seq.hashes
@@ -507,61 +665,77 @@ class BlockPool:
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares the parent's blocks that hold its tokens (not its reserved-only blocks) and has no
-        reserved slots; a write into their shared open block copies it first."""
-        parent = self._seq(parent_id)
+        reserved slots; a write into their shared open block copies it first. Every group's table alike."""
+        parents = [self._seq(t) for t in self.table_ids(parent_id)]
+        children = self.table_ids(child_id)
         self._check_new_seq_id(child_id)
         refcount = self.refcount
-        shared = parent.table[: shared_blocks(self.block_size, len(parent.tokens) // _TOKEN_BYTES)]
-        for b in shared[parent.holes :]:
-            refcount[b] += 1
-        self.seqs[child_id] = SeqState(
-            bytearray(parent.tokens), shared, list(parent.hashes), parent.committed, parent.extra, holes=parent.holes
-        )
+        for parent, table_id in zip(parents, children, strict=True):
+            shared = parent.table[: shared_blocks(self.block_size, len(parent.tokens) // _TOKEN_BYTES)]
+            for b in shared[parent.holes :]:
+                refcount[b] += 1
+            self.seqs[table_id] = SeqState(
+                bytearray(parent.tokens),
+                shared,
+                list(parent.hashes),
+                parent.committed,
+                parent.extra,
+                holes=parent.holes,
+                group=parent.group,
+            )
         self._recently_freed.pop(child_id, None)
 
     def free(self, seq_id: str) -> int:
-        """Release a sequence's blocks, tail first, so a chain's tail is evicted before its shared head."""
-        seq = self._seq(seq_id)
-        del self.seqs[seq_id]
-        held = seq.table[seq.holes :]
-        self._release(reversed(held))
-        self.counters.freed_blocks += len(held)
+        """Release a sequence's blocks (every group's table), tail first, so a chain's tail is evicted before its
+        shared head."""
+        table_ids = self.table_ids(seq_id)
+        self._seq(seq_id)
+        released = 0
+        for table_id in table_ids:
+            seq = self.seqs.pop(table_id)
+            held = seq.table[seq.holes :]
+            self._release(reversed(held))
+            released += len(held)
+        self.counters.freed_blocks += released
         self._recently_freed[seq_id] = None
         if len(self._recently_freed) > _RECENTLY_FREED_MEMORY:
             self._recently_freed.popitem(last=False)
-        return len(held)
+        return released
 
     def slide(self, seq_id: str, num_computed_tokens: int) -> int:
         """The sequence has computed its first `num_computed_tokens` tokens (registered ones): hand back the
-        leading blocks no query from there on reads (block_rule.dead_blocks), as a free does (tail first; one
-        with a hash stays a prefix hit until evicted), leaving holes in its table. Returns the blocks released."""
-        window = self.spec.sliding_window
-        if window is None:
+        leading blocks no query from there on reads (block_rule.dead_blocks) of every sliding group's table, as
+        a free does (tail first; one with a hash stays a prefix hit until evicted), leaving holes in its table.
+        Returns the blocks released."""
+        if self.spec.sliding_window is None:
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST, f"pool {self.spec.pool_id!r} has no sliding window: every block is read"
             )
-        seq = self._seq(seq_id)
-        n = len(seq.tokens) // _TOKEN_BYTES
+        seqs = [self._seq(t) for t in self.table_ids(seq_id)]
+        n = len(seqs[0].tokens) // _TOKEN_BYTES
         if not 0 <= num_computed_tokens <= n:
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
                 f"num_computed_tokens {num_computed_tokens} is outside [0, {n}] for {seq_id!r}: blocks of tokens "
                 "blockd has not heard of are not handed back",
             )
-        dead = dead_blocks(self.block_size, window, num_computed_tokens)
-        if dead <= seq.holes:
-            return 0
-        table = seq.table
-        released = table[seq.holes : dead]
-        self._release(reversed(released))
-        table[seq.holes : dead] = [HOLE] * len(released)
-        seq.holes = dead
-        self.counters.freed_blocks += len(released)
-        return len(released)
+        released = 0
+        for seq in seqs:
+            dead = dead_blocks(self.block_size, self.windows[seq.group], num_computed_tokens)
+            if dead <= seq.holes:
+                continue
+            table = seq.table
+            handed = table[seq.holes : dead]
+            self._release(reversed(handed))
+            table[seq.holes : dead] = [HOLE] * len(handed)
+            seq.holes = dead
+            released += len(handed)
+        self.counters.freed_blocks += released
+        return released
 
     def free_all(self) -> int:
         """Free every live sequence (lease expiry, executor restart)."""
-        return sum(self.free(seq_id) for seq_id in list(self.seqs))
+        return sum(self.free(seq_id) for seq_id, seq in list(self.seqs.items()) if seq.group == 0)
 
     def prompt_hashes(self, tokens: TokenIds, cache_salt: str | None = None) -> list[bytes]:
         """Hashes of the prompt blocks an admit could reuse (all full blocks but a last one holding the end)."""
@@ -571,8 +745,9 @@ class BlockPool:
 
     def lookup(self, tokens: TokenIds, cache_salt: str | None = None) -> int:
         """How many prompt tokens `admit` would find cached right now."""
-        hashes = self.prompt_hashes(tokens, cache_salt)
-        return len(self.cached_prefix_blocks(hashes, len(hashes))) * self.block_size
+        packed = _packed(tokens)
+        limit = max(len(packed) // _TOKEN_BYTES - 1, 0) // self.block_size
+        return self._cached_prefix(packed, cache_salt, limit)[0] * self.block_size
 
     def reset_prefix_cache(self) -> int:
         """Forget every index entry; blocks stay where they are. Returns how many entries were dropped."""
@@ -600,10 +775,33 @@ class BlockPool:
         num_computed: int,
         cache_salt: str | None = None,
         reserved: int = 0,
+        group_tables: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Take a live sequence from its executor (re-sync): its table is the truth; refcounts follow from it."""
+        """Take a live sequence from its executor (re-sync): its tables (`table`, then layer groups 1..'s) are the
+        truth; refcounts follow from them. Only into a pool being built (register): a bad table leaves the tables
+        before it restored, and register drops the whole pool."""
+        table_ids = self.table_ids(seq_id)
         self._check_new_seq_id(seq_id)
+        if len(group_tables) != self.num_groups - 1:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"sequence {seq_id!r}: {1 + len(group_tables)} tables for a pool of {self.num_groups} layer groups",
+            )
         packed = _packed(tokens)
+        for g, (table_id, tab) in enumerate(zip(table_ids, [table, *group_tables], strict=True)):
+            self._restore_table(table_id, g, packed, tab, num_computed, cache_salt, reserved)
+        self.commit(seq_id, min(max(num_computed, 0), len(packed) // _TOKEN_BYTES))
+
+    def _restore_table(
+        self,
+        seq_id: str,
+        group: int,
+        packed: bytes | bytearray,
+        table: Sequence[int],
+        num_computed: int,
+        cache_salt: str | None,
+        reserved: int,
+    ) -> None:
         n = len(packed) // _TOKEN_BYTES
         if not 0 <= reserved <= reservable(self.block_size, n):
             raise BlockdError(
@@ -618,7 +816,7 @@ class BlockPool:
                 f"{_ceil_div(n + reserved, self.block_size)} blocks, the table has {len(table)}",
             )
         holes = _leading_holes(table)
-        allowed = dead_blocks(self.block_size, self.spec.sliding_window, min(max(num_computed, 0), n))
+        allowed = dead_blocks(self.block_size, self.windows[group], min(max(num_computed, 0), n))
         if holes > allowed:
             raise BlockdError(
                 ErrorCode.INVALID_REQUEST,
@@ -647,8 +845,29 @@ class BlockPool:
             if self.refcount[b] == 0:
                 del self.free_queue[b]
             self.refcount[b] += 1
-        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, self.extra_for(cache_salt), reserved, holes)
-        self.commit(seq_id, min(max(num_computed, 0), n))
+        extra = self.extra_for(cache_salt, group)
+        self.seqs[seq_id] = SeqState(bytearray(packed), list(table), [], 0, extra, reserved, holes, group)
+
+    def _group_problems(self) -> list[str]:
+        """I7: a sequence has one table per layer group, named by `group_table_ids`, all of its tokens, reserved
+        slots and committed blocks, each keyed by its group."""
+        if self.num_groups == 1:
+            return []
+        problems: list[str] = []
+        pid = self.spec.pool_id
+        for seq_id, seq in self.seqs.items():
+            if seq.group != 0:
+                base = seq_id.rpartition(GROUP_MARK)[0]
+                if seq_id != group_table_ids(base, self.num_groups)[seq.group] or base not in self.seqs:
+                    problems.append(f"{pid}: I7 table {seq_id!r} of group {seq.group} belongs to no live sequence")
+                continue
+            for g, table_id in enumerate(group_table_ids(seq_id, self.num_groups)):
+                other = self.seqs.get(table_id)
+                if other is None or other.group != g:
+                    problems.append(f"{pid}: I7 sequence {seq_id!r} has no table {table_id!r} of group {g}")
+                elif (other.tokens, other.reserved, other.committed) != (seq.tokens, seq.reserved, seq.committed):
+                    problems.append(f"{pid}: I7 table {table_id!r} differs from {seq_id!r} in tokens or slots")
+        return problems
 
     def _open_blocks(self) -> dict[int, list[tuple[int, int]]]:
         """Each live sequence's open block (partly filled: its next token goes there) -> (its tokens in that
@@ -733,7 +952,7 @@ class BlockPool:
             blocks_cached_free=cached_free,
             blocks_never_used=never_used,
             index_entries=len(self.index),
-            live_sequences=len(self.seqs),
+            live_sequences=len(self.seqs) // self.num_groups,  # (every group's table of each)
             tokens_held=tokens_held,
             kv_utilization=tokens_held / (in_use * bs) if in_use else 1.0,
             prefix_hit_rate_tokens=c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0,
@@ -743,7 +962,7 @@ class BlockPool:
         )
 
     def check(self) -> list[str]:
-        """Verify the state invariants I1-I5 (this module's docstring; I6 needs a before and an after:
+        """Verify the state invariants I1-I5 and I7 (this module's docstring; I6 needs a before and an after:
         the tests compare states); returns one line per violation (empty: all hold)."""
         problems: list[str] = []
         pid = self.spec.pool_id
@@ -766,7 +985,7 @@ class BlockPool:
                     f"{pid}: I4 sequence {seq_id!r} has {seq.committed} committed blocks, more than its full blocks"
                 )
             holes = _leading_holes(seq.table)
-            allowed = dead_blocks(self.block_size, self.spec.sliding_window, n)
+            allowed = dead_blocks(self.block_size, self.windows[seq.group], n)
             if holes != seq.holes or holes > allowed:
                 problems.append(
                     f"{pid}: I4 sequence {seq_id!r} has {holes} leading holes (counted {seq.holes}), where at most "
@@ -787,6 +1006,7 @@ class BlockPool:
             h = self.block_hash[b]
             if h is not None and self.index.get(h) != b:
                 problems.append(f"{pid}: I3 block {b} carries a hash the index does not map to it")
+        problems += self._group_problems()
         for h, b in self.index.items():
             if not 0 <= b < self.num_blocks or self.block_hash[b] != h:
                 problems.append(f"{pid}: I3 index entry {h.hex()} names block {b} whose hash differs")

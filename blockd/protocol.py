@@ -11,7 +11,7 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
-from blockd.pool import AdmitResult, AppendResult, PoolStats
+from blockd.pool import MAX_GROUPS, AdmitResult, AppendResult, PoolStats
 from blockd.tiers import TierSpec
 from common.limits import SUPPORTED_BLOCK_SIZES
 
@@ -113,6 +113,8 @@ class LiveSequence(msgspec.Struct):
     num_computed_tokens: Count
     cache_salt: str | None = None
     reserved: Reserved = 0
+    # Layer groups 1..'s tables (a pool with layer groups; `blocks` is group 0's).
+    group_blocks: Annotated[list[list[TableEntry]], msgspec.Meta(max_length=MAX_GROUPS - 1)] = []
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True):
@@ -129,6 +131,9 @@ class Register(Request, tag="register"):
     model_id: Name
     epoch: int
     sliding_window: Window | None = None  # every layer's: a block no query's window reaches goes back (`slide`)
+    # Layer groups (blockd.pool.PoolSpec.group_sliding): whether each group slides by `sliding_window`. Older
+    # daemons ignore the field; the result's `groups` tells the client whether this one took it.
+    groups: Annotated[list[bool], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)] | None = None
     sequences: list[LiveSequence] = []
     generations: list[Count] | None = None  # the executor's generation of every block (for re-sync)
     # Its lower KV tiers and what they hold (blockd.tiers). Optional, so version 1 stands: without it no reply
@@ -200,6 +205,7 @@ class RegisterResult(msgspec.Struct):
     restored_index_entries: int
     dropped_index_entries: int  # persisted or in-memory entries the executor's generations no longer back
     lease_timeout_s: float
+    groups: int = 1  # the pool's layer groups (one from a daemon that knows none)
 
 
 class HeartbeatResult(msgspec.Struct):

@@ -21,7 +21,7 @@ from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
 from executor.beam import BeamSearch
-from executor.kv_budget import pool_window
+from executor.layer_groups import layer_groups
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, ModelRunner
@@ -65,6 +65,10 @@ class Engine:
     ) -> None:
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (every decode needs a token)")
+        if pool.num_groups != runner.groups.num_groups:
+            raise ValueError(
+                f"the pool has {pool.num_groups} layer group(s), the model's KV cache {runner.groups.num_groups}"
+            )
         self.runner = runner
         self.pool = pool
         self.config = runner.config
@@ -86,6 +90,7 @@ class Engine:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             blocks=pool,
             sliding_window=pool.sliding_window,
+            groups=pool.groups,
             max_step_ms=limits.max_step_ms,
             policy=limits.scheduling_policy,
         )
@@ -139,6 +144,7 @@ class Engine:
         pool client (not yet registered with blockd), the engine."""
         if runner is None:
             runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, backend=backend)
+        groups = layer_groups(loaded.config)
         pool = PoolClient(
             BlockdClient(blockd_endpoint, timeout_s=timeout_s, curve=curve),
             pool_id=pool_id,
@@ -146,7 +152,8 @@ class Engine:
             block_size=block_size,
             model_id=loaded.pool_model_id,
             retry_for_s=retry_for_s,
-            sliding_window=pool_window(loaded.config),
+            sliding_window=groups.window,
+            groups=groups.pool_groups,
         )
         return cls(runner, pool, limits, seed=seed, adapt_threads=adapt_threads, pin_threads=pin_threads)
 

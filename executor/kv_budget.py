@@ -1,5 +1,6 @@
-"""How big the KV cache is: a number of blocks, a byte size, or (on CUDA) a fraction of free device memory; and
-the sliding window its blocks are handed back by."""
+"""How big the KV cache is: a number of blocks (a block: `block_size` tokens of one layer group's layers,
+executor.layer_groups), a byte size, or (on CUDA) a fraction of free device memory; and the sliding window its
+blocks are handed back by."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import click
 import torch
 
 from common.units import parse_size
+from executor.layer_groups import layer_groups
 from executor.model_config import ModelConfig
 
 DEFAULT_CPU_BYTES = 256 * 2**20
@@ -72,8 +74,6 @@ def resolve_num_blocks(
 
 def pool_window(config: ModelConfig) -> int | None:
     """The sliding window blockd hands blocks back by: when every layer slides, the widest window (a block no
-    layer's window reaches is read by none); None when some layer reads every key."""
-    windows = config.sliding_windows
-    if not windows or any(w is None for w in windows):
-        return None
-    return max(w for w in windows if w is not None)
+    layer's window reaches is read by none); with sliding and global layers mixed, the sliding layer groups'
+    (executor.layer_groups); None when no block falls out of a window."""
+    return layer_groups(config).window

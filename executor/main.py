@@ -31,7 +31,7 @@ from common.units import parse_size
 from executor import protocol as ep
 from executor.checkpoint import load_config
 from executor.engine import Engine, EngineLimits
-from executor.kv_budget import KvBudget, parse_kv_budget, pool_window, resolve_num_blocks
+from executor.kv_budget import KvBudget, parse_kv_budget, resolve_num_blocks
 from executor.model_config import CheckpointError, UnsupportedModel
 from executor.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 from executor.parallel import STARTUP_TIMEOUT_S, GroupIntruder, Shard, free_port, make_shard
@@ -463,8 +463,10 @@ def main(
     model_runner = engine.runner
     store = None
     if host_kv_bytes or disk_kv_bytes:
-        if pool_window(loaded.config) is not None:
-            raise click.UsageError("--host-kv-memory and --disk-kv-dir need a model without a sliding window, for now")
+        if any(loaded.config.sliding_windows):  # (windowed and layer-grouped pools have no tiers yet)
+            raise click.UsageError(
+                "--host-kv-memory and --disk-kv-dir need a model without sliding-window layers, for now"
+            )
         store = TierStore(
             kv_layout(loaded, block_size_int),
             model_runner.kv_caches,

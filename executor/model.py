@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from executor.layer_groups import layer_groups
 from executor.model_config import ModelConfig
 from executor.models.blocks import (
     MLP,
@@ -165,6 +166,7 @@ class PagedCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, head_rows, bias=False, device=device, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.group_of = layer_groups(config).group_of  # the block tables each layer attends through
         self.embed_scale: torch.Tensor | None = None
         if config.embed_scale:  # sqrt(hidden), rounded to the model dtype as transformers does
             self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
@@ -197,9 +199,12 @@ class PagedCausalLM(nn.Module):
         h, delta = self.model.embed_tokens(batch.input_ids), None
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+        views: dict[int, ForwardBatch] = {}
+        for layer, kv_cache, group in zip(self.model.layers, kv_caches, self.group_of, strict=True):
             rotary = self.local_rotary if layer.self_attn.rope == "local" else self.rotary
-            h, delta = layer(h, delta, batch, rotary, kv_cache, backend, check=i == 0)  # check metadata once
+            check = group not in views  # check each group's metadata once
+            view = views[group] if not check else views.setdefault(group, batch.of_group(group))
+            h, delta = layer(h, delta, view, rotary, kv_cache, backend, check=check)
         if rows is not None:  # only the rows wanted: the norm is per row
             h, delta = h[rows], None if delta is None else delta[rows]
         return self.model.norm(h, delta)[1]

@@ -40,8 +40,9 @@ def _header(device: torch.device, *values: int) -> torch.Tensor:
 def send_batch(batch: ForwardBatch) -> None:
     t, (s, w), n = batch.input_ids.numel(), batch.block_tables.shape, batch.logits_indices.numel()
     device = batch.input_ids.device
-    broadcast(_header(device, OP_STEP, t, s, w, n))
-    parts = (
+    groups = 0 if batch.group_slots is None else batch.group_slots.shape[0]  # layer groups past the first
+    broadcast(_header(device, OP_STEP, t, s, w, n, groups))
+    parts: tuple[torch.Tensor, ...] = (
         batch.input_ids,
         batch.positions,
         batch.slot_mapping,
@@ -50,14 +51,18 @@ def send_batch(batch: ForwardBatch) -> None:
         batch.query_start_loc,
         batch.seq_lens,
     )
+    if batch.group_slots is not None and batch.group_tables is not None:
+        parts += (batch.group_slots.reshape(-1), batch.group_tables.reshape(-1))
     broadcast(torch.cat([p.to(torch.int64) for p in parts]))
 
 
 def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
-    t, s, w, n = header[1:5]
-    payload = torch.empty(3 * t + n + s * w + 2 * s + 1, dtype=torch.int64, device=device)
+    t, s, w, n, g = header[1:6]
+    payload = torch.empty((3 + g) * t + n + (1 + g) * s * w + 2 * s + 1, dtype=torch.int64, device=device)
     broadcast(payload)
-    ids, pos, slots, logits, tables, starts, lens = payload.split([t, t, t, n, s * w, s + 1, s])
+    ids, pos, slots, logits, tables, starts, lens, group_slots, group_tables = payload.split(
+        [t, t, t, n, s * w, s + 1, s, g * t, g * s * w]
+    )
     return ForwardBatch(
         input_ids=ids,
         positions=pos,
@@ -66,6 +71,8 @@ def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
         query_start_loc=starts.to(torch.int32),
         seq_lens=lens.to(torch.int32),
         logits_indices=logits,
+        group_slots=group_slots.view(g, t) if g else None,
+        group_tables=group_tables.to(torch.int32).view(g, s, w) if g else None,
     )
 
 

@@ -1,7 +1,9 @@
 """The model runner: owns the model and the physical KV cache of one device, and runs one step's chunks.
 
-The KV cache is one (K, V) pair of `[num_blocks, block_size, num_kv_heads, head_dim]` tensors per layer;
-block b of every layer is what blockd calls block b of this executor's pool.
+The KV cache is one (K, V) pair of `[num_blocks, block_size, num_kv_heads, head_dim]` tensors per layer of a
+layer group (executor.layer_groups; one group of every layer unless sliding and global layers mix): the `j`-th
+layer of every group reads and writes pair `j`, through its group's block table. Block b of every pair is what
+blockd calls block b of this executor's pool.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pathlib import Path
 import torch
 
 from blockd.client import MirroredSequence
+from blockd.pool import group_suffix
 from executor.checkpoint import iter_weights, load_config
 from executor.kv_tiers import KvLayout
+from executor.layer_groups import LayerGroups, layer_groups
 from executor.model import ForwardBatch, PagedCausalLM, build_model
 from executor.model_config import ModelConfig, UnsupportedModel
 from executor.parallel import Collectives, Shard, local_config
@@ -30,10 +34,13 @@ from kernels.quant import kv_cache_dtype
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers' K and V, `dtype` the cache's (1 byte an element for fp8)."""
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, layout: LayerGroups | None = None
+) -> int:
+    """Bytes of one pool block: K and V of a layer group's layers (every layer's, for a model of one group),
+    `dtype` the cache's (1 byte an element for fp8); `layout`: the model's layer groups, unless given."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    return 2 * (layout or layer_groups(config)).size * block_size * config.num_kv_heads * config.head_dim * element
 
 
 def zeroed_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -132,6 +139,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         backend: dispatch.Backend = "auto",
+        layout: LayerGroups | None = None,
     ) -> None:
         self.config = loaded.config
         self.model = loaded.model
@@ -143,73 +151,95 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.backend = backend
         c = self.config
+        self.groups = layout or layer_groups(c)  # (another layout: one group of every layer, to compare)
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        caches = zeroed_tensors(2 * c.num_layers, shape, self.kv_dtype, self.device)
-        self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(c.num_layers)]
+        caches = zeroed_tensors(2 * self.groups.size, shape, self.kv_dtype, self.device)
+        self.kv_pairs = [(caches[2 * j], caches[2 * j + 1]) for j in range(self.groups.size)]
+        self.kv_caches = [self.kv_pairs[j] for j in self.groups.slot_of]  # each layer's pair
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.kv_dtype)
+        return self.num_blocks * kv_bytes_per_block(self.config, self.block_size, self.kv_dtype, self.groups)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             src, dst = zip(*pairs, strict=False)
             dispatch.copy_blocks(
-                [k for k, _ in self.kv_caches],
-                [v for _, v in self.kv_caches],
+                [k for k, _ in self.kv_pairs],
+                [v for _, v in self.kv_pairs],
                 (list(src), list(dst)),
                 backend=self.backend,
             )
 
     def build_batch(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> ForwardBatch:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        rows: list[list[int]] = []
         for chunk in chunks:
-            mirrored = tables[chunk.seq.seq_id]
-            table = mirrored.blocks
             start, n = chunk.start, len(chunk.token_ids)
-            end = start + n
             input_ids.extend(chunk.token_ids)
             if n == 1:  # a decode: most chunks of a busy step
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
             else:
-                positions.extend(range(start, end))
-                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+                positions.extend(range(start, start + n))
             starts.append(starts[-1] + n)
-            seq_lens.append(end)
+            seq_lens.append(start + n)
             if chunk.samples:
                 logits_indices.append(starts[-1] - 1)
+        for chunk, start in zip(chunks, starts, strict=False):  # then the rows prompt logprobs score, in order
+            scored = chunk.scored_positions
+            if scored:
+                logits_indices.extend(range(start + scored.start - chunk.start, start + scored.stop - chunk.start))
+        # Each layer group's slots and block tables: group 0's from the sequence's own table, the others' from
+        # theirs (blockd.pool.group_table_ids), all padded to one width.
+        per_group = [self._slots_and_rows(chunks, tables, group_suffix(g)) for g in range(self.groups.num_groups)]
+        width = max(len(r) for _, rows in per_group for r in rows)
+        padded: list[int] = []
+        for _, rows in per_group:
+            for r in rows:
+                padded += r
+                padded += [0] * (width - len(r))
+        device = self.device
+        slots = _ints([s for group_slots, _ in per_group for s in group_slots], torch.int64, device)
+        block_tables = _ints(padded, torch.int32, device).view(len(per_group), len(chunks), width)
+        t = len(input_ids)
+        return ForwardBatch(
+            input_ids=_ints(input_ids, torch.int64, device),
+            positions=_ints(positions, torch.int64, device),
+            slot_mapping=slots[:t],
+            block_tables=block_tables[0],
+            query_start_loc=_ints(starts, torch.int32, device),
+            seq_lens=_ints(seq_lens, torch.int32, device),
+            logits_indices=_ints(logits_indices, torch.int64, device),
+            group_slots=slots[t:].view(len(per_group) - 1, t) if len(per_group) > 1 else None,
+            group_tables=block_tables[1:] if len(per_group) > 1 else None,
+        )
+
+    def _slots_and_rows(
+        self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence], suffix: str
+    ) -> tuple[list[int], list[list[int]]]:
+        """One layer group's cache slot of every token and block table row of every chunk (`suffix` names the
+        group's table after the sequence's id)."""
+        bs = self.block_size
+        slots: list[int] = []
+        rows: list[list[int]] = []
+        for chunk in chunks:
+            mirrored = tables[chunk.seq.seq_id + suffix]
+            table = mirrored.blocks
+            start, n = chunk.start, len(chunk.token_ids)
+            end = start + n
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
             row = table[: -(-end // bs)]
             holes = mirrored.holes
             if holes:  # blocks handed back: the kernels read none of them, any valid id will do
                 row = [0] * holes + row[holes:]
             rows.append(row)
-        for chunk, start in zip(chunks, starts, strict=False):  # then the rows prompt logprobs score, in order
-            scored = chunk.scored_positions
-            if scored:
-                logits_indices.extend(range(start + scored.start - chunk.start, start + scored.stop - chunk.start))
-        width = max(len(r) for r in rows)
-        padded: list[int] = []
-        for r in rows:
-            padded += r
-            padded += [0] * (width - len(r))
-        device = self.device
-        return ForwardBatch(
-            input_ids=_ints(input_ids, torch.int64, device),
-            positions=_ints(positions, torch.int64, device),
-            slot_mapping=_ints(slots, torch.int64, device),
-            block_tables=_ints(padded, torch.int32, device).view(len(rows), width),
-            query_start_loc=_ints(starts, torch.int32, device),
-            seq_lens=_ints(seq_lens, torch.int32, device),
-            logits_indices=_ints(logits_indices, torch.int64, device),
-        )
+        return slots, rows
 
     def execute(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> torch.Tensor:
         """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order, then

@@ -19,7 +19,7 @@ from blockd import protocol as p
 from blockd.block_rule import dead_blocks, growth, reservable, shared_blocks, to_block_end
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
-from blockd.pool import HOLE
+from blockd.pool import HOLE, group_suffix
 from blockd.tiers import TierOp
 from common.tokens import TOKEN_BYTES, pack_tokens
 from executor.sequence import Sequence, Status
@@ -120,6 +120,19 @@ def window_blocks(block_size: int, window: int) -> int:
     return -(-(window + QUIET_STEPS) // block_size) + 4
 
 
+def longest_sequence(room: int, block_size: int, windows: list[int | None], max_model_len: int, ahead: int = 0) -> int:
+    """The most tokens one sequence can hold alone in `room` blocks, its tables' windows `windows` (one per layer
+    group): a global table takes a block per `block_size` tokens, a sliding one only its window's blocks (and
+    `ahead` tokens more: a prompt's step held past what is computed), so with no global table it is limited by
+    the model alone."""
+    full = sum(1 for w in windows if w is None)
+    sliding = [w for w in windows if w is not None]
+    held = sum(window_blocks(block_size, w + ahead) for w in sliding)
+    if sliding and held <= room:
+        return max(max_model_len, room * block_size) if not full else (room - held) // full * block_size
+    return room // len(windows) * block_size
+
+
 class Scheduler:
     """The waiting queue, the running batch and each step's plan. `blocks` (the pool client's mirror) changes
     only when a step's answers arrive, before `apply`."""
@@ -134,6 +147,7 @@ class Scheduler:
         blocks: BlockView,
         watermark_blocks: int | None = None,
         sliding_window: int | None = None,
+        groups: tuple[bool, ...] = (),
         max_step_ms: float | None = None,
         policy: str = "fcfs",
     ) -> None:
@@ -141,7 +155,11 @@ class Scheduler:
         # "fcfs": the waiting queue in arrival order, the newest admitted preempted first; "priority" (vLLM's):
         # ordered by (priority, arrival), the worst of those preempted first, also to admit a better one.
         self.policy = policy
-        self.sliding_window = sliding_window  # every layer's (the pool's): blocks no query reads any more go back
+        self.sliding_window = sliding_window  # the pool's: blocks no query of a sliding table reads any more go back
+        # Layer groups (executor.layer_groups): every sequence has a table per group, and every op is for all of
+        # them (blockd applies it to each); its growth is summed over them, and only sliding groups' tables slide.
+        self.windows = [sliding_window if slides else None for slides in groups] or [sliding_window]
+        self.suffixes = [group_suffix(g) for g in range(len(self.windows))]
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -161,7 +179,7 @@ class Scheduler:
         self.arrived = False  # a sequence was added since admissions were last planned
         self.quiet_steps = 0  # steps planned in a row without a round trip
         self._computed: dict[int, int] = {}  # while a plan is made ahead: tokens computed once the step running ends
-        self._slid: dict[str, int] = {}  # sequences this plan slides -> the leading blocks they hand back
+        self._slid: dict[str, int] = {}  # tables this plan slides -> the leading blocks they hand back
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -236,21 +254,30 @@ class Scheduler:
             plan.add(Purpose.COMMIT, seq, p.Commit(seq.seq_id, done))
             seq.committed_tokens = done
 
+    def _tables(self, seq_id: str) -> list[tuple[str, MirroredSequence]]:
+        """The sequence's tables, one per layer group, with their ids."""
+        seqs = self.blocks.seqs
+        return [(seq_id + suffix, seqs[seq_id + suffix]) for suffix in self.suffixes]
+
     def _slide(self, plan: StepPlan, seq: Sequence) -> int:
-        """After its commit: hand back the blocks no query of the sequence reads any more; returns how many go
-        back to the pool. Counted from its committed tokens (computed and registered), so every block handed back
-        is in the prefix index first."""
+        """After its commit: hand back the blocks no query of the sequence reads any more (its sliding groups'
+        tables); returns how many go back to the pool. Counted from its committed tokens (computed and
+        registered), so every block handed back is in the prefix index first."""
         done = seq.committed_tokens
-        mirrored = self.blocks.seqs[seq.seq_id]
-        dead = dead_blocks(self.block_size, self.sliding_window, done)
-        if dead <= mirrored.holes:
+        dying: list[tuple[str, MirroredSequence, int]] = []
+        for (table_id, mirrored), window in zip(self._tables(seq.seq_id), self.windows, strict=True):
+            dead = dead_blocks(self.block_size, window, done)
+            if dead > mirrored.holes:
+                dying.append((table_id, mirrored, dead))
+        if not dying:
             return 0
         plan.add(Purpose.SLIDE, seq, p.Slide(seq.seq_id, done))
-        self._slid[seq.seq_id] = dead
+        for table_id, _, dead in dying:
+            self._slid[table_id] = dead
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it first (forks go first) holds them on
         refcount = self.blocks.refcount
-        return sum(1 for b in mirrored.blocks[mirrored.holes : dead] if refcount[b] == 1)
+        return sum(1 for _, m, dead in dying for b in m.blocks[m.holes : dead] if refcount[b] == 1)
 
     def _register_computed(self, plan: StepPlan, seq: Sequence) -> None:
         """Before a sequence's blocks go back: register its computed tokens that fill a block, and commit, so
@@ -289,15 +316,16 @@ class Scheduler:
         and keeps `reserve` slots reserved past them. `forking`: parents of the choices forked in this plan."""
         bs = self.block_size
         n = self.registered(seq)
+        end = self._hold_end(seq)
         if seq.fork_parent is not None:  # not forked yet: it will hold its parent's blocks of its tokens, shared
-            table, reserved, shared = shared_blocks(bs, n), 0, True
-        else:
-            mirrored = self.blocks.seqs[seq.seq_id]
+            need = growth(bs, n, end - n, shared_blocks(bs, n), open_block_shared=True, reserve=reserve).blocks
+            return need * len(self.suffixes)
+        need = 0
+        for _, mirrored in self._tables(seq.seq_id):
             table, reserved = len(mirrored.blocks), mirrored.reserved
             shared = n % bs != 0 and (self.blocks.refcount[mirrored.blocks[n // bs]] > 1 or seq.seq_id in forking)
-        return growth(
-            bs, n, self._hold_end(seq) - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve
-        ).blocks
+            need += growth(bs, n, end - n, table, open_block_shared=shared, reserved=reserved, reserve=reserve).blocks
+        return need
 
     def _reserve(self, seq: Sequence, wide: bool) -> int:
         """Slots an append keeps reserved past the sequence's known tokens: to the end of the block after the
@@ -460,15 +488,18 @@ class Scheduler:
             if free_slots <= 0 or budget <= 0:
                 break
             hold = None
-            worst = growth(self.block_size, 0, len(seq.tokens), 0).blocks
+            whole = growth(self.block_size, 0, len(seq.tokens), 0).blocks
+            worst = whole * len(self.windows)
             if worst > free - self.watermark and self.sliding_window is not None:
                 # A window: its prompt is held a step's tokens past its cached prefix at first, the later blocks
                 # taken as its prefill reaches them (`_hold_end`).
                 hold = self.max_num_batched_tokens
                 # Fresh blocks for those tokens, and the cached-free blocks a hit takes back from the free queue:
-                # at most those the first query past the hit reads (blockd.pool.cached_prefix_blocks).
+                # for a sliding table at most those the first query past the hit reads (blockd.pool's
+                # valid_prefix_lengths), for a global one its whole prompt's.
                 reclaimed = max(1, -(-(self.sliding_window - 1) // self.block_size))
-                worst = growth(self.block_size, 0, min(len(seq.tokens), hold), 0).blocks + reclaimed
+                held = growth(self.block_size, 0, min(len(seq.tokens), hold), 0).blocks
+                worst = sum(held + reclaimed if w is not None else whole for w in self.windows)
             if worst > free - self.watermark and preempt and self.policy == "priority":
                 while worst > free - self.watermark:
                     worse = [s for s in self.running if s.params.priority > seq.params.priority]
@@ -531,8 +562,12 @@ class Scheduler:
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it in the same step (forks go first) holds every block it had
         refcount = self.blocks.refcount
-        blocks = self.blocks.seqs[seq.seq_id].blocks[self._slid.get(seq.seq_id, 0) :]  # (a slide counted those)
-        return sum(1 for b in blocks if b != HOLE and refcount[b] == 1)
+        return sum(
+            1
+            for table_id, mirrored in self._tables(seq.seq_id)
+            for b in mirrored.blocks[self._slid.get(table_id, 0) :]  # (a slide counted those)
+            if b != HOLE and refcount[b] == 1
+        )
 
     def _victim(self) -> Sequence:
         if self.policy == "priority":
@@ -587,6 +622,8 @@ class Scheduler:
                     assert type(result) is p.AppendResult
                     outcome.copies.extend(result.copies)
                     outcome.tier_ops.extend(result.tier_ops)
+                    for group in result.groups:  # (layer groups: every table's copies, into the same pairs)
+                        outcome.copies.extend(group.copies)
                 case Purpose.FORK:
                     seq.fork_parent = None
                     self.to_fork.remove(seq)

@@ -18,7 +18,7 @@ from blockd import protocol as p
 from blockd.client import BlockdUnavailable, PoolClient
 from blockd.tiers import TierOp
 from executor import protocol as ep
-from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, window_blocks
+from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, longest_sequence
 from executor.sequence import Request, Sequence, Status
 
 if TYPE_CHECKING:
@@ -94,14 +94,13 @@ class StepLoop:
         self.plan_ahead = plan_ahead  # False: every step planned after sampling and sent synchronously
         # The longest a sequence can grow, alone in the cache above the admission watermark; with a sliding
         # window, as long as the model allows if its window's blocks fit (the blocks behind it go back as it runs).
+        # With layer groups, a global group's table takes the sequence's every block, a sliding one its window's.
         room = scheduler.num_blocks - scheduler.watermark
-        whole = room * scheduler.block_size
-        window, bs = scheduler.sliding_window, scheduler.block_size
-        slides = window is not None and window_blocks(bs, window) <= room
-        self.max_seq_tokens = max(max_model_len, whole) if slides else whole
+        bs, windows = scheduler.block_size, scheduler.windows
+        self.max_seq_tokens = longest_sequence(room, bs, windows, max_model_len)
         # A prompt held in part as its prefill goes (Scheduler._hold_end) needs its window and a step's tokens.
-        prefill_slides = window is not None and window_blocks(bs, window + scheduler.max_num_batched_tokens) <= room
-        self.max_prompt_tokens = max(max_model_len, whole) if prefill_slides else whole
+        ahead = scheduler.max_num_batched_tokens
+        self.max_prompt_tokens = longest_sequence(room, bs, windows, max_model_len, ahead)
         self.requests: dict[str, Request] = {}  # in progress, by id
         self.steps = 0  # steps that ran a forward pass
         self.blockd_reachable = True

@@ -7,7 +7,7 @@ match it token for token in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +33,17 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32 KV length after this step
     logits_indices: torch.Tensor  # [L] int64 rows whose next-token logits are wanted
+    # Layer groups 1.. (executor.layer_groups): each one's slot mapping and block tables, the fields above being
+    # group 0's. [G - 1, T] int64 and [G - 1, S, max_blocks] int32; G - 1 = 0 for a model of one group.
+    group_slots: torch.Tensor | None = None
+    group_tables: torch.Tensor | None = None
+
+    def of_group(self, group: int) -> ForwardBatch:
+        """The batch as the layers of `group` see it: their group's slots and block tables (a batch without
+        group tables is every layer's: the pooling runner's, whose every layer has a cache of its own)."""
+        if group == 0 or self.group_slots is None or self.group_tables is None:
+            return self
+        return replace(self, slot_mapping=self.group_slots[group - 1], block_tables=self.group_tables[group - 1])
 
 
 class Linear(nn.Linear):

@@ -149,18 +149,30 @@ def simulate_paged(
     num_blocks: int,
     block_size: int,
     watermark_blocks: int,
+    windows: list[int | None] | None = None,
     check_every: int = CHECK_EVERY,
     progress: Progress | None = None,
     name: str = "paged",
 ) -> SimResult:
-    """Continuous batching over a real `BlockPool`, preempting (recompute) the newest sequence when blocks run out."""
+    """Continuous batching over a real `BlockPool`, preempting (recompute) the newest sequence when blocks run out.
+
+    With `windows`, the KV is in layer groups (blockd.pool.PoolSpec.group_sliding): `num_blocks` group blocks,
+    each request one sequence with a table per group (`windows[g]`: the group's sliding window, None for the
+    global layers'); a sliding group hands back the blocks behind its window every step (`BlockPool.slide`).
+    Utilization then counts a token once per group that holds its KV."""
     started = time.perf_counter()
-    pool = BlockPool(PoolSpec("capacity", num_blocks, block_size, "capacity-model", 1))
+    windows = windows or [None]
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise ValueError(f"one window for every sliding group, got {sorted(sliding)}")
+    window = next(iter(sliding), None)  # the sliding groups' (the global groups' tables never slide)
+    groups = tuple(w is not None for w in windows) if len(windows) > 1 else ()
+    pool = BlockPool(PoolSpec("capacity", num_blocks, block_size, "capacity-model", 1, window, groups))
     free_queue = pool.free_queue  # its length is the pool's count of free blocks
     result = SimResult(name)
     waiting = deque(requests)
     running: list[Request] = []
-    live = 0  # tokens whose KV the pool holds
+    live = 0  # tokens whose KV the pool holds (once, whatever the groups)
     done = 0
     budget = num_blocks * block_size
 
@@ -173,16 +185,25 @@ def simulate_paged(
         live -= r.stored
         r.stored = 0
 
+    def slide(r: Request, computed: int) -> None:
+        """The sliding groups hand back what no query from `computed` on reads."""
+        if window is not None:
+            pool.slide(seq_id(r), computed)
+
+    def held() -> int:
+        """Tokens whose KV some group holds, once per group (the full blocks behind a window are gone)."""
+        return len(windows) * live - block_size * sum(seq.holes for seq in pool.seqs.values())
+
     def verify(step: int) -> None:
         problems = pool.check()
         stats = pool.stats()
-        if stats.tokens_held != live or stats.live_sequences != len(running):
+        if stats.tokens_held != held() or stats.live_sequences != len(running):
             problems.append(
                 f"bookkeeping: the pool holds {stats.tokens_held} tokens in {stats.live_sequences} "
-                f"sequences, the simulation counts {live} in {len(running)}"
+                f"sequences, the simulation counts {held()} in {len(running)}"
             )
         if problems:
-            raise InvariantViolation(f"paged, step {step}: " + "; ".join(problems))
+            raise InvariantViolation(f"{name}, step {step}: " + "; ".join(problems))
 
     for r in requests:
         r.generated = r.stored = r.admissions = 0
@@ -195,7 +216,7 @@ def simulate_paged(
             r = running[i]
             at = r.stored * TOKEN_BYTES
             try:
-                pool.append(seq_id(r), r.tokens[at : at + TOKEN_BYTES])
+                pool.append(seq_id(r), r.tokens[at : at + TOKEN_BYTES])  # (every group's table, or none)
             except BlockdError as exc:
                 if exc.code is not ErrorCode.OUT_OF_BLOCKS:
                     raise
@@ -206,6 +227,7 @@ def simulate_paged(
                 waiting.appendleft(victim)  # the oldest victim ends up first: FCFS order is kept
                 preempted = True
                 continue
+            slide(r, r.stored)  # this step's query, at position stored, is the first still to come
             r.stored += 1
             live += 1
             i += 1
@@ -214,7 +236,7 @@ def simulate_paged(
             while waiting:
                 r = waiting[0]
                 n = r.prompt_len + r.generated
-                if len(free_queue) - -(-n // block_size) < watermark_blocks:
+                if len(free_queue) - len(windows) * -(-n // block_size) < watermark_blocks:
                     break
                 r.admissions += 1
                 try:
@@ -229,7 +251,10 @@ def simulate_paged(
                 live += n
         # 3. The batch this step's forward pass runs on.
         in_use = num_blocks - len(free_queue)
-        result.record(len(running), live, in_use * block_size, budget, saturated=bool(waiting))
+        result.record(len(running), held(), in_use * block_size, budget, saturated=bool(waiting))
+        # The prompts just computed: the sliding groups let go of what their next queries do not read.
+        for r in running:
+            slide(r, r.stored)
         # 4. Sample; finished sequences leave.
         running, finished = _sample_and_retire(running, release)
         done += finished
@@ -238,11 +263,11 @@ def simulate_paged(
         if result.steps % check_every == 0:
             verify(result.steps)
         if result.steps > step_limit:
-            raise InvariantViolation(f"paged: {result.steps} steps without finishing (livelock?)")
+            raise InvariantViolation(f"{name}: {result.steps} steps without finishing (livelock?)")
     verify(result.steps)
     if pool.num_blocks - len(free_queue) or pool.seqs or live:
         raise InvariantViolation(
-            f"paged: after every request finished {pool.num_blocks - len(free_queue)} blocks "
+            f"{name}: after every request finished {pool.num_blocks - len(free_queue)} blocks "
             f"are in use, {len(pool.seqs)} sequences live, {live} tokens held"
         )
     result.completed = done
@@ -300,117 +325,29 @@ def simulate_reserved(
     return result.finish(time.perf_counter() - started)
 
 
-def simulate_grouped(
-    requests: list[Request],
-    *,
-    name: str,
-    num_blocks: int,
-    block_size: int,
-    watermark_blocks: int,
-    windows: list[int | None],
-    check_every: int = CHECK_EVERY,
-    progress: Progress | None = None,
-) -> SimResult:
-    """`simulate_paged` with the KV in layer groups: one pool of `num_blocks` group blocks, each request a sequence
-    per group (`windows[g]`: the group's sliding window, None for the global layers'). A sliding group hands
-    back the blocks behind its window every step (`BlockPool.slide`). Utilization counts a token once per
-    group that holds its KV."""
-    started = time.perf_counter()
-    groups = len(windows)
-    sliding = {w for w in windows if w is not None}
-    if len(sliding) > 1:
-        raise ValueError(f"one window for every sliding group, got {sorted(sliding)}")
-    # One pool for every group: its window is the sliding groups' (the global group's sequences never slide).
-    window = next(iter(sliding), None)
-    pool = BlockPool(PoolSpec("capacity", num_blocks, block_size, "capacity-model", 1, window))
-    free_queue = pool.free_queue
-    result = SimResult(name)
-    waiting = deque(requests)
-    running: list[Request] = []
-    done = 0
-    budget = num_blocks * block_size
-
-    def seq_id(r: Request, g: int) -> str:
-        return f"r{r.index}.{r.admissions}.g{g}"
-
-    def release(r: Request) -> None:
-        for g in range(groups):
-            pool.free(seq_id(r, g))
-        r.stored = 0
-
-    def slide(r: Request, computed: int) -> None:
-        """Each sliding group hands back what no query from `computed` on reads."""
-        for g, w in enumerate(windows):
-            if w is not None:
-                pool.slide(seq_id(r, g), computed)
-
-    def live() -> int:
-        """Tokens whose KV some group holds, once per group (those behind a window are gone)."""
-        seqs = pool.seqs
-        return sum(
-            groups * r.stored - block_size * sum(seqs[seq_id(r, g)].holes for g in range(groups)) for r in running
-        )
-
-    for r in requests:
-        r.generated = r.stored = r.admissions = 0
-    step_limit = 10 * sum(r.output_len for r in requests) + 1000
-    while waiting or running:
-        preempted = False
-        i = 0
-        while i < len(running):
-            r = running[i]
-            at = r.stored * TOKEN_BYTES
-            try:
-                for g in range(groups):
-                    if pool.num_tokens(seq_id(r, g)) == r.stored:  # (a retry after a preemption: not twice)
-                        pool.append(seq_id(r, g), r.tokens[at : at + TOKEN_BYTES])
-            except BlockdError as exc:
-                if exc.code is not ErrorCode.OUT_OF_BLOCKS:
-                    raise
-                victim = running.pop()
-                result.preemptions += 1
-                result.recomputed_tokens += victim.stored
-                release(victim)
-                waiting.appendleft(victim)
-                preempted = True
-                continue
-            slide(r, r.stored)  # this step's query, at position stored, is the first still to come
-            r.stored += 1
-            i += 1
-        if not preempted:
-            while waiting:
-                r = waiting[0]
-                n = r.prompt_len + r.generated
-                if len(free_queue) - groups * -(-n // block_size) < watermark_blocks:
-                    break
-                r.admissions += 1
-                for g in range(groups):
-                    pool.admit(seq_id(r, g), r.tokens[: n * TOKEN_BYTES])
-                waiting.popleft()
-                running.append(r)
-                r.stored = n
-        in_use = num_blocks - len(free_queue)
-        result.record(len(running), live(), in_use * block_size, budget, saturated=bool(waiting))
-        # The prompts just computed: the sliding groups let go of what their next queries do not read.
-        for r in running:
-            slide(r, r.stored)
-        running, finished = _sample_and_retire(running, release)
-        done += finished
-        if progress and finished:
-            progress(name, done, len(requests), result.steps)
-        if result.steps % check_every == 0 and (problems := pool.check()):
-            raise InvariantViolation(f"{name}, step {result.steps}: " + "; ".join(problems))
-        if result.steps > step_limit:
-            raise InvariantViolation(f"{name}: {result.steps} steps without finishing (livelock?)")
-    if pool.num_blocks - len(free_queue) or pool.seqs or pool.check():
-        raise InvariantViolation(
-            f"{name}: after every request finished {pool.num_blocks - len(free_queue)} blocks in use"
-        )
-    result.completed = done
-    return result.finish(time.perf_counter() - started)
-
-
 # ---------------------------------------------------------------------------------------------------- command
+
+
+def _executor_line(window: int, requests: int) -> dict[str, object]:
+    """The real executor's run (`--executor`): a line, and its figures."""
+    from pagedkv.bench.capacity_executor import compare
+
+    click.echo("[+] the executor on a Gemma-3-shaped tiny model, grouped and in full", err=True)
+    full, hybrid = compare(window=window, requests=requests, prompt_len=128, output_len=16, block_size=16,
+                           full_sequences=2)  # fmt: skip
+    click.echo(
+        f"executor (tiny Gemma 3, 5 sliding layers of window {window} per global one, {requests} requests of 128 + "
+        f"16 tokens): layer groups run {hybrid.mean_running:.2f} sequences at once against "
+        f"{full.mean_running:.2f} in full (max {hybrid.max_running} against {full.max_running}; blocks in use at "
+        f"most {hybrid.max_blocks_in_use} of {hybrid.num_blocks} group blocks against {full.max_blocks_in_use} of "
+        f"{full.num_blocks} full ones; {hybrid.steps} steps against {full.steps}); greedy tokens equal"
+    )
+    return {
+        f"executor_{run.name.replace('-', '_')}_{key}": round(value, 3) if isinstance(value, float) else value
+        for run in (full, hybrid)
+        for key, value in vars(run).items()
+        if key not in ("name", "seconds")
+    }
 
 
 def _stderr_progress() -> Progress:
@@ -486,6 +423,15 @@ def _fmt(value: float | str) -> str:
     show_default=True,
     help="Sliding layers per global layer (Gemma 3: 5).",
 )
+@click.option(
+    "--executor",
+    "executor_requests",
+    type=click.IntRange(min=2),
+    default=None,
+    help="With --window: also run the real executor on a Gemma-3-shaped tiny model (CPU, in-process blockd) with "
+    "this many requests of 128-token prompts, its layer groups against every layer in full, in the KV bytes of "
+    "two sequences in full (pagedkv.bench.capacity_executor; about a minute on 2 cores for 6).",
+)
 @click.option("--prompt-median", type=click.IntRange(min=1), default=PROMPT_MEDIAN, show_default=True)
 @click.option("--output-median", type=click.IntRange(min=1), default=OUTPUT_MEDIAN, show_default=True)
 @click.option(
@@ -514,6 +460,7 @@ def bench_capacity(
     watermark: float,
     window: int | None,
     sliding_per_global: int,
+    executor_requests: int | None,
     prompt_median: int,
     output_median: int,
     kv_cache_dtype: str,
@@ -522,6 +469,8 @@ def bench_capacity(
     if quick:
         requests = unless_given(ctx, requests, "requests", QUICK_REQUESTS)
         kv_tokens = unless_given(ctx, kv_tokens, "kv_tokens", QUICK_KV_TOKENS)
+    if executor_requests is not None and window is None:
+        raise click.BadParameter("the executor's run needs a --window", param_hint="'--executor'")
     if kv_tokens < max_len:
         raise click.BadParameter(
             f"{kv_tokens} token slots hold no sequence of --max-len {max_len}; give at least --max-len",
@@ -577,9 +526,9 @@ def bench_capacity(
             num_blocks=groups * num_blocks, block_size=block_size, watermark_blocks=groups * watermark_blocks
         )
         click.echo(f"[4/5] grouped-full ({groups} layer groups, every layer allocated in full)", err=True)
-        full = simulate_grouped(requests_, name="grouped-full", windows=[None] * groups, progress=progress, **grouped)
+        full = simulate_paged(requests_, name="grouped-full", windows=[None] * groups, progress=progress, **grouped)
         click.echo(f"[5/5] grouped-window ({sliding_per_global} sliding groups hand back past {window})", err=True)
-        hybrid = simulate_grouped(requests_, name="grouped-window", windows=windows, progress=progress, **grouped)
+        hybrid = simulate_paged(requests_, name="grouped-window", windows=windows, progress=progress, **grouped)
         results += (full, hybrid)
     fp8 = None
     if kv_cache_dtype != "auto":
@@ -682,6 +631,9 @@ def bench_capacity(
     }
     if window is not None:
         figures["grouped_window_vs_full_mean_active"] = round(hybrid.mean_active / full.mean_active, 3)
+    if executor_requests is not None:
+        assert window is not None
+        figures |= _executor_line(window, executor_requests)
     if fp8 is not None:
         figures["kv_cache_dtype"] = kv_cache_dtype
         figures["fp8_vs_auto_mean_active"] = round(fp8.mean_active / paged.mean_active, 3)

@@ -143,6 +143,8 @@ def build_engine(
             num_blocks=num_blocks,
             block_size=block_size,
             model_id=loaded.config.model_id,
+            sliding_window=runner.groups.window,
+            groups=runner.groups.pool_groups,
         )
         engine = Engine(runner, pool, limits, seed=0)
     else:

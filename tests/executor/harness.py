@@ -181,6 +181,17 @@ def hf_logprobs(model_dir: Path, prompt: list[int], generated: list[int]) -> tor
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def check_against_transformers(model_dir: Path, prompt: list[int], choice: Choice, tolerance: float = 2e-3) -> None:
+    """A greedy choice (sampled with logprobs=1) equals transformers' tokens, each chosen token's logprob within
+    `tolerance` of transformers' (float32)."""
+    assert choice.tokens == hf_greedy_ignoring_eos(model_dir, prompt, len(choice.tokens))
+    reference = hf_logprobs(model_dir, prompt, choice.tokens)
+    assert len(choice.logprobs) == len(choice.tokens)
+    for position, entry in enumerate(choice.logprobs):
+        expected = reference[position, entry.token_id].item()
+        assert abs(entry.logprob - expected) < tolerance, (position, entry.logprob, expected)
+
+
 def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
