@@ -153,7 +153,17 @@ CASES: list[Case] = [
     Case("phi3-hd96-l3", dict(arch="phi3", hidden_size=384, heads=4, kv_heads=2, layers=3)),
     Case("phi3-longrope-mha", dict(arch="phi3", kv_heads=4, rope_scaling="longrope")),
     Case("phi3-tied", dict(arch="phi3", tie_embeddings=True)),
-    Case("phi3-partial-rotary", dict(arch="phi3"), {"partial_rotary_factor": 0.75}, refused="partial_rotary_factor"),
+    Case(
+        "phi3-partial-rotary-l3",
+        dict(arch="phi3", layers=3, sliding_window=21),
+        {"rope_parameters.partial_rotary_factor": 0.75},
+    ),
+    Case(
+        "llama-partial-rotary",
+        dict(arch="llama"),
+        {"rope_parameters.partial_rotary_factor": 0.5},
+        refused="partial_rotary_factor",
+    ),
     # gpt_oss
     Case("gpt_oss-w13-e16k1", dict(arch="gpt_oss", sliding_window=13, experts=16, experts_per_token=1)),
     Case("gpt_oss-gqa8-l3", dict(arch="gpt_oss", heads=8, kv_heads=1, head_dim=32, layers=3, sliding_window=20)),

@@ -70,6 +70,11 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         ),
     ),
     "phi3-window": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(sliding_window=13, bos_token_id=0, eos_token_id=1)),
+    "phi3-partial-rotary": (
+        tf.Phi3Config,
+        tf.Phi3ForCausalLM,
+        dict(partial_rotary_factor=0.5, num_key_value_heads=1, bos_token_id=0, eos_token_id=1),
+    ),
     "gpt_oss-layer-types-low-limit": (
         tf.GptOssConfig,
         tf.GptOssForCausalLM,

@@ -1,6 +1,6 @@
 """config.json files shaped like the published ones (Llama 3.2 1B, Qwen3 0.6B and 30B-A3B, Mixtral 8x7B, Gemma 2
-2B, Gemma 3 1B and 4B's text model, Phi-4-mini, gpt-oss-20b): every field kept, in the spelling those files use
-(transformers 4: top-level rope_theta and rope_scaling, torch_dtype), only the sizes scaled down. Each either
+2B, Gemma 3 1B and 4B's text model, Phi-4-mini, gpt-oss-20b dequantized): every field kept, in the spelling those
+files use (transformers 4: top-level rope_theta and rope_scaling, torch_dtype), only the sizes scaled down. Each either
 loads and computes what transformers computes from the same file and weights, or is refused with an error naming
 the field it does not implement; none is silently misread."""
 
@@ -339,8 +339,11 @@ GPT_OSS_20B_MXFP4 = {
 }
 # What is refused, and the field its error must name.
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "Phi-4-mini": (PHI4_MINI, "partial_rotary_factor"),
     "gemma-3-4b": (GEMMA3_4B, "Gemma3ForConditionalGeneration"),
+    "Llama-3.2-1B-partial-rotary": (  # only Phi-3's code turns part of each head
+        {**PUBLISHED["Llama-3.2-1B"], "partial_rotary_factor": 0.5},
+        "partial_rotary_factor",
+    ),
     "gpt-oss-20b": (GPT_OSS_20B_MXFP4, "quantization_config"),
 }
 
@@ -363,6 +366,9 @@ def _checkpoint(config: dict[str, Any], root: Path) -> tuple[Path, Any]:
     (root / "model" / "config.json").write_text(json.dumps(config), encoding="utf-8")  # not transformers' rewrite
     reference = tf.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
     return root / "model", reference
+
+
+PUBLISHED["Phi-4-mini"] = PHI4_MINI  # partial rotary (the first 3/4 of each head turn) with LongRoPE
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
