@@ -158,10 +158,12 @@ class PagedCausalLM(nn.Module):
         self.collectives = collectives
         self.model = DecoderStack(config, collectives, device=device, dtype=dtype)
         # The global layers' table; Gemma 3's sliding layers have their own base (`local_rotary`).
-        self.rotary = Rotary(config.rope("global"), config.head_dim, config.max_model_len, device)
+        self.rotary = Rotary(config.rope("global"), config.head_dim, config.max_model_len, device, config.rotary_dim)
         self.local_rotary: Rotary | None = None
         if "local" in config.rope_names:
-            self.local_rotary = Rotary(config.rope("local"), config.head_dim, config.max_model_len, device)
+            self.local_rotary = Rotary(
+                config.rope("local"), config.head_dim, config.max_model_len, device, config.rotary_dim
+            )
         head_rows = config.vocab_size if collectives is None else collectives.shard.vocab_per_rank
         self.lm_head = Linear(config.hidden_size, head_rows, bias=False, device=device, dtype=dtype)
         if config.tie_word_embeddings:

@@ -82,6 +82,7 @@ class ModelConfig:
     final_softcap: float | None = None
     embed_scale: bool = False  # embeddings x sqrt(hidden), rounded to the model dtype (Gemma)
     attention_sinks: bool = False  # a learned per-head logit in every softmax (gpt-oss)
+    rotary_dim: int | None = None  # dims of each head the rotary turns (partial_rotary_factor); None: all
     moe: MoEConfig | None = None
 
     def layer(self, index: int) -> LayerConfig:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.model_config import ModelConfig
-from executor.models.rotary import Rotary
+from executor.models.rotary import Rotary, partial_rotary_order
 from kernels import dispatch, moe, pointwise
 
 if TYPE_CHECKING:
@@ -134,10 +134,23 @@ class Attention(nn.Module):
         if config.attn_softcap is not None:
             self.options["softcap"] = config.attn_softcap
         self.collectives: Collectives | None = None  # tensor parallel: o_proj's partial sums are all-reduced
+        self.rotary_dim = config.rotary_dim
 
     def prepare(self) -> None:
+        """Once the weights are in (before qkv_proj's own prepare: modules() visits parents first)."""
         if self.sinks is not None:
             self.options["sinks"] = self.sinks.detach().float()
+        if self.rotary_dim is not None:  # partial rotary: q and k rows in the order the Rotary table turns
+            assert self.q_norm is None, "per-head norms would need their weights permuted too"
+            order = partial_rotary_order(self.head_dim, self.rotary_dim).to(self.qkv_proj.weight.device)
+            q_heads = self.num_heads
+            with torch.no_grad():
+                for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+                    if param is None:
+                        continue
+                    heads = param.data[: (q_heads + self.num_kv_heads) * self.head_dim]  # q and k, not v
+                    shaped = heads.view(q_heads + self.num_kv_heads, self.head_dim, *param.shape[1:])
+                    shaped.copy_(shaped[:, order].clone())
 
     def _normed_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
         assert self.q_norm is not None and self.k_norm is not None

@@ -35,6 +35,7 @@ class Family:
     rope_aliases: dict[str, str] = field(default_factory=dict)
     moe: Callable[[dict[str, Any], Path], tuple[MoEConfig, list[bool]]] | None = None
     sinks: bool = False
+    partial_rotary: bool = False  # partial_rotary_factor turns only the first dims of each head
 
 
 def _layer_types(pattern: int | None) -> Callable[[dict[str, Any], int], list[bool]]:
@@ -132,7 +133,12 @@ FAMILIES: dict[str, Family] = {
         "gemma3", tied=True, windows=_layer_types(6), default_window=4096, gemma=True, qk_norm=True, local_rope=True
     ),
     "Phi3ForCausalLM": Family(
-        "phi3", eps=1e-5, qkv_bias=_NO_BIAS, output_bias=_NO_BIAS, rope_aliases={"su": "longrope", "yarn": "longrope"}
+        "phi3",
+        eps=1e-5,
+        qkv_bias=_NO_BIAS,
+        output_bias=_NO_BIAS,
+        rope_aliases={"su": "longrope", "yarn": "longrope"},
+        partial_rotary=True,
     ),
     "GptOssForCausalLM": Family(
         "gpt_oss",
@@ -200,16 +206,31 @@ def _float_list(value: Any, half: int, what: str, path: Path) -> tuple[float, ..
     except TypeError:
         raise CheckpointError(f"{path}: longrope {what} must be a list of numbers") from None
     if len(values) != half:
-        raise CheckpointError(f"{path}: longrope {what} has {len(values)} entries, not head_dim / 2 = {half}")
+        raise CheckpointError(f"{path}: longrope {what} has {len(values)} entries, not the rotary dims / 2 = {half}")
     return values
+
+
+def _rotary_dim(raw: dict[str, Any], family: Family, head_dim: int, path: Path) -> int:
+    """The dims of each head the rotary turns: head_dim, or its partial_rotary_factor share (Phi-3 / Phi-4-mini:
+    the first ones, as transformers' Phi3 does; other families' code has no such split, so it is refused)."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    # transformers 5 reads rope_parameters' value (it folds a top-level one in only where that has none)
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if factor == 1.0:
+        return head_dim
+    dim = int(head_dim * factor)
+    if not family.partial_rotary:
+        raise UnsupportedModel(f"{path}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    if not 0 < dim <= head_dim or dim % 2:
+        raise CheckpointError(f"{path}: partial_rotary_factor {factor} gives {dim} of {head_dim} dims, not even")
+    return dim
 
 
 def rope_config(params: dict[str, Any], raw: dict[str, Any], family: Family, head_dim: int, path: Path) -> RopeConfig:
     """One table's RopeConfig: its theta and its scaling normalised to the parameters the rotary needs."""
     params = dict(params)
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    if float(raw.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0))) != 1.0:
-        raise UnsupportedModel(f"{path}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    params.pop("partial_rotary_factor", None)  # read by _rotary_dim
     kind = str(params.get("rope_type", params.get("type", "default")))
     kind = family.rope_aliases.get(kind, kind)
     if kind not in ROPE_TYPES:
@@ -337,8 +358,9 @@ def describe(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     slides = family.windows(raw, n) if family.windows else [True] * n
     if not window:
         slides = [False] * n
+    rotary_dim = _rotary_dim(raw, family, head_dim, path)
     tables = {
-        name: rope_config(params, raw, family, head_dim, path)
+        name: rope_config(params, raw, family, rotary_dim, path)
         for name, params in _rope_tables(raw, family, path).items()
     }
     if tables["global"].scaling and tables["global"].scaling["rope_type"] == "dynamic":
@@ -374,6 +396,7 @@ def describe(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         final_softcap=_softcap(raw, "final_logit_softcapping", 30.0 if family.name == "gemma2" else None),
         embed_scale=gemma,
         attention_sinks=family.sinks,
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         moe=moe,
     )
 

@@ -74,14 +74,39 @@ def rotary_angles(rope: RopeConfig, head_dim: int, positions: int) -> tuple[torc
 
 
 class Rotary(nn.Module):
-    """cos/sin tables [positions, head_dim] (rotate-half layout, float32) for one RopeConfig."""
+    """cos/sin tables [positions, head_dim] (rotate-half layout, float32) for one RopeConfig.
 
-    def __init__(self, rope: RopeConfig, head_dim: int, positions: int, device: torch.device | None = None) -> None:
+    With `rotary_dim` < head_dim (partial rotary) the first rotary_dim / 2 pairs turn and the others hold still
+    (cos 1, sin 0): rotate-half pairs dim i with i + head_dim / 2, so the q and k rows are permuted at load
+    (`partial_rotary_order`) to put transformers' pairs (i, i + rotary_dim / 2) there."""
+
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        positions: int,
+        device: torch.device | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
         super().__init__()
-        freqs, factor = rotary_angles(rope, head_dim, positions)
-        angles = torch.cat((freqs, freqs), dim=-1)
+        turned = rotary_dim or head_dim
+        freqs, factor = rotary_angles(rope, turned, positions)
+        scale = torch.full((head_dim // 2,), 1.0)
+        scale[: turned // 2] = factor  # the attention factor scales the turned pairs only
+        freqs = torch.cat((freqs, freqs.new_zeros(positions, (head_dim - turned) // 2)), dim=-1)
+        angles, scale = torch.cat((freqs, freqs), dim=-1), torch.cat((scale, scale))
         cos, sin = angles.cos(), angles.sin()
         if factor != 1.0:
-            cos, sin = cos * factor, sin * factor
+            cos, sin = cos * scale, sin * scale
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The per-head order of q/k dims that makes transformers' partial rotary (dims [0, rotary_dim) turned in
+    pairs (i, i + rotary_dim / 2), the rest passed through) the rotate-half pairs (i, i + head_dim / 2) of
+    `Rotary`'s table: new dim j reads old dim order[j]. q and k permuted alike keep every q.k product."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = [*range(half), *range(rotary_dim, rotary_dim + rest)]
+    second = [*range(half, rotary_dim), *range(rotary_dim + rest, head_dim)]
+    return torch.tensor(first + second)

@@ -13,6 +13,7 @@ import transformers
 
 from executor import protocol as ep
 from executor.engine import Engine, EngineLimits
+from executor.model import ForwardBatch
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, load_model
 from executor.sequence import Status
@@ -195,3 +196,36 @@ def check_against_transformers(model_dir: Path, prompt: list[int], choice: Choic
 def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_forward_matches(model_dir: Path, reference: transformers.PreTrainedModel, vocab_size: int) -> None:
+    """The loaded checkpoint's logits over a prefill chunk, a decode token and a second chunk on the paged cache
+    (60 tokens, windows shorter than the chunks) against `reference`'s full forward: the same greedy tokens, and
+    their logprobs within 2e-3."""
+    loaded = load_model(model_dir, torch.device("cpu"))
+    c = loaded.config
+    tokens, block = 60, 16
+    ids = torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
+    blocks = -(-tokens // block)
+    shape = (blocks + 1, block, c.num_kv_heads, c.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+    pieces = []
+    for start, n in ((0, 37), (37, 1), (38, 22)):  # a chunk, a decode token, a chunk reading the cached ones
+        batch = ForwardBatch(
+            input_ids=ids[start : start + n],
+            positions=torch.arange(start, start + n),
+            slot_mapping=torch.arange(start, start + n) + block,  # block 0 stays unused
+            block_tables=torch.arange(1, blocks + 1, dtype=torch.int32)[None],
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([start + n], dtype=torch.int32),
+            logits_indices=torch.arange(n),
+        )
+        pieces.append(loaded.model(batch, caches))
+    ours = torch.cat(pieces)
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0].float()
+    chosen = expected.argmax(-1)
+    assert torch.equal(ours.argmax(-1), chosen)
+    rows = torch.arange(tokens)
+    ours_lp, expected_lp = torch.log_softmax(ours, -1)[rows, chosen], torch.log_softmax(expected, -1)[rows, chosen]
+    assert (ours_lp - expected_lp).abs().max().item() < 2e-3  # the greedy tokens' logprobs

@@ -12,8 +12,7 @@ import pytest
 import torch
 import transformers as tf
 
-from executor.model import ForwardBatch
-from executor.runner import load_model
+from tests.executor.harness import assert_forward_matches
 
 BASE: dict[str, Any] = dict(
     vocab_size=300,
@@ -71,6 +70,11 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         ),
     ),
     "phi3-window": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(sliding_window=13, bos_token_id=0, eos_token_id=1)),
+    "phi3-partial-rotary": (
+        tf.Phi3Config,
+        tf.Phi3ForCausalLM,
+        dict(partial_rotary_factor=0.5, num_key_value_heads=1, bos_token_id=0, eos_token_id=1),
+    ),
     "gpt_oss-layer-types-low-limit": (
         tf.GptOssConfig,
         tf.GptOssForCausalLM,
@@ -104,30 +108,4 @@ def _save(name: str, root: Path) -> tuple[Path, Any]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_transformers_configs_of_every_family_match(name: str, tmp_path: Path) -> None:
     model_dir, reference = _save(name, tmp_path)
-    loaded = load_model(model_dir, torch.device("cpu"))
-    c = loaded.config
-    tokens, block = 60, 16
-    ids = torch.randint(0, BASE["vocab_size"], (tokens,), generator=torch.Generator().manual_seed(1))
-    blocks = -(-tokens // block)
-    shape = (blocks + 1, block, c.num_kv_heads, c.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
-    pieces = []
-    for start, n in ((0, 37), (37, 1), (38, 22)):  # a chunk, a decode token, a chunk reading the cached ones
-        batch = ForwardBatch(
-            input_ids=ids[start : start + n],
-            positions=torch.arange(start, start + n),
-            slot_mapping=torch.arange(start, start + n) + block,  # block 0 stays unused
-            block_tables=torch.arange(1, blocks + 1, dtype=torch.int32)[None],
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n], dtype=torch.int32),
-            logits_indices=torch.arange(n),
-        )
-        pieces.append(loaded.model(batch, caches))
-    ours = torch.cat(pieces)
-    with torch.no_grad():
-        expected = reference(ids[None]).logits[0].float()
-    chosen = expected.argmax(-1)
-    assert torch.equal(ours.argmax(-1), chosen)
-    rows = torch.arange(tokens)
-    ours_lp, expected_lp = torch.log_softmax(ours, -1)[rows, chosen], torch.log_softmax(expected, -1)[rows, chosen]
-    assert (ours_lp - expected_lp).abs().max().item() < 2e-3  # the greedy tokens' logprobs
+    assert_forward_matches(model_dir, reference, BASE["vocab_size"])

@@ -157,16 +157,29 @@ def wait_until_no_live_blocks(stack: LocalStack, timeout_s: float = 15.0, pools:
 
 
 @cache
-def _hf_tokenizer(model_dir: Path) -> Any:
+def hf_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 def reference_text(model_dir: Path, prompt: list[int], n: int) -> tuple[str, list[int]]:
-    """transformers' greedy continuation of `prompt` (n tokens, EOS ignored) and its text as transformers'
-    tokenizer decodes it: what the stack must answer at temperature 0."""
+    """transformers' greedy continuation of `prompt` (n tokens, EOS ignored) and its text: what the stack must
+    answer at temperature 0."""
     from tests.executor.harness import hf_greedy_ignoring_eos
 
     tokens = hf_greedy_ignoring_eos(model_dir, prompt, n)
-    return _hf_tokenizer(model_dir).decode(tokens, skip_special_tokens=True), tokens
+    return continuation_text(model_dir, prompt, tokens), tokens
+
+
+def continuation_text(model_dir: Path, prompt: list[int], tokens: list[int]) -> str:
+    """What `tokens` add to the decoded `prompt` (transformers' decode of both, less its decode of the prompt):
+    the text streamed after a prompt, which differs from decoding the tokens alone where the prompt ends inside
+    a character that the tokens complete. That character, U+FFFD at the prompt's end, stays the prompt's (as
+    gateway.text.Detokenizer releases it)."""
+    tokenizer = hf_tokenizer(model_dir)
+    before = tokenizer.decode(prompt, skip_special_tokens=True)
+    whole = tokenizer.decode(prompt + tokens, skip_special_tokens=True)
+    completed = before.endswith("\ufffd") and whole.startswith(before[:-1]) and len(whole) >= len(before)
+    assert whole.startswith(before) or completed, "the continuation rewrites the prompt's text"
+    return whole[len(before) :]

@@ -42,4 +42,24 @@ FAMILY_SPECS: dict[str, dict[str, Any]] = {
     "llama-linear": dict(arch="llama", rope_scaling="linear"),
     "llama-dynamic": dict(arch="llama", rope_scaling="dynamic"),
     "mistral-w16": dict(arch="mistral", sliding_window=16),
+    "qwen2-w20": dict(arch="qwen2", sliding_window=20),
+    # From the shape sweep (tools/shape_sweep.py): odd layer counts, windows that are not a block multiple, wide
+    # heads, GQA 8:1, one expert per token.
+    "gemma3-l7-w13": dict(arch="gemma3", layers=7, sliding_window=13),
+    "qwen3-gqa8-hd32-l3": dict(arch="qwen3", heads=8, kv_heads=1, head_dim=32, layers=3),
+    "mistral-w13-hd96": dict(arch="mistral", sliding_window=13, head_dim=96),
+    "gpt_oss-w13-e16k1-hd80": dict(arch="gpt_oss", head_dim=80, sliding_window=13, experts=16, experts_per_token=1),
 }
+# One shape of each family that the API tests serve through a whole stack (a stack per family costs seconds).
+API_FAMILY_SPECS = (
+    "llama-yarn",
+    "mistral-w16",
+    "qwen2-w20",
+    "qwen3-hd32-window",
+    "qwen3_moe-e4k2",
+    "mixtral-e8k2-window-mha",
+    "gemma2-w16",
+    "gemma3-w16",
+    "phi3-longrope-window",
+    "gpt_oss-w16-e4k2",
+)

@@ -21,7 +21,8 @@ from executor.model_config import CheckpointError, RopeConfig, UnsupportedModel
 from executor.models.families import SUPPORTED_ARCHITECTURES
 from pagedkv.tools.model_gen import ModelSpecError, write_model
 from pagedkv.tools.model_gen.cli import make_model
-from tests.support.models import TINY_ARCHS
+from pagedkv.tools.model_gen.spec import ARCHITECTURES
+from tests.support.models import TINY, TINY_ARCHS
 
 TEXT = "héllo wörld 日本語 🙂"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -59,6 +60,22 @@ def test_transformers_loads_every_weight_and_the_logits_are_peaked(tiny_models: 
     assert all(len(set(row.tolist())) >= 16 for row in generated)
     if arch == "qwen2":  # the q/k/v bias path must matter
         assert model.model.layers[0].self_attn.q_proj.bias.abs().min() > 0
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_no_family_echoes_its_input_or_saturates(arch: str, tmp_path: Path) -> None:
+    """Every family's random model (its default tying) predicts from its context: tied Gemma, whose embedding is
+    scaled by sqrt(hidden), once only echoed the input token with logprob 0, so comparisons hardly tested it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(write_model(tmp_path / arch, quiet=True, arch=arch, **TINY)).eval()
+    prompt = torch.randint(4, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(prompt).logits[0].float(), dim=-1)
+    top2 = logprobs.topk(2, dim=-1).values
+    assert (logprobs.argmax(-1) == prompt[0]).float().mean() < 0.2
+    assert top2[:, 0].median() < -0.1  # not a certainty: the logprobs compared with transformers mean something
+    assert (top2[:, 0] - top2[:, 1]).median() > 0.2
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pagedkv.tools.model_gen.spec import (
@@ -9,6 +10,7 @@ from pagedkv.tools.model_gen.spec import (
     BOS,
     EOS,
     IM_END,
+    TARGET_LOGIT_STD,
     ModelSpec,
 )
 
@@ -141,6 +143,14 @@ def _randomise_constants(model: Any, spec: ModelSpec) -> None:
                 param.normal_(0.0, 1.0)
             elif name.endswith("bias"):
                 param.normal_(0.0, std)
+        if spec.arch.startswith("gemma") and spec.tied:
+            # Gemma scales the embedding by sqrt(hidden) and its tied head reads the same rows: at the init's
+            # std the input token's own embedding dominates the residual stream and the model echoes its input
+            # (greedy text then hardly depends on attention). Its scaled embedding is cut to RMS 2/sqrt(hidden),
+            # below what the layers add, and the final norm's (1 + w) brings the logits back to TARGET_LOGIT_STD.
+            scaled_rms = 2 / math.sqrt(spec.hidden_size)
+            model.model.embed_tokens.weight.mul_(scaled_rms / TARGET_LOGIT_STD)
+            model.model.norm.weight.add_(TARGET_LOGIT_STD / scaled_rms - 1)
 
 
 def _build_model(spec: ModelSpec, ids: dict[str, int]) -> Any:
