@@ -44,7 +44,9 @@ def test_family_matches_transformers_past_the_window_with_prefix_caching(name, f
     first = [*shared, *random_prompts([17], vocab=512, seed=32)[0]]  # 57 tokens, past every window (<= 48)
     others = random_prompts([70, 9], vocab=512, seed=33)
     assert window < len(first)
-    engine = make_engine(model, blockd.endpoint, pool_id=f"pool-{name}")
+    # 128 blocks: with layer groups every sliding table holds its window's blocks and a margin (gemma3-l7-w13 has
+    # six of them), and 64 would leave its global table less than the first prompt.
+    engine = make_engine(model, blockd.endpoint, pool_id=f"pool-{name}", num_blocks=128)
     waves = {0: [("first", first, PARAMS), ("long", others[0], PARAMS)], 3: [("short", others[1], PARAMS)]}
     results = drive(engine, waves)
     second = [*shared, 5, 6, 7]  # a later request sharing the first one's 40-token prefix
