@@ -26,6 +26,7 @@ from executor.runner import LoadedModel, ModelRunner
 from executor.sampling import Sampler
 from executor.scheduler import Scheduler
 from executor.sequence import Request, Sequence, Status
+from executor.speculative import SpeculativeConfig, build_speculator
 from executor.step_loop import StepLoop
 from executor.structured import GrammarRejected, Grammars, new_matcher
 from executor.threads import ThreadGovernor
@@ -47,6 +48,7 @@ class EngineLimits:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
+    speculative: SpeculativeConfig | None = None  # --speculative-config (executor/speculative.py)
 
 
 class Engine:
@@ -73,8 +75,17 @@ class Engine:
         lib = cpu_native.library() if cpu and pin_threads else None
         if lib is not None:
             log.info("worker_threads_pinned", cpus=cpu_native.pin_workers(lib, torch.get_num_threads()))
+        speculator = None
+        if limits.speculative is not None:
+            limits.speculative.check_block_size(runner.block_size)
+            speculator = build_speculator(limits.speculative, max_model_len=self.config.max_model_len)
+        self.speculator = speculator
         self.model_step = ModelStep(
-            runner, Sampler(runner.device, seed, eos_token_ids=self.config.eos_token_ids), pool.seqs, threads
+            runner,
+            Sampler(runner.device, seed, eos_token_ids=self.config.eos_token_ids),
+            pool.seqs,
+            threads,
+            speculator,
         )
         scheduler = Scheduler(
             num_blocks=runner.num_blocks,
@@ -91,6 +102,7 @@ class Engine:
             self.model_step,
             eos_token_ids=self.config.eos_token_ids,
             max_model_len=self.config.max_model_len,
+            speculator=speculator,
         )
         # Structured output: the compiled-grammar cache (made for the first such request), and the requests
         # whose grammar is still compiling, kept out of the scheduler until it is ready.
@@ -242,7 +254,18 @@ class Engine:
             busy_s=round(s.step_budget.busy_s, 4),
             computed_tokens=s.step_budget.computed_tokens,
             step_token_budget=s.step_budget.tokens(),
+            **self._spec_load(),
         )
+
+    def _spec_load(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {
+            "spec_drafts": stats.drafts,
+            "spec_proposed_tokens": stats.proposed_tokens,
+            "spec_accepted_tokens": stats.accepted_tokens,
+        }
 
     # ------------------------------------------------------------------------------------------ the step
 

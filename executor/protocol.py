@@ -120,6 +120,11 @@ class LoadReport(Message, tag="load"):
     step_token_budget: int = 0  # the token budget of the next step (--max-step-ms sizes it; 0: not reported)
     # Tokens its requests (from every gateway) may still need computed: prompts' rest, choices' max_tokens left.
     queued_tokens: int = 0
+    # Speculative decoding (--speculative-config), since the executor started: drafted rows verified, draft
+    # tokens proposed and accepted (acceptance rate = accepted / proposed).
+    spec_drafts: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Alive(Message, tag="alive"):

@@ -163,8 +163,13 @@ class ModelRunner:
             mirrored = tables[chunk.seq.seq_id]
             table = mirrored.blocks
             start, n = chunk.start, len(chunk.token_ids)
+            draft = len(chunk.draft)
+            if draft:  # speculative: the draft's tokens are more query positions, into slots held reserved
+                n += draft
+                input_ids.extend(chunk.token_ids + chunk.draft)
+            else:
+                input_ids.extend(chunk.token_ids)
             end = start + n
-            input_ids.extend(chunk.token_ids)
             if n == 1:  # a decode: most chunks of a busy step
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -173,8 +178,8 @@ class ModelRunner:
                 slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
             starts.append(starts[-1] + n)
             seq_lens.append(end)
-            if chunk.samples:
-                logits_indices.append(starts[-1] - 1)
+            if chunk.samples:  # the last token's row, and each draft token's (verified)
+                logits_indices.extend(range(starts[-1] - 1 - draft, starts[-1]))
             row = table[: -(-end // bs)]
             holes = mirrored.holes
             if holes:  # blocks handed back: the kernels read none of them, any valid id will do
@@ -201,7 +206,8 @@ class ModelRunner:
         )
 
     def execute(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> torch.Tensor:
-        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order, then
+        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order (a drafted
+        chunk's 1 + len(draft) rows), then
         those of each chunk's `scored_positions` (prompt logprobs), chunk by chunk."""
         batch = self.build_batch(chunks, tables)
         return self.model(batch, self.kv_caches, self.backend)

@@ -45,6 +45,9 @@ class Chunk:
     seq: Sequence
     start: int
     token_ids: list[int]
+    # Speculative decoding: tokens proposed to follow, computed as more query positions of the same pass into
+    # slots blockd holds reserved, and verified from their logits (executor/speculative.py). Only on a decode.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:  # the chunk reaches the sequence's end, so its last row's logits are sampled
@@ -156,6 +159,8 @@ class Scheduler:
         self.quiet_steps = 0  # steps planned in a row without a round trip
         self._computed: dict[int, int] = {}  # while a plan is made ahead: tokens computed once the step running ends
         self._slid: dict[str, int] = {}  # sequences this plan slides -> the leading blocks they hand back
+        # Speculative decoding: room a decoding sequence keeps held past its next token (its next draft's).
+        self.lookahead = 0
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -368,7 +373,8 @@ class Scheduler:
         """Whether the sequence must append before the next step: its tokens (and the one it is sampling) do not
         fit in the room blockd holds for it, or it is a new choice, whose first token must not be written into
         the block it shares with its parent."""
-        return seq.fork_parent is not None or self._room_left(seq, sampling) < 0
+        lookahead = self.lookahead if seq.num_generated > 0 else 0
+        return seq.fork_parent is not None or self._room_left(seq, sampling) < lookahead
 
     def _quiet(self, growing: list[Sequence]) -> bool:
         """Whether the next step can go without a round trip (docs/architecture.md, "A step"). `growing`: the
@@ -584,4 +590,6 @@ class Scheduler:
                 continue
             chunks.append(Chunk(seq, seq.num_computed, seq.tokens[seq.num_computed : seq.num_computed + take]))
             budget -= take
+            if remaining == 1 and self.lookahead:  # a decode's draft is budgeted with it, before any prefill
+                budget -= min(self.lookahead - 1, budget)
         return chunks
