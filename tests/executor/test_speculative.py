@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from blockd.protocol import Trim
 from executor.params import SamplingParams
 from executor.sequence import Request, Sequence
 from executor.speculative import NgramProposer, SpeculativeConfig, SpeculativeConfigError
@@ -191,3 +192,29 @@ def test_sampled_output_keeps_the_models_distribution(repeating_model, blockd):
     for j in range(4):  # the joint distribution of the first j + 1 tokens
         p = _chi_square_p(counts["spec"][j], counts["plain"][j])
         assert p > 1e-3, (j, p)
+
+
+def test_short_of_blocks_the_spare_room_is_trimmed_back(repeating_model, blockd):
+    """A pool too small for every sequence's room: speculation's spare reserved blocks go back through blockd's
+    trim before anyone is preempted; output stays the plain engine's, and no block leaks (blockd's teardown)."""
+    spec = make_engine(repeating_model, blockd.endpoint, pool_id="spec-tight", speculative=NGRAM, num_blocks=24)
+    plain = make_engine(repeating_model, blockd.endpoint, pool_id="plain-tight", num_blocks=24)
+    prompts = [repeat_prompt(doc) for doc in _documents(plain, 6, 40)]
+    trims = []
+    step, submit = spec.pool.step, spec.pool.submit_step
+
+    def counted(send):
+        def call(ops):
+            trims.extend(op for op in ops if type(op) is Trim)
+            return send(ops)
+
+        return call
+
+    spec.pool.step, spec.pool.submit_step = counted(step), counted(submit)
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]}
+    with_spec, without = drive(spec, arrivals), drive(plain, arrivals)
+    for i in range(len(prompts)):
+        assert with_spec[f"r{i}"][0].tokens == without[f"r{i}"][0].tokens, f"request {i}"
+    assert trims, "no trim was sent"
+    assert spec.speculator.stats.accepted_tokens > 0
