@@ -93,6 +93,7 @@ def _greedy(engine: Any, prompts: list[list[int]], max_tokens: int, salt: str) -
     help="Timed runs of each engine per concurrency (alternated; the best counts).",
 )
 @threads_option("torch intra-op threads.")
+@click.option("--quick", is_flag=True, help="A tiny run for tests: 2 requests at concurrency 1 and 2, short texts.")
 def bench_speculative(
     model_dir: Path | None,
     cache_dir: Path,
@@ -103,6 +104,7 @@ def bench_speculative(
     output_tokens: int,
     rounds: int,
     threads: int | None,
+    quick: bool,
 ) -> None:
     import torch
 
@@ -112,6 +114,8 @@ def bench_speculative(
         spec = SpeculativeConfig.parse(spec_text)
     except SpeculativeConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
+    if quick:
+        concurrency, num_requests, document_tokens, output_tokens, rounds = "1,2", 2, 48, 24, 1
     levels = [int(c) for c in concurrency.split(",")]
     if threads is not None:
         torch.set_num_threads(threads)
