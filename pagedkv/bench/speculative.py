@@ -38,6 +38,50 @@ def _greedy(engine: Any, prompts: list[list[int]], max_tokens: int, salt: str) -
     return [outputs[f"{salt}-{i}"] for i in range(len(prompts))], time.perf_counter() - started
 
 
+def _vllm_runs(
+    model_dir: Path, prompts: list[list[int]], output_tokens: int, level: int, spec_text: str, rounds: int
+) -> dict[str, Any]:
+    """vLLM's LLM on the same prompts (greedy, ignore_eos), without and with the same speculative config: the
+    best of `rounds` timed runs each (after a warm-up), tok/s and outputs."""
+    import tempfile
+
+    from pagedkv.bench.peer_systems import VllmSystem, default_vllm_python, driver_env
+
+    python = default_vllm_python()
+    if not python.exists():
+        raise click.UsageError(f"--vllm: no vLLM environment at {python} (`make peer-env`)")
+    driver = Path(__file__).with_name("peer_driver.py")
+    out: dict[str, Any] = {}
+    requests = [{"id": f"r{i}", "prompt": p, "output_len": output_tokens} for i, p in enumerate(prompts)]
+    for name, config in (("plain", None), ("spec", json.loads(spec_text))):
+        with tempfile.TemporaryDirectory(prefix="bench-spec-vllm-") as tmp:
+            system = VllmSystem(f"vllm-{name}", python, driver, driver_env(None), Path(tmp) / "driver.log", Path(tmp))
+            try:
+                system.call(
+                    {
+                        "op": "load",
+                        "model": str(model_dir),
+                        "dtype": "float32",
+                        "kv_cache_bytes": 256 * 2**20,
+                        "max_num_seqs": level,
+                        "max_num_batched_tokens": max(512, level),
+                        "max_model_len": max(len(p) for p in prompts) + output_tokens + 16,
+                        "speculative_config": config,
+                    }
+                )
+                system.call({"op": "generate", "requests": requests[:level], "reset_prefix_cache": True})
+                best = float("inf")
+                for r in range(rounds):
+                    reply = system.call({"op": "generate", "requests": requests, "reset_prefix_cache": True})
+                    best = min(best, reply["seconds"])
+                    click.echo(f"concurrency {level} round {r + 1}: vllm {name} {reply['seconds']:.2f} s", err=True)
+                out[f"{name}_tok_s"] = round(len(prompts) * output_tokens / best, 1)
+                out[f"{name}_outputs"] = [reply["outputs"][f"r{i}"] for i in range(len(prompts))]
+            finally:
+                system.close()
+    return out
+
+
 @click.command(
     "speculative",
     help="""Single-stream and concurrent decode tok/s with and without speculative decoding, on prompts that
@@ -93,6 +137,13 @@ def _greedy(engine: Any, prompts: list[list[int]], max_tokens: int, salt: str) -
     help="Timed runs of each engine per concurrency (alternated; the best counts).",
 )
 @threads_option("torch intra-op threads.")
+@click.option(
+    "--vllm",
+    "with_vllm",
+    is_flag=True,
+    help="Also run vLLM (its CPU build in .venv-peer, `make peer-env`) on the same prompts, with and "
+    "without the same --speculative-config.",
+)
 @click.option("--quick", is_flag=True, help="A tiny run for tests: 2 requests at concurrency 1 and 2, short texts.")
 def bench_speculative(
     model_dir: Path | None,
@@ -104,6 +155,7 @@ def bench_speculative(
     output_tokens: int,
     rounds: int,
     threads: int | None,
+    with_vllm: bool,
     quick: bool,
 ) -> None:
     import torch
@@ -158,9 +210,14 @@ def bench_speculative(
         equal = outputs["plain"] == outputs["spec"]
         tokens = count * output_tokens
         proposed, accepted = stats.proposed_tokens - proposed0, stats.accepted_tokens - accepted0
+        vllm = _vllm_runs(model_dir, prompts, output_tokens, level, spec_text, rounds) if with_vllm else {}
+        if vllm:
+            vllm["plain_equal"] = vllm.pop("plain_outputs") == outputs["plain"]
+            vllm["spec_equal"] = vllm.pop("spec_outputs") == outputs["plain"]
         results.append(
             {
                 "concurrency": level,
+                **({"vllm": vllm} if vllm else {}),
                 "requests": count,
                 "output_tokens": tokens,
                 "plain_tok_s": round(tokens / best["plain"], 1),
@@ -188,6 +245,21 @@ def bench_speculative(
     click.echo(f"model {model_dir}, --speculative-config {spec_text}")
     for line in table_lines(header, rows):
         click.echo(line)
+    if with_vllm:
+        vheader = ["concurrency", "vLLM tok/s", "vLLM spec tok/s", "vLLM speedup", "pagedkv spec / vLLM spec", "equal"]
+        vrows = [
+            [
+                str(r["concurrency"]),
+                f"{r['vllm']['plain_tok_s']:.1f}",
+                f"{r['vllm']['spec_tok_s']:.1f}",
+                f"{r['vllm']['plain_tok_s'] and r['vllm']['spec_tok_s'] / r['vllm']['plain_tok_s']:.2f}x",
+                f"{r['spec_tok_s'] / r['vllm']['spec_tok_s']:.2f}",
+                "yes" if r["vllm"]["plain_equal"] and r["vllm"]["spec_equal"] else "NO",
+            ]
+            for r in results
+        ]
+        for line in table_lines(vheader, vrows):
+            click.echo(line)
     click.echo(json.dumps({"model": str(model_dir), "speculative_config": json.loads(spec_text), "runs": results}))
     if not all(r["greedy_equal"] for r in results):
         raise SystemExit("greedy outputs differ with speculation")
