@@ -78,7 +78,7 @@ class Engine:
         speculator = None
         if limits.speculative is not None:
             limits.speculative.check_block_size(runner.block_size)
-            speculator = build_speculator(limits.speculative, max_model_len=self.config.max_model_len)
+            speculator = build_speculator(limits.speculative, max_model_len=self.config.max_model_len, runner=runner)
         self.speculator = speculator
         self.model_step = ModelStep(
             runner,

@@ -39,7 +39,7 @@ from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, ExecutorServer, Fenced, StepStall
-from executor.speculative import SpeculativeConfig, SpeculativeConfigError, build_speculator
+from executor.speculative import SpeculativeConfig, SpeculativeConfigError
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 from kernels.quant import KV_CACHE_DTYPES
 
@@ -77,8 +77,8 @@ def _speculative(text: str | None, embed: bool, tensor_parallel_size: int, block
     try:
         config = SpeculativeConfig.parse(text)
         config.check_block_size(block_size)
-        if config.method != "ngram":
-            build_speculator(config, max_model_len=1)  # refuses what this executor does not serve
+        if config.model is not None and config.method == "draft_model" and not Path(config.model).is_dir():
+            raise SpeculativeConfigError(f"draft model {config.model}: not a directory")
     except SpeculativeConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
     if embed:
@@ -242,7 +242,9 @@ def _speculative(text: str | None, embed: bool, tensor_parallel_size: int, block
     "speculative_config",
     default=None,
     help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
-    '"prompt_lookup_max": N, "prompt_lookup_min": M} (prompt lookup; K below the block size). Drafts are verified '
+    '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": K} (a small model of the same vocabulary, with its own KV cache); K below the '
+    "block size. Drafts are verified "
     "in the same forward pass; greedy output is unchanged and sampled output keeps the model's distribution.",
 )
 @click.option(
@@ -396,21 +398,24 @@ def main(
         except KeysError as exc:
             raise click.ClickException(str(exc)) from None
     # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
-    engine = Engine.assemble(
-        loaded,
-        blockd_endpoint,
-        pool_id=pool_id,
-        num_blocks=blocks,
-        block_size=block_size_int,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None, speculative),
-        backend=kernels,
-        seed=seed,
-        retry_for_s=2.0,
-        curve=curve,
-        adapt_threads=adapt_threads,
-        pin_threads=pin_threads,
-        runner=group_runner,
-    )
+    try:
+        engine = Engine.assemble(
+            loaded,
+            blockd_endpoint,
+            pool_id=pool_id,
+            num_blocks=blocks,
+            block_size=block_size_int,
+            limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None, speculative),
+            backend=kernels,
+            seed=seed,
+            retry_for_s=2.0,
+            curve=curve,
+            adapt_threads=adapt_threads,
+            pin_threads=pin_threads,
+            runner=group_runner,
+        )
+    except SpeculativeConfigError as exc:  # (a draft model that does not fit the target)
+        raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
     model_runner = engine.runner
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
     engine.pool.start_heartbeats()

@@ -21,7 +21,7 @@ import json
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from blockd.client import MirroredSequence
 from common.tokens import TOKEN_BYTES
@@ -97,8 +97,8 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """At most `max_tokens` (>= 1) tokens likely to follow the sequence's tokens."""
+    def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, most): at most `most` (>= 1) tokens likely to follow the sequence's tokens."""
 
 
 class NgramProposer:
@@ -121,6 +121,9 @@ class NgramProposer:
         for token in seq.tokens[have:]:
             packed += token.to_bytes(TOKEN_BYTES, "little")
         return packed
+
+    def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self.propose(seq, most) for seq, most in wanted]
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         tokens = seq.tokens
@@ -178,9 +181,10 @@ class Speculator:
         been planned already, for one sampled token: so every token this step can add must lie in room held now,
         docs/architecture.md, "Speculative decoding")."""
         k = self.config.num_speculative_tokens
+        wanted: list[tuple[Chunk, int]] = []
         for chunk in chunks:
             if budget <= 0:
-                return
+                break
             seq = chunk.seq
             if len(chunk.token_ids) != 1 or not chunk.samples or seq.matcher is not None:
                 continue  # prefill chunks, and structured output (its matcher would have to run ahead)
@@ -190,10 +194,13 @@ class Speculator:
             most = min(k, budget, room, params.max_tokens - seq.num_generated - 1, self.max_model_len - n - 1)
             if most <= 0:
                 continue
-            draft = self.proposer.propose(seq, most)
-            if draft:
-                chunk.draft = draft
-                budget -= len(draft)
+            wanted.append((chunk, most))
+            budget -= most
+        if not wanted:
+            return
+        drafts = self.proposer.propose_all([(chunk.seq, most) for chunk, most in wanted])
+        for (chunk, most), draft in zip(wanted, drafts, strict=True):
+            chunk.draft = draft[:most]
 
     def verified(self, draft: list[int], sampled: list[int]) -> int:
         """How many of the draft's tokens the sampled ones accept (`sampled`: one per row, len(draft) + 1)."""
@@ -206,7 +213,12 @@ class Speculator:
         return accepted
 
 
-def build_speculator(config: SpeculativeConfig, *, max_model_len: int) -> Speculator:
+def build_speculator(config: SpeculativeConfig, *, max_model_len: int, runner: Any = None) -> Speculator:
+    """The speculator of `config`; a draft model is loaded beside the target's `runner` (its device, block size,
+    KV blocks and vocabulary: executor.draft)."""
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), max_model_len)
-    raise SpeculativeConfigError('method "draft_model" is not served yet by this executor (use "ngram")')
+    from executor.draft import DraftModelProposer
+
+    assert config.model is not None
+    return Speculator(config, DraftModelProposer.beside(config.model, runner), max_model_len)

@@ -3,6 +3,7 @@ transformers' and to the engine's without speculation, with drafts proposed and 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from executor.params import SamplingParams
 from executor.sequence import Request, Sequence
 from executor.speculative import NgramProposer, SpeculativeConfig, SpeculativeConfigError
 from pagedkv.bench.spec_workload import documents, repeat_prompt, write_repeating_model
+from pagedkv.tools.model_gen import write_model
 from tests.executor.harness import drive, hf_greedy, make_engine, random_prompts
 from tests.support.models import TINY
 
@@ -218,3 +220,36 @@ def test_short_of_blocks_the_spare_room_is_trimmed_back(repeating_model, blockd)
         assert with_spec[f"r{i}"][0].tokens == without[f"r{i}"][0].tokens, f"request {i}"
     assert trims, "no trim was sent"
     assert spec.speculator.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "qwen2"])
+def test_a_draft_model_keeps_greedy_output(draft_arch, tiny_models, blockd):
+    """The draft is the target itself (every draft accepted) or another tiny model of the same vocabulary (most
+    rejected): greedy output is transformers' either way, with concurrency and a second wave of prefix hits."""
+    model = tiny_models["llama"]
+    config = SpeculativeConfig.parse(
+        json.dumps({"method": "draft_model", "model": str(tiny_models[draft_arch]), "num_speculative_tokens": 3})
+    )
+    spec = make_engine(model, blockd.endpoint, pool_id=f"spec-draft-{draft_arch}", speculative=config)
+    prompts = random_prompts([5, 20, 33, 17], vocab=512, seed=9)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    arrivals = {0: [(f"r{i}", p, greedy) for i, p in enumerate(prompts[:3])], 2: [("r3", prompts[3], greedy)]}
+    first = drive(spec, arrivals)
+    second = drive(spec, {0: [(f"b{i}", p, greedy) for i, p in enumerate(prompts)]})
+    for i, prompt in enumerate(prompts):
+        expected = hf_greedy(model, prompt, greedy.max_tokens)
+        assert first[f"r{i}"][0].tokens == expected, f"request {i}"
+        assert second[f"b{i}"][0].tokens == expected, f"request {i} again"
+    stats = spec.speculator.stats
+    assert stats.proposed_tokens > 0
+    if draft_arch == "llama":
+        assert stats.acceptance_rate > 0.9, stats
+    else:
+        assert stats.accepted_tokens < stats.proposed_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models, tmp_path, blockd):
+    other = write_model(tmp_path / "other-vocab", arch="llama", quiet=True, **{**TINY, "vocab_size": 384})
+    config = SpeculativeConfig.parse(json.dumps({"model": str(other), "num_speculative_tokens": 2}))
+    with pytest.raises(SpeculativeConfigError, match="vocabulary of 384 tokens"):
+        make_engine(tiny_models["llama"], blockd.endpoint, pool_id="spec-vocab", speculative=config)
