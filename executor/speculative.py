@@ -33,7 +33,8 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prom
 
 
 class SpeculativeConfigError(ValueError):
-    """A `--speculative-config` that cannot be served: refused at startup."""
+    """A `--speculative-config` that cannot be served (a bad key or value, a draft model that does not fit the
+    target): refused at startup."""
 
 
 @dataclass(frozen=True, slots=True)
