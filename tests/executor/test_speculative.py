@@ -253,3 +253,21 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models, tmp_path, b
     config = SpeculativeConfig.parse(json.dumps({"model": str(other), "num_speculative_tokens": 2}))
     with pytest.raises(SpeculativeConfigError, match="vocabulary of 384 tokens"):
         make_engine(tiny_models["llama"], blockd.endpoint, pool_id="spec-vocab", speculative=config)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+        ('{"method": "ngram", "num_speculative_tokens": 16}', "below the block size"),
+        ('{"model": "/nonexistent-draft", "num_speculative_tokens": 2}', "not a directory"),
+    ],
+)
+def test_the_executor_refuses_a_bad_config_at_startup(text, message):
+    from click.testing import CliRunner
+
+    from executor.main import main
+
+    result = CliRunner().invoke(main, ["--speculative-config", text, "--block-size", "16"])
+    assert result.exit_code == 2, result.output
+    assert "--speculative-config" in result.output and message in result.output
