@@ -28,18 +28,23 @@ def repetitive(prompts: list[list[int]]) -> list[list[int]]:
     return [p + p[: len(p) // 2] + p for p in prompts]
 
 
-def test_greedy_is_unchanged_when_drafts_are_rejected(tiny_models, blockd):
-    """The tiny random model never repeats its prompt: the lookup proposes, verification rejects, and the
-    output is transformers' and the engine's without speculation."""
-    model = tiny_models["llama"]
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+def test_greedy_is_unchanged_when_drafts_are_rejected(arch, tiny_models, tmp_path, blockd):
+    """The tiny random models never repeat their prompt: the lookup proposes, verification rejects, and the
+    output is transformers' and the engine's without speculation (mistral-window: every layer slides, blocks go
+    back as sequences pass the window)."""
+    if arch == "llama":
+        model = tiny_models[arch]
+    else:
+        model = write_model(tmp_path / arch, arch="mistral", sliding_window=24, quiet=True, **TINY)
     prompts = repetitive(random_prompts([5, 12, 30, 17, 40, 9], vocab=512, seed=3))
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     arrivals = {
         0: [(f"r{i}", p, greedy) for i, p in enumerate(prompts[:4])],
         3: [(f"r{i}", p, greedy) for i, p in enumerate(prompts[4:], 4)],
     }
-    spec = make_engine(model, blockd.endpoint, pool_id="spec", speculative=NGRAM)
-    plain = make_engine(model, blockd.endpoint, pool_id="plain")
+    spec = make_engine(model, blockd.endpoint, pool_id=f"spec-{arch}", speculative=NGRAM)
+    plain = make_engine(model, blockd.endpoint, pool_id=f"plain-{arch}")
     with_spec, without = drive(spec, arrivals), drive(plain, arrivals)
     for i, prompt in enumerate(prompts):
         assert with_spec[f"r{i}"][0].tokens == without[f"r{i}"][0].tokens, f"request {i}"
