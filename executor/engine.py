@@ -19,6 +19,7 @@ import torch
 from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
+from executor.draft import DraftModelProposer
 from executor.kv_budget import pool_window
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
@@ -26,7 +27,7 @@ from executor.runner import LoadedModel, ModelRunner
 from executor.sampling import Sampler
 from executor.scheduler import Scheduler
 from executor.sequence import Request, Sequence, Status
-from executor.speculative import SpeculativeConfig, build_speculator
+from executor.speculative import NgramProposer, Proposer, SpeculativeConfig, Speculator
 from executor.step_loop import StepLoop
 from executor.structured import GrammarRejected, Grammars, new_matcher
 from executor.threads import ThreadGovernor
@@ -78,7 +79,7 @@ class Engine:
         speculator = None
         if limits.speculative is not None:
             limits.speculative.check_block_size(runner.block_size)
-            speculator = build_speculator(limits.speculative, max_model_len=self.config.max_model_len, runner=runner)
+            speculator = _speculator(limits.speculative, runner)
         self.speculator = speculator
         self.model_step = ModelStep(
             runner,
@@ -280,6 +281,18 @@ class Engine:
                 )
             return [*report.deltas, *self._admit_compiled()]
         return list(report.deltas)
+
+
+def _speculator(config: SpeculativeConfig, runner: ModelRunner) -> Speculator:
+    """The speculator of `--speculative-config`: n-gram lookup, or a draft model loaded beside the target's runner
+    (its device, block size, KV blocks and vocabulary: executor.draft)."""
+    proposer: Proposer
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        assert config.model is not None
+        proposer = DraftModelProposer.beside(config.model, runner)
+    return Speculator(config, proposer, runner.config.max_model_len)
 
 
 def _grammar_rejection(error: BaseException) -> tuple[ep.RejectCode, str]:

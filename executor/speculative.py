@@ -21,7 +21,7 @@ import json
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from blockd.client import MirroredSequence
 from common.tokens import TOKEN_BYTES
@@ -212,14 +212,3 @@ class Speculator:
         self.stats.proposed_tokens += len(draft)
         self.stats.accepted_tokens += accepted
         return accepted
-
-
-def build_speculator(config: SpeculativeConfig, *, max_model_len: int, runner: Any = None) -> Speculator:
-    """The speculator of `config`; a draft model is loaded beside the target's `runner` (its device, block size,
-    KV blocks and vocabulary: executor.draft)."""
-    if config.method == "ngram":
-        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), max_model_len)
-    from executor.draft import DraftModelProposer
-
-    assert config.model is not None
-    return Speculator(config, DraftModelProposer.beside(config.model, runner), max_model_len)
