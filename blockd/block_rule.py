@@ -80,6 +80,13 @@ def growth(
     return Growth(new_blocks, writes and open_block_shared)
 
 
+def trimmed_blocks(block_size: int, num_tokens: int, keep: int, table_blocks: int) -> int:
+    """Blocks a trim hands back: a table of `table_blocks` blocks holding `num_tokens` tokens keeps `keep` of its
+    reserved slots (no more than it holds) and so ceil((num_tokens + keep) / block_size) blocks; the ones past
+    them hold reserved slots only (speculative decoding's rejected drafts, room no longer wanted)."""
+    return max(table_blocks - -(-(num_tokens + keep) // block_size), 0)
+
+
 def dead_blocks(block_size: int, window: int | None, num_computed: int) -> int:
     """Leading blocks no future query reads: the queries still to come are at positions >= `num_computed` and see
     keys k with q - k < `window`, so every key at or before num_computed - window is dead. None: no window (every

@@ -484,6 +484,13 @@ class PoolClient:
                 self._release(seq.blocks[seq.holes : dead])
                 seq.blocks[seq.holes : dead] = [HOLE] * (dead - seq.holes)
                 seq.holes = dead
+        elif type(op) is p.Trim:
+            seq = self.seqs[op.seq_id]
+            seq.reserved = op.reserve
+            count = outcome.released  # the blocks blockd released: the table's last (block_rule.trimmed_blocks)
+            if count:
+                self._release(seq.blocks[len(seq.blocks) - count :])
+                del seq.blocks[len(seq.blocks) - count :]
         elif type(op) is p.Fork:
             parent = self.seqs[op.parent_id]
             shared = parent.blocks[: shared_blocks(self.block_size, len(parent.tokens) // TOKEN_BYTES)]
@@ -520,6 +527,9 @@ class PoolClient:
 
     def slide(self, seq_id: str, num_computed_tokens: int) -> int:
         return self._one(p.Slide(seq_id, num_computed_tokens)).released
+
+    def trim(self, seq_id: str, reserve: int) -> int:
+        return self._one(p.Trim(seq_id, reserve)).released
 
 
 class _Heartbeats(threading.Thread):

@@ -271,6 +271,8 @@ class BlockManager:
                     append(p.FreeResult(pool.free(op.seq_id)))
                 elif type(op) is p.Slide:
                     append(p.SlideResult(pool.slide(op.seq_id, op.num_computed_tokens)))
+                elif type(op) is p.Trim:
+                    append(p.TrimResult(pool.trim(op.seq_id, op.reserve)))
                 else:
                     pool.fork(op.parent_id, op.child_id)
                     append(p.ForkResult())

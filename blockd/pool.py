@@ -19,7 +19,8 @@ before and after every failed operation (tests/blockd/test_pool_model.py).
      Holes: in a pool with a sliding window, a table's leading entries may be holes (HOLE, no block): blocks
      handed back by `slide` because no future query reads them. Only leading entries, only full blocks of
      registered tokens no query at or past the last registered token reads (block_rule.dead_blocks), and they
-     count in the table's length as the blocks they were.
+     count in the table's length as the blocks they were. A `trim` lowers r and hands back the blocks past
+     ceil((n + r) / block_size) (block_rule.trimmed_blocks): so I4 holds after it as before.
  I5. Free blocks without a hash sit before every free block with one (they are reused first), and free
      blocks with a hash are in least-recently-freed order: allocation takes the queue's head.
  I6. A failed operation changes nothing.
@@ -36,7 +37,15 @@ from typing import Final, Protocol
 
 import msgspec
 
-from blockd.block_rule import dead_blocks, growth, reservable, reserved_after, shared_blocks, writes_open_block
+from blockd.block_rule import (
+    dead_blocks,
+    growth,
+    reservable,
+    reserved_after,
+    shared_blocks,
+    trimmed_blocks,
+    writes_open_block,
+)
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import chain_hashes, epoch_fingerprint, extra_key, group_extra_key, root_hash
 from blockd.tiers import Tier, TierDirectory, TierOp, TierStats
@@ -732,6 +741,31 @@ class BlockPool:
             released += len(handed)
         self.counters.freed_blocks += released
         return released
+
+    def trim(self, seq_id: str, reserve: int) -> int:
+        """Rollback of room: keep `reserve` of the sequence's reserved slots (at most those it holds) and hand
+        back the blocks past its tokens and them (block_rule.trimmed_blocks), tail first. They hold reserved
+        slots only, never a registered token: speculative decoding's rejected drafts were computed there and are
+        never hashed. Returns the blocks released."""
+        seq = self._seq(seq_id)
+        if self.num_groups > 1:  # (the executor refuses speculative decoding with layer groups)
+            raise BlockdError(ErrorCode.INVALID_REQUEST, "trim is for pools of one layer group")
+        if not 0 <= reserve <= seq.reserved:
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"reserve {reserve} for {seq_id!r} is outside [0, {seq.reserved}]: a trim only gives room back",
+            )
+        table = seq.table
+        n = len(seq.tokens) // _TOKEN_BYTES
+        count = trimmed_blocks(self.block_size, n, reserve, len(table))
+        seq.reserved = reserve
+        if not count:
+            return 0
+        released = table[len(table) - count :]
+        del table[len(table) - count :]
+        self._release(reversed(released))
+        self.counters.freed_blocks += count
+        return count
 
     def free_all(self) -> int:
         """Free every live sequence (lease expiry, executor restart)."""

@@ -15,7 +15,7 @@ from blockd.pool import MAX_GROUPS, AdmitResult, AppendResult, PoolStats
 from blockd.tiers import TierSpec
 from common.limits import SUPPORTED_BLOCK_SIZES
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: the `trim` op
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5557"
 #: Most ops one step may carry (a scheduler step holds a few per running sequence).
@@ -73,7 +73,15 @@ class Free(msgspec.Struct, tag="free"):
     seq_id: Name
 
 
-StepOp = Admit | Append | Commit | Slide | Fork | Free
+class Trim(msgspec.Struct, tag="trim"):
+    """Keep `reserve` of the sequence's reserved slots (no more than it holds) and hand back the blocks past its
+    tokens and them (blockd.block_rule.trimmed_blocks): room given back, e.g. speculative drafts' (v2)."""
+
+    seq_id: Name
+    reserve: Reserved = 0
+
+
+StepOp = Admit | Append | Commit | Slide | Fork | Free | Trim
 
 
 class CommitResult(msgspec.Struct, tag="commit"):
@@ -92,13 +100,17 @@ class FreeResult(msgspec.Struct, tag="free"):
     freed: int  # blocks released (references dropped)
 
 
+class TrimResult(msgspec.Struct, tag="trim"):
+    released: int  # blocks handed back
+
+
 class OpError(msgspec.Struct, tag="error", omit_defaults=True):
     code: str
     message: str
     missing_blocks: int = 0
 
 
-StepOpResult = AdmitResult | AppendResult | CommitResult | SlideResult | ForkResult | FreeResult | OpError
+StepOpResult = AdmitResult | AppendResult | CommitResult | SlideResult | ForkResult | FreeResult | TrimResult | OpError
 
 
 # ------------------------------------------------------------------------------------------ requests

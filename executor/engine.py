@@ -21,6 +21,7 @@ from blockd.client import BlockdClient, PoolClient
 from common.auth import ClientCurve
 from executor import protocol as ep
 from executor.beam import BeamSearch
+from executor.draft import DraftModelProposer
 from executor.layer_groups import layer_groups
 from executor.model_step import ModelStep
 from executor.params import SamplingParams
@@ -28,6 +29,7 @@ from executor.runner import LoadedModel, ModelRunner
 from executor.sampling import Sampler
 from executor.scheduler import Scheduler
 from executor.sequence import Request, Sequence, Status
+from executor.speculative import NgramProposer, Proposer, SpeculativeConfig, SpeculativeConfigError, Speculator
 from executor.step_loop import StepLoop
 from executor.structured import GrammarRejected, Grammars, new_matcher
 from executor.threads import ThreadGovernor
@@ -50,6 +52,7 @@ class EngineLimits:
     max_num_batched_tokens: int = 2048
     max_step_ms: float | None = None  # a step's target duration, which sizes its token budget; None: the cap only
     scheduling_policy: str = "fcfs"  # or "priority" (vLLM's): requests' priority orders the queue and preemption
+    speculative: SpeculativeConfig | None = None  # --speculative-config (executor/speculative.py)
 
 
 class Engine:
@@ -80,8 +83,21 @@ class Engine:
         lib = cpu_native.library() if cpu and pin_threads else None
         if lib is not None:
             log.info("worker_threads_pinned", cpus=cpu_native.pin_workers(lib, torch.get_num_threads()))
+        speculator = None
+        if limits.speculative is not None:
+            limits.speculative.check_block_size(runner.block_size)
+            if runner.groups.num_groups > 1:  # (blockd's trim gives one table's room back, not a group's)
+                raise SpeculativeConfigError(
+                    "speculative decoding is not supported yet for a model mixing sliding-window and global layers"
+                )
+            speculator = _speculator(limits.speculative, runner)
+        self.speculator = speculator
         self.model_step = ModelStep(
-            runner, Sampler(runner.device, seed, eos_token_ids=self.config.eos_token_ids), pool.seqs, threads
+            runner,
+            Sampler(runner.device, seed, eos_token_ids=self.config.eos_token_ids),
+            pool.seqs,
+            threads,
+            speculator,
         )
         scheduler = Scheduler(
             num_blocks=runner.num_blocks,
@@ -100,6 +116,7 @@ class Engine:
             self.model_step,
             eos_token_ids=self.config.eos_token_ids,
             max_model_len=self.config.max_model_len,
+            speculator=speculator,
         )
         # Structured output: the compiled-grammar cache (made for the first such request), and the requests
         # whose grammar is still compiling, kept out of the scheduler until it is ready.
@@ -297,7 +314,18 @@ class Engine:
             computed_tokens=s.step_budget.computed_tokens,
             step_token_budget=s.step_budget.tokens(),
             tiers=self.model_step.tiers.report() if self.model_step.tiers is not None else {},
+            **self._spec_load(),
         )
+
+    def _spec_load(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {
+            "spec_drafts": stats.drafts,
+            "spec_proposed_tokens": stats.proposed_tokens,
+            "spec_accepted_tokens": stats.accepted_tokens,
+        }
 
     # ------------------------------------------------------------------------------------------ the step
 
@@ -314,6 +342,18 @@ class Engine:
                 )
             return [*report.deltas, *self._admit_compiled()]
         return list(report.deltas)
+
+
+def _speculator(config: SpeculativeConfig, runner: ModelRunner) -> Speculator:
+    """The speculator of `--speculative-config`: n-gram lookup, or a draft model loaded beside the target's runner
+    (its device, block size, KV blocks and vocabulary: executor.draft)."""
+    proposer: Proposer
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        assert config.model is not None
+        proposer = DraftModelProposer.beside(config.model, runner)
+    return Speculator(config, proposer, runner.config.max_model_len)
 
 
 def _grammar_rejection(error: BaseException) -> tuple[ep.RejectCode, str]:

@@ -41,6 +41,7 @@ from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, kv_layout, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, EmbedFault, ExecutorServer, Fenced, StepStall
+from executor.speculative import SpeculativeConfig, SpeculativeConfigError
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 from executor.tier_store import TierStore
 from kernels.quant import KV_CACHE_DTYPES
@@ -70,6 +71,24 @@ def _device(spec: str) -> torch.device:
 
 def _default_pool_id(bind: str, device: torch.device) -> str:
     return f"{socket.gethostname()}-{device}-{bind.rsplit(':', 1)[-1]}".replace("/", "-")
+
+
+def _speculative(text: str | None, embed: bool, tensor_parallel_size: int, block_size: int) -> SpeculativeConfig | None:
+    """--speculative-config, checked at startup: a bad one is refused before the model loads."""
+    if text is None:
+        return None
+    try:
+        config = SpeculativeConfig.parse(text)
+        config.check_block_size(block_size)
+        if config.model is not None and config.method == "draft_model" and not Path(config.model).is_dir():
+            raise SpeculativeConfigError(f"draft model {config.model}: not a directory")
+    except SpeculativeConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
+    if embed:
+        raise click.UsageError("--speculative-config applies to generation, not --task embed")
+    if tensor_parallel_size > 1:
+        raise click.UsageError("--speculative-config runs with --tensor-parallel-size 1 only, for now")
+    return config
 
 
 @click.command(
@@ -230,6 +249,16 @@ def _default_pool_id(bind: str, device: torch.device) -> str:
     "model was trained for it (is_matryoshka, matryoshka_dimensions).",
 )
 @click.option(
+    "--speculative-config",
+    "speculative_config",
+    default=None,
+    help='Speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
+    '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": K} (a small model of the same vocabulary, with its own KV cache); K below the '
+    "block size. Drafts are verified "
+    "in the same forward pass; greedy output is unchanged and sampled output keeps the model's distribution.",
+)
+@click.option(
     "--tensor-parallel-size",
     type=click.IntRange(min=1),
     default=1,
@@ -330,6 +359,7 @@ def main(
     runner,
     pooling_type,
     allow_any_dimensions,
+    speculative_config,
     tensor_parallel_size,
     enable_expert_parallel,
     tensor_parallel_timeout,
@@ -375,6 +405,7 @@ def main(
         raise click.UsageError("--task embed runs on one device: --tensor-parallel-size 1")
     if kv_cache_dtype != "auto" and tensor_parallel_size > 1:  # the worker ranks allocate their caches unquantized
         raise click.UsageError("--kv-cache-dtype fp8 runs with --tensor-parallel-size 1 only, for now")
+    speculative = _speculative(speculative_config, embed, tensor_parallel_size, int(block_size))
     if max_num_batched_tokens < max_num_seqs:
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
@@ -445,21 +476,26 @@ def main(
         except KeysError as exc:
             raise click.ClickException(str(exc)) from None
     # A short retry window: while blockd is away the loop goes back to answering gateways between attempts.
-    engine = Engine.assemble(
-        loaded,
-        blockd_endpoint,
-        pool_id=pool_id,
-        num_blocks=blocks,
-        block_size=block_size_int,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, max_step_ms or None, scheduling_policy),
-        backend=kernels,
-        seed=seed,
-        retry_for_s=2.0,
-        curve=curve,
-        adapt_threads=adapt_threads,
-        pin_threads=pin_threads,
-        runner=group_runner,
-    )
+    try:
+        engine = Engine.assemble(
+            loaded,
+            blockd_endpoint,
+            pool_id=pool_id,
+            num_blocks=blocks,
+            block_size=block_size_int,
+            limits=EngineLimits(
+                max_num_seqs, max_num_batched_tokens, max_step_ms or None, scheduling_policy, speculative
+            ),
+            backend=kernels,
+            seed=seed,
+            retry_for_s=2.0,
+            curve=curve,
+            adapt_threads=adapt_threads,
+            pin_threads=pin_threads,
+            runner=group_runner,
+        )
+    except SpeculativeConfigError as exc:  # (a draft model that does not fit the target)
+        raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
     model_runner = engine.runner
     store = None
     if host_kv_bytes or disk_kv_bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -13,6 +14,7 @@ from executor.runner import ModelRunner
 from executor.sampling import Sampler, SampleRow, choice_generator
 from executor.scheduler import Chunk
 from executor.sequence import Request, Sequence
+from executor.speculative import Speculator
 from executor.step_loop import Draw
 from executor.structured import new_matcher
 from executor.threads import ThreadGovernor
@@ -26,11 +28,13 @@ class ModelStep:
         sampler: Sampler,
         tables: Mapping[str, MirroredSequence],
         threads: ThreadGovernor | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.runner = runner
         self.sampler = sampler
         self.tables = tables  # the block tables the forward pass reads: the pool client's mirror
         self.threads = threads
+        self.speculator = speculator  # speculative decoding: proposes drafts, counts what verification accepts
         self.tiers: TierStore | None = None  # the lower KV tiers (--host-kv-memory, --disk-kv-dir), if any
 
     def move_tiers(self, ops: list[TierOp]) -> list[int]:
@@ -52,35 +56,59 @@ class ModelStep:
         if self.threads is not None:
             self.threads.step()
         logits = self.runner.execute(chunks, self.tables)
-        sampling = [c for c in chunks if c.samples]  # their rows come first, in order
-        if logits.shape[0] > len(sampling):
-            self._score_prompts(chunks, logits[len(sampling) :])
+        row_of: dict[int, int] = {}  # the sampling chunks' rows come first, in order: 1 + len(draft) each
+        width = 0
+        for c in chunks:
+            if c.samples:
+                row_of[id(c)] = width
+                width += 1 + len(c.draft)
+        if logits.shape[0] > width:
+            self._score_prompts(chunks, logits[width:])
         if not rows:
             return []
-        row_of = {id(c): i for i, c in enumerate(sampling)}
-        index = [row_of[id(chunk)] for _, chunk in rows]
-        picked = logits[: len(sampling)]
-        if index != list(range(len(sampling))):  # (an echo row skipped, or new choices drawing from one row)
+        index: list[int] = []
+        sample_rows: list[SampleRow] = []
+        for seq, chunk in rows:
+            first = row_of[id(chunk)]
+            index.append(first)
+            sample_rows.append(SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len, seq.matcher))
+            for i in range(len(chunk.draft)):  # row i + 1 samples the token after draft[:i + 1]
+                index.append(first + 1 + i)
+                context = seq.tokens + chunk.draft[: i + 1] if seq.params.processes_logits else seq.tokens
+                sample_rows.append(SampleRow(seq.params, seq.generator, context, seq.prompt_len))
+        picked = logits[:width]
+        if index != list(range(width)):  # (an echo row skipped, or new choices drawing from one row)
             picked = picked[torch.tensor(index, device=logits.device)]
-        beams = [i for i, (seq, _) in enumerate(rows) if seq.params.beam_search]
-        if not beams:
-            return self._sample(picked, rows)
-        # Beam search rows draw nothing: their logprobs go to executor.beam, which ranks every beam's together.
-        draws: list[Draw | None] = [None] * len(rows)
-        logprobs = torch.log_softmax(picked[beams].float(), dim=-1)
-        for j, i in enumerate(beams):
-            draws[i] = Draw(-1, beam_logprobs=logprobs[j])
-        others = [i for i in range(len(rows)) if draws[i] is None]
-        if others:
-            for i, draw in zip(others, self._sample(picked[others], [rows[i] for i in others]), strict=True):
-                draws[i] = draw
-        return [draw for draw in draws if draw is not None]
-
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, Chunk]]) -> list[Draw]:
-        sampled = self.sampler(
-            logits, [SampleRow(seq.params, seq.generator, seq.tokens, seq.prompt_len, seq.matcher) for seq, _ in rows]
-        )
-        return [Draw(t, lp) for t, lp in zip(sampled.token_ids, sampled.logprobs, strict=True)]
+        # Beam search rows draw nothing: their logprobs go to executor.beam, which ranks every beam's together
+        # (the speculator drafts nothing for them, so each has one row).
+        beams = {i for i, (seq, _) in enumerate(rows) if seq.params.beam_search}
+        beam_logprobs = iter(())
+        if beams:
+            firsts = list(itertools.accumulate((1 + len(chunk.draft) for _, chunk in rows), initial=0))
+            beam_at = [firsts[i] for i in sorted(beams)]
+            beam_logprobs = iter(torch.log_softmax(picked[beam_at].float(), dim=-1))
+            keep = [j for i in range(len(rows)) if i not in beams for j in range(firsts[i], firsts[i + 1])]
+            picked, sample_rows = picked[keep], [sample_rows[j] for j in keep]
+        draws: list[Draw] = []
+        if sample_rows:
+            sampled = self.sampler(picked, sample_rows)
+            draws = [Draw(t, lp) for t, lp in zip(sampled.token_ids, sampled.logprobs, strict=True)]
+        if not beams and len(draws) == len(rows):
+            return draws
+        out, at = [], 0
+        for i, (_, chunk) in enumerate(rows):
+            if i in beams:
+                out.append(Draw(-1, beam_logprobs=next(beam_logprobs)))
+                continue
+            mine = draws[at : at + 1 + len(chunk.draft)]
+            at += len(mine)
+            if not chunk.draft:
+                out.append(mine[0])
+                continue
+            assert self.speculator is not None
+            accepted = self.speculator.verified(chunk.draft, [d.token for d in mine])
+            out.append(Draw(mine[accepted].token, mine[accepted].logprob, tuple(mine[:accepted])))
+        return out
 
     def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
         """Prompt logprobs from the rows of each chunk's `scored_positions` (in chunk order): one batched

@@ -124,6 +124,11 @@ class LoadReport(Message, tag="load"):
     # The lower KV tiers' counters (executor.tier_store): saves, spills, loads, writes and dropped block files
     # by reason (corrupt, truncated, foreign, stale). Empty without tiers.
     tiers: dict[str, int] = {}
+    # Speculative decoding (--speculative-config), since the executor started: drafted rows verified, draft
+    # tokens proposed and accepted (acceptance rate = accepted / proposed).
+    spec_drafts: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Alive(Message, tag="alive"):

@@ -179,15 +179,21 @@ class ModelRunner:
         logits_indices: list[int] = []
         for chunk in chunks:
             start, n = chunk.start, len(chunk.token_ids)
-            input_ids.extend(chunk.token_ids)
+            draft = len(chunk.draft)
+            if draft:  # speculative: the draft's tokens are more query positions, into slots held reserved
+                n += draft
+                input_ids.extend(chunk.token_ids + chunk.draft)
+            else:
+                input_ids.extend(chunk.token_ids)
+            end = start + n
             if n == 1:  # a decode: most chunks of a busy step
                 positions.append(start)
             else:
                 positions.extend(range(start, start + n))
             starts.append(starts[-1] + n)
-            seq_lens.append(start + n)
-            if chunk.samples:
-                logits_indices.append(starts[-1] - 1)
+            seq_lens.append(end)
+            if chunk.samples:  # the last token's row, and each draft token's (verified)
+                logits_indices.extend(range(starts[-1] - 1 - draft, starts[-1]))
         for chunk, start in zip(chunks, starts, strict=False):  # then the rows prompt logprobs score, in order
             scored = chunk.scored_positions
             if scored:
@@ -228,7 +234,7 @@ class ModelRunner:
         for chunk in chunks:
             mirrored = tables[chunk.seq.seq_id + suffix]
             table = mirrored.blocks
-            start, n = chunk.start, len(chunk.token_ids)
+            start, n = chunk.start, len(chunk.token_ids) + len(chunk.draft)  # (a draft's slots: held reserved)
             end = start + n
             if n == 1:
                 slots.append(table[start // bs] * bs + start % bs)
@@ -242,7 +248,8 @@ class ModelRunner:
         return slots, rows
 
     def execute(self, chunks: list[Chunk], tables: Mapping[str, MirroredSequence]) -> torch.Tensor:
-        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order, then
+        """Compute every chunk's K/V into the cache; float32 logits for the chunks that sample, in order (a drafted
+        chunk's 1 + len(draft) rows), then
         those of each chunk's `scored_positions` (prompt logprobs), chunk by chunk."""
         batch = self.build_batch(chunks, tables)
         return self.model(batch, self.kv_caches, self.backend)

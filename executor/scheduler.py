@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd import protocol as p
-from blockd.block_rule import dead_blocks, growth, reservable, shared_blocks, to_block_end
+from blockd.block_rule import dead_blocks, growth, reservable, shared_blocks, to_block_end, trimmed_blocks
 from blockd.client import MirroredSequence
 from blockd.errors import ErrorCode
 from blockd.pool import HOLE, group_suffix
@@ -46,6 +46,9 @@ class Chunk:
     seq: Sequence
     start: int
     token_ids: list[int]
+    # Speculative decoding: tokens proposed to follow, computed as more query positions of the same pass into
+    # slots blockd holds reserved, and verified from their logits (executor/speculative.py). Only on a decode.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:  # the chunk reaches the sequence's end, so its last row's logits are sampled
@@ -69,6 +72,7 @@ class Purpose(enum.Enum):
     SLIDE = "slide"  # blocks past every query's sliding window go back
     FORK = "fork"  # a new choice starts sharing its parent's blocks
     FREE = "free"  # finished or aborted: its blocks go back
+    TRIM = "trim"  # short of blocks: speculation's spare reserved room goes back
     PREEMPT = "preempt"  # its blocks go back; it is already queued again, to be recomputed
     APPEND = "append"  # register tokens, and reserve room for the next ones
     ADMIT = "admit"  # a waiting sequence gets blocks for all its tokens
@@ -180,6 +184,8 @@ class Scheduler:
         self.quiet_steps = 0  # steps planned in a row without a round trip
         self._computed: dict[int, int] = {}  # while a plan is made ahead: tokens computed once the step running ends
         self._slid: dict[str, int] = {}  # tables this plan slides -> the leading blocks they hand back
+        # Speculative decoding: room a decoding sequence keeps held past its next token (its next draft's).
+        self.lookahead = 0
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -371,6 +377,7 @@ class Scheduler:
         computed = {} if ahead is None else {id(c.seq): c.start + len(c.token_ids) for c in ahead}
         self._computed = computed  # (tokens computed once the step now running ends, where it runs them)
         self._slid = {}
+        self._trimmed: dict[str, int] = {}  # sequences this plan trims -> the tail blocks they hand back
         # Room for every token the next step computes. Most decode steps fit in the slots reserved before; where
         # they do not, an append registers the tokens known and reserves room past them.
         growing = [s for s in self.running if self._needs_room(s, sampling)]
@@ -404,6 +411,8 @@ class Scheduler:
                 break
             if wide:
                 wide = False  # short of blocks: reserve less before preempting anyone
+                if ahead is None:  # (nothing is being computed into reserved slots now)
+                    free += self._trim_room(plan, growing)
                 continue
             if ahead is not None:
                 return None  # preempting a sequence while it runs: left to the plan made after sampling
@@ -425,11 +434,35 @@ class Scheduler:
             self._renew(plan, free, growing, sampling, forking)
         return plan
 
+    def _trim_room(self, plan: StepPlan, growing: list[Sequence]) -> int:
+        """Speculative decoding's spare room goes back before anyone is preempted: each decoding sequence keeps
+        its reserved slots through the block of its last known token, and blockd's `trim` hands back the blocks
+        past them (block_rule.trimmed_blocks: reserved slots only, where rejected drafts were computed). Returns
+        the blocks that go back."""
+        if not self.lookahead:
+            return 0
+        grown = set(map(id, growing))
+        bs = self.block_size
+        released = 0
+        for seq in self.running:
+            if id(seq) in grown or seq.fork_parent is not None:
+                continue
+            mirrored = self.blocks.seqs[seq.seq_id]
+            n = len(mirrored.tokens) // TOKEN_BYTES
+            keep = min(mirrored.reserved, max(-(-len(seq.tokens) // bs) * bs - n, 0))
+            count = trimmed_blocks(bs, n, keep, len(mirrored.blocks))
+            if count:
+                plan.add(Purpose.TRIM, seq, p.Trim(seq.seq_id, keep))
+                self._trimmed[seq.seq_id] = count
+                released += count
+        return released
+
     def _needs_room(self, seq: Sequence, sampling: set[int]) -> bool:
         """Whether the sequence must append before the next step: its tokens (and the one it is sampling) do not
         fit in the room blockd holds for it, or it is a new choice, whose first token must not be written into
         the block it shares with its parent."""
-        return seq.fork_parent is not None or self._room_left(seq, sampling) < 0
+        lookahead = self.lookahead if seq.num_generated > 0 else 0
+        return seq.fork_parent is not None or self._room_left(seq, sampling) < lookahead
 
     def _quiet(self, growing: list[Sequence]) -> bool:
         """Whether the next step can go without a round trip (docs/architecture.md, "A step"). `growing`: the
@@ -562,10 +595,11 @@ class Scheduler:
         if any(child.fork_parent == seq.seq_id for child in self.to_fork):
             return 0  # a choice forked from it in the same step (forks go first) holds every block it had
         refcount = self.blocks.refcount
+        trimmed = self._trimmed.get(seq.seq_id, 0)  # (a trim counted those: speculation has one layer group)
         return sum(
             1
             for table_id, mirrored in self._tables(seq.seq_id)
-            for b in mirrored.blocks[self._slid.get(table_id, 0) :]  # (a slide counted those)
+            for b in mirrored.blocks[self._slid.get(table_id, 0) : len(mirrored.blocks) - trimmed]  # (a slide too)
             if b != HOLE and refcount[b] == 1
         )
 
@@ -630,7 +664,7 @@ class Scheduler:
                 case Purpose.FREE:
                     if seq in self.to_free:
                         self.to_free.remove(seq)
-                case Purpose.COMMIT | Purpose.SLIDE | Purpose.PREEMPT:
+                case Purpose.COMMIT | Purpose.SLIDE | Purpose.PREEMPT | Purpose.TRIM:
                     pass  # nothing to take in: the sequence's state already moved when it was planned
         for seq, _error in outcome.failed:
             self.finish(seq, "error")
@@ -639,6 +673,8 @@ class Scheduler:
     def _refused(self, entry: PlannedOp, error: p.OpError, outcome: StepOutcome) -> None:
         """blockd refused an op; nothing of it happened there."""
         out_of_blocks = error.code == ErrorCode.OUT_OF_BLOCKS
+        if entry.purpose is Purpose.TRIM:
+            return  # the room stays held: nothing changed
         if entry.purpose is Purpose.ADMIT and out_of_blocks:
             return  # out of blocks after all (the estimate was stale): it stays at the head of the queue
         if entry.seq.status is not Status.RUNNING and entry.purpose is not Purpose.ADMIT:
@@ -673,4 +709,6 @@ class Scheduler:
                 continue
             chunks.append(Chunk(seq, seq.num_computed, seq.tokens[seq.num_computed : seq.num_computed + take]))
             budget -= take
+            if remaining == 1 and self.lookahead:  # a decode's draft is budgeted with it, before any prefill
+                budget -= min(self.lookahead - 1, budget)
         return chunks

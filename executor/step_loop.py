@@ -20,6 +20,7 @@ from blockd.tiers import TierOp
 from executor import protocol as ep
 from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, longest_sequence
 from executor.sequence import Request, Sequence, Status
+from executor.speculative import Speculator
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,9 @@ class Draw:
 
     token: int
     logprob: Logprob = None
+    # Speculative decoding: the draft's tokens accepted before `token` (each drawn from its own row, equal to the
+    # draft's), which go into the sequence first.
+    before: tuple[Draw, ...] = ()
     beam_logprobs: torch.Tensor | None = None  # a beam search's row: its next-token logprobs, nothing drawn
 
 
@@ -84,8 +88,12 @@ class StepLoop:
         max_model_len: int,
         plan_ahead: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        speculator: Speculator | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.speculator = speculator  # speculative decoding: drafts on the decoding chunks (the model verifies)
+        if speculator is not None:
+            scheduler.lookahead = speculator.lookahead
         self.clock = clock  # times each forward pass, which sizes the steps after it (--max-step-ms)
         self.pool = pool
         self.model = model
@@ -193,10 +201,14 @@ class StepLoop:
         chunks = scheduler.schedule(outcome)
         if chunks:
             self.steps += 1
+            if self.speculator is not None:
+                left = scheduler.step_tokens - sum(len(c.token_ids) for c in chunks)
+                self.speculator.propose(chunks, self.pool.seqs, left)
             self._send_ahead(chunks)
             started = self.clock()
             deltas += self._run(chunks)
-            scheduler.observe_step(sum(len(c.token_ids) for c in chunks), self.clock() - started)
+            computed = sum(len(c.token_ids) + len(c.draft) for c in chunks)
+            scheduler.observe_step(computed, self.clock() - started)
         return StepReport(plan, outcome, chunks, deltas)
 
     def _move_tiers(self, outcome: StepOutcome) -> None:
@@ -310,8 +322,28 @@ class StepLoop:
                 deltas += seq.request.beam.take(seq, draw.beam_logprobs, self.scheduler)
                 self._forget_if_done(seq.request)
                 continue
-            deltas.append(self._take(seq, chunk.seq, draw))
+            if draw.before:
+                deltas.append(self._take_accepted(seq, draw))
+            else:
+                deltas.append(self._take(seq, chunk.seq, draw))
         return deltas
+
+    def _take_accepted(self, seq: Sequence, draw: Draw) -> ep.Delta:
+        """A verified draft: its accepted tokens (K/V computed this step) and the token drawn after them go into
+        the sequence, up to the first that finishes it; one delta carries them all."""
+        taken: list[Draw] = []
+        for one in (*draw.before, draw):
+            taken.append(one)
+            seq.tokens.append(one.token)
+            reason = self._finish_reason(seq, one.token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                break
+        seq.num_computed += min(len(taken), len(draw.before))  # the accepted draft tokens' K/V are in the cache
+        logprobs = [ep.TokenLogprob(d.token, d.logprob[0], d.logprob[1]) for d in taken if d.logprob is not None]
+        delta = self._delta(seq, [d.token for d in taken], None, logprobs or None)
+        self._forget_if_done(seq.request)
+        return delta
 
     def _take(self, seq: Sequence, sampled: Sequence, draw: Draw) -> ep.Delta:
         """`draw` goes into `seq`, drawn from `sampled`'s logits: `seq` itself, or the parent of a new choice."""
@@ -354,7 +386,9 @@ class StepLoop:
         if request.finished:
             self.requests.pop(request.request_id, None)
 
-    def _delta(self, seq: Sequence, tokens: list[int], logprob: Logprob) -> ep.Delta:
+    def _delta(
+        self, seq: Sequence, tokens: list[int], logprob: Logprob, logprobs: list[ep.TokenLogprob] | None = None
+    ) -> ep.Delta:
         request = seq.request
         prompt_logprobs = None
         # Prompt logprobs are sent once, complete, in the request's first delta.
@@ -369,7 +403,7 @@ class StepLoop:
             request_id=request.request_id,
             index=seq.index,
             token_ids=tokens,
-            logprobs=None if logprob is None else [ep.TokenLogprob(tokens[0], logprob[0], logprob[1])],
+            logprobs=logprobs if logprob is None else [ep.TokenLogprob(tokens[0], logprob[0], logprob[1])],
             finish_reason=seq.finish_reason,
             prompt_tokens=len(request.prompt),
             completion_tokens=seq.num_generated,

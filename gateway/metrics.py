@@ -42,6 +42,16 @@ class _ExecutorCollector(Collector):
             "Preemptions at the executor: a running sequence gave its KV blocks back, to be recomputed later",
             labels=["executor"],
         )
+        # Speculative decoding (--speculative-config): draft tokens proposed and accepted (their ratio: the
+        # acceptance rate).
+        drafted = CounterMetricFamily(
+            "pagedkv_executor_spec_proposed_tokens",
+            "Draft tokens proposed by speculative decoding",
+            labels=["executor"],
+        )
+        accepted = CounterMetricFamily(
+            "pagedkv_executor_spec_accepted_tokens", "Draft tokens verification accepted", labels=["executor"]
+        )
         for link in self.links:
             name = [link.endpoint]
             healthy.add_metric(name, 1.0 if link.healthy else 0.0)
@@ -51,7 +61,9 @@ class _ExecutorCollector(Collector):
                 free.add_metric(name, link.load.free_blocks)
                 utilization.add_metric(name, link.load.kv_utilization)
                 preemptions.add_metric(name, link.load.preemptions)
-        return [healthy, waiting, running, free, utilization, preemptions]
+                drafted.add_metric(name, link.load.spec_proposed_tokens)
+                accepted.add_metric(name, link.load.spec_accepted_tokens)
+        return [healthy, waiting, running, free, utilization, preemptions, drafted, accepted]
 
 
 # vLLM's buckets for the per-request times.
@@ -109,7 +121,16 @@ class _VllmExecutorCollector(Collector):
             "vllm:num_preemptions", "Preemptions, summed over the executors' reports", labels=["model_name"]
         )
         preemptions.add_metric(label, sum(load.preemptions for load in loads))
-        return [running, waiting, usage, preemptions]
+        spec = []
+        for name, doc, field in (
+            ("vllm:spec_decode_num_drafts", "Speculative drafts verified", "spec_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed", "spec_proposed_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", "spec_accepted_tokens"),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, sum(getattr(load, field) for load in loads))
+            spec.append(family)
+        return [running, waiting, usage, preemptions, *spec]
 
 
 class _VllmMirror(Collector):

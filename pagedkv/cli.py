@@ -46,6 +46,7 @@ def main() -> None:
         "moe": "pagedkv.bench.moe:bench_moe",
         "capacity": "pagedkv.bench.capacity:bench_capacity",
         "throughput": "pagedkv.bench.throughput:bench_throughput",
+        "speculative": "pagedkv.bench.speculative:bench_speculative",
         "tensor-parallel": "pagedkv.bench.tensor_parallel:bench_tensor_parallel",
         "tiers": "pagedkv.bench.tiers:bench_tiers",
         "serve": "pagedkv.bench.serve:bench_serve",

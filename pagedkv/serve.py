@@ -518,6 +518,12 @@ def _curl_example(stack: LocalStack) -> str:
     help="KV cache element type of each executor (its --kv-cache-dtype): fp8 blocks take half the bytes of float16.",
 )
 @click.option(
+    "--speculative-config",
+    default=None,
+    help="Speculative decoding of each executor (its --speculative-config, vLLM's JSON), e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'.',
+)
+@click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -567,6 +573,7 @@ def serve(
     tool_call_parser: str,
     kv_cache_memory: str | None,
     kv_cache_dtype: str,
+    speculative_config: str | None,
     state_dir: Path | None,
     log_dir: Path | None,
     api_keys: tuple[str, ...],
@@ -596,6 +603,7 @@ def serve(
         executor_args=[
             *([] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]),
             *([] if scheduling_policy == "fcfs" else ["--scheduling-policy", scheduling_policy]),
+            *([] if speculative_config is None else ["--speculative-config", speculative_config]),
         ],
         gateway_args=[
             *(a for key in api_keys for a in ("--api-key", key)),

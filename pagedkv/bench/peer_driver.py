@@ -104,7 +104,8 @@ class Driver:
 
     def load(self, msg: dict[str, Any]) -> dict[str, Any]:
         """{"op": "load", "model", "dtype", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
-        "max_model_len", "enable_prefix_caching", "enforce_eager", "seed"} -> {"ok", "load_s", "vllm", "torch",
+        "max_model_len", "enable_prefix_caching", "enforce_eager", "seed", "speculative_config" (optional: vLLM's
+        dict)} -> {"ok", "load_s", "vllm", "torch",
         "threads_bind", "block_size", "compilation", "cache_root"}; `load_s` is the `vllm.LLM(...)` construction
         alone (vLLM imported before it)."""
         # vLLM (and its torch) only in the driver's process: the bench imports this module's helpers without them.
@@ -112,7 +113,9 @@ class Driver:
         import vllm
 
         started = time.perf_counter()
+        extra = {"speculative_config": msg["speculative_config"]} if msg.get("speculative_config") else {}
         self.llm = vllm.LLM(
+            **extra,
             model=msg["model"],
             tokenizer=msg["model"],
             dtype=msg.get("dtype", "float32"),

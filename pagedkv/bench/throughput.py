@@ -127,6 +127,7 @@ def build_engine(
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    speculative: Any = None,
 ) -> Any:
     """The engine as the executor builds it: model and KV cache here, its pool registered with blockd (at
     `endpoint`; None: an in-process blockd, `blockd.inprocess.InProcessBlockd`, behind the same pool client)."""
@@ -134,7 +135,7 @@ def build_engine(
     from executor.runner import ModelRunner, load_model
 
     loaded = load_model(model_dir, device, dtype)
-    limits = EngineLimits(max_num_seqs, max_num_batched_tokens)
+    limits = EngineLimits(max_num_seqs, max_num_batched_tokens, speculative=speculative)  # (--speculative-config)
     if endpoint is None:
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
         pool = PoolClient(

@@ -546,9 +546,9 @@ def _cross_pool(stack: Stack, findings: Findings) -> None:
     context = zmq.Context()
     try:
         attempts: list[bp.Request] = [
-            bp.Step(v=1, id=1, pool_id="executor-0", epoch=12345, ops=[bp.Free(seq_id="victim")]),
+            bp.Step(v=bp.PROTOCOL_VERSION, id=1, pool_id="executor-0", epoch=12345, ops=[bp.Free(seq_id="victim")]),
             bp.Step(
-                v=1,
+                v=bp.PROTOCOL_VERSION,
                 id=2,
                 pool_id="executor-0",
                 epoch=0,

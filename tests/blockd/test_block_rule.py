@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockd.block_rule import Growth, dead_blocks, growth, reservable, shared_blocks, to_block_end
+from blockd.block_rule import Growth, dead_blocks, growth, reservable, shared_blocks, to_block_end, trimmed_blocks
 
 
 def _slots_counted(
@@ -55,6 +55,17 @@ def test_growth_matches_counting_slots(case: tuple[int, int, int, bool, int, int
     new, copied = _slots_counted(block_size, num_tokens, num_new_tokens, shared, reserved, reserve)
     assert (got.new_blocks, int(got.copy_on_write)) == (new, copied)
     assert got.blocks == new + copied
+
+
+@given(st.integers(1, 8), st.integers(0, 40), st.data())
+def test_trim_hands_back_the_blocks_holding_no_kept_slot(block_size: int, num_tokens: int, data: st.DataObject) -> None:
+    """Counted slot by slot: a block stays when one of its slots holds a token or a kept reserved slot."""
+    reserved = data.draw(st.integers(0, reservable(block_size, num_tokens)))
+    keep = data.draw(st.integers(0, reserved))
+    table_blocks = -(-(num_tokens + reserved) // block_size)
+    kept_blocks = {slot // block_size for slot in range(num_tokens + keep)}
+    assert trimmed_blocks(block_size, num_tokens, keep, table_blocks) == table_blocks - len(kept_blocks)
+    assert trimmed_blocks(block_size, num_tokens, reserved, table_blocks) == 0  # keeping them all: nothing
 
 
 def test_examples() -> None:

@@ -241,16 +241,16 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
         return p.decode_reply(raw.recv())
 
     enc = msgspec.msgpack.encode
-    step = {"v": 1, "id": 11, "op": "step", "pool_id": "ex0", "epoch": ex.epoch}
+    step = {"v": p.PROTOCOL_VERSION, "id": 11, "op": "step", "pool_id": "ex0", "epoch": ex.epoch}
     cases = [
         ((b"\x00\xffgarbage",), ErrorCode.BAD_MESSAGE),
         ((enc([1, 2, 3]),), ErrorCode.BAD_MESSAGE),
         ((enc({"v": 99, "id": 1, "op": "stats"}),), ErrorCode.BAD_VERSION),
-        ((enc({"v": 1, "id": 2, "op": "launch_missiles"}),), ErrorCode.UNKNOWN_OP),
+        ((enc({"v": p.PROTOCOL_VERSION, "id": 2, "op": "launch_missiles"}),), ErrorCode.UNKNOWN_OP),
         ((enc({**step, "ops": "not a list"}),), ErrorCode.INVALID_REQUEST),
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "x", "tokens": [1, 5]}]}),), ErrorCode.INVALID_REQUEST),
         ((enc({**step, "ops": [{"type": "admit", "seq_id": "", "tokens": b"\0" * 4}]}),), ErrorCode.INVALID_REQUEST),
-        ((enc({"v": 1, "id": 3, "op": "register", "pool_id": "ex0"}),), ErrorCode.INVALID_REQUEST),
+        ((enc({"v": p.PROTOCOL_VERSION, "id": 3, "op": "register", "pool_id": "ex0"}),), ErrorCode.INVALID_REQUEST),
         ((enc({**step, "pool_id": "ghost", "ops": []}),), ErrorCode.UNKNOWN_POOL),
         # A reservation larger than two of the largest blocks: refused by the schema, before any op is applied.
         (
@@ -266,7 +266,7 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
             (
                 enc(
                     {
-                        "v": 1,
+                        "v": p.PROTOCOL_VERSION,
                         "id": 4,
                         "op": "register",
                         "pool_id": "ex0",
@@ -279,15 +279,20 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
             ),
             ErrorCode.POOL_MISMATCH,
         ),
-        ((enc({"v": 1, "id": 5, "op": "reset_prefix_cache", "pool_id": "ghost"}),), ErrorCode.UNKNOWN_POOL),
-        ((enc({"v": 1, "id": 6, "op": "seq", "seq_id": "ghost"}),), ErrorCode.UNKNOWN_SEQUENCE),
+        (
+            (enc({"v": p.PROTOCOL_VERSION, "id": 5, "op": "reset_prefix_cache", "pool_id": "ghost"}),),
+            ErrorCode.UNKNOWN_POOL,
+        ),
+        ((enc({"v": p.PROTOCOL_VERSION, "id": 6, "op": "seq", "seq_id": "ghost"}),), ErrorCode.UNKNOWN_SEQUENCE),
     ]
     for frames, code in cases:
         reply = ask(*frames)
         assert not reply.ok and reply.error is not None, frames
         assert reply.error.code == code, (frames, reply.error)
         assert reply.error.message
-    assert ask(enc({"v": 1, "id": 77, "op": "launch_missiles"})).id == 77  # the id is echoed when readable
+    assert (
+        ask(enc({"v": p.PROTOCOL_VERSION, "id": 77, "op": "launch_missiles"})).id == 77
+    )  # the id is echoed when readable
 
     # Over --max-message-bytes: ZeroMQ cuts the sender off before blockd reads a byte of it (MAXMSGSIZE)...
     oversized = context.socket(zmq.DEALER)

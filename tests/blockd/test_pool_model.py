@@ -283,6 +283,16 @@ class Model:
         seq.table[:dead] = [HOLE] * dead
         return released
 
+    def trim(self, sid: str, reserve: int) -> int:
+        seq = self.seq(sid)
+        if not 0 <= reserve <= seq.reserved:
+            raise ModelError(ErrorCode.INVALID_REQUEST)
+        seq.reserved = reserve
+        # A block stays when a slot of it holds a token or a kept reserved slot; the others (all at the tail).
+        keep = len({slot // self.bs for slot in range(len(seq.tokens) + reserve)})
+        released, seq.table = seq.table[keep:], seq.table[:keep]
+        return self.release(released)
+
     def lookup(self, tokens: list[int], salt: str | None) -> int:
         if any(not 0 <= t < 2**32 for t in tokens):
             raise ModelError(ErrorCode.INVALID_REQUEST)
@@ -361,13 +371,14 @@ class PoolMachine(RuleBasedStateMachine):
         ("commit", 6),
         ("fork", 8),
         ("slide", 8),
+        ("trim", 6),
         ("lookup", 3),
         ("on_dead_sequence", 3),
         ("reset_prefix_cache", 2),
         ("persist", 4),
         ("restart", 4),
     )
-    NEEDS_LIVE = frozenset({"append", "commit_all_computed", "commit", "free", "fork", "slide"})
+    NEEDS_LIVE = frozenset({"append", "commit_all_computed", "commit", "free", "fork", "slide", "trim"})
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
@@ -517,6 +528,22 @@ class PoolMachine(RuleBasedStateMachine):
             self.slid[sid] = max(self.slid.get(sid, 0), num_computed)
             if got:
                 event("slide: blocks handed back")
+
+    def op_trim(self, data: st.DataObject) -> None:
+        """Speculative decoding's rollback: some of the reserved room goes back (now and then more than held)."""
+        sid = data.draw(st.sampled_from(self.live()))
+        reserved = self.model.seqs[sid].reserved
+        reserve = data.draw(st.one_of(st.integers(0, reserved), st.sampled_from([0, reserved, reserved + 1, -1])))
+        out = self.both(
+            f"trim({sid!r}, {reserve})",
+            lambda: self.pool.trim(sid, reserve),
+            lambda: self.model.trim(sid, reserve),
+        )
+        if isinstance(out, tuple):
+            got, want = out
+            assert got == want
+            if got:
+                event("trim: blocks handed back")
 
     def op_fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self.live()))

@@ -17,6 +17,7 @@ from executor.model import ForwardBatch
 from executor.params import SamplingParams
 from executor.runner import LoadedModel, load_model
 from executor.sequence import Status
+from executor.speculative import SpeculativeConfig
 
 
 def make_engine(
@@ -30,6 +31,7 @@ def make_engine(
     backend: str = "auto",
     pool_id: str = "test-pool",
     seed: int | None = 0,
+    speculative: SpeculativeConfig | None = None,
 ) -> Engine:
     engine = Engine.assemble(
         _loaded(model_dir),
@@ -37,7 +39,7 @@ def make_engine(
         pool_id=pool_id,
         num_blocks=num_blocks,
         block_size=block_size,
-        limits=EngineLimits(max_num_seqs, max_num_batched_tokens),
+        limits=EngineLimits(max_num_seqs, max_num_batched_tokens, speculative=speculative),
         backend=backend,
         seed=seed,
         retry_for_s=20.0,

@@ -372,6 +372,8 @@ def test_vllm_metrics_after_requests(client, stack, tokenizer) -> None:
     assert after[("vllm:num_requests_waiting", model)] >= 0
     assert 0.0 <= after[("vllm:kv_cache_usage_perc", model)] <= 1.0
     assert after[("vllm:num_preemptions_total", model)] >= 0
+    assert after[("vllm:spec_decode_num_draft_tokens_total", model)] == 0  # (no --speculative-config)
+    assert after[("vllm:spec_decode_num_accepted_tokens_total", model)] == 0
     # next to pagedkv's own
     assert ("pagedkv_gateway_generated_tokens_total", ()) in after
 
