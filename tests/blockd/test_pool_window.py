@@ -177,7 +177,9 @@ def test_a_pool_client_mirrors_slides_and_resyncs_the_holes() -> None:
 
 def test_a_window_changes_the_pool_a_resync_finds() -> None:
     manager = BlockManager()
-    register = p.Register(v=1, id=1, pool_id="w", num_blocks=8, block_size=4, model_id="m", epoch=3, sliding_window=6)
+    register = p.Register(
+        v=p.PROTOCOL_VERSION, id=1, pool_id="w", num_blocks=8, block_size=4, model_id="m", epoch=3, sliding_window=6
+    )
     manager.register(register)
     with pytest.raises(BlockdError) as raised:
         manager.register(msgspec.structs.replace(register, sliding_window=None))

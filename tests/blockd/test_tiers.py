@@ -22,7 +22,9 @@ def _manager(host: int, disk: int, held: list[TierHeld] | None = None, epoch: in
     manager = BlockManager()
     tiers = TierSpec(host_blocks=host, disk_blocks=disk, disk=held or [])
     manager.register(
-        p.Register(v=1, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=epoch, tiers=tiers)
+        p.Register(
+            v=p.PROTOCOL_VERSION, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=epoch, tiers=tiers
+        )
     )
     return manager
 
@@ -117,7 +119,9 @@ def test_kv_events_name_the_medium_of_every_tier():
         manager = BlockManager(events=publisher)
         tiers = TierSpec(host_blocks=2, disk_blocks=8)
         manager.register(
-            p.Register(v=1, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1, tiers=tiers)
+            p.Register(
+                v=p.PROTOCOL_VERSION, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1, tiers=tiers
+            )
         )
         for first in (0, 100, 200):
             _run(manager, f"s{first}", _prompt(first))
@@ -151,7 +155,9 @@ def test_a_resync_takes_the_executors_host_slots_and_leaves_out_bad_ones():
     manager = BlockManager()
     tiers = TierSpec(host_blocks=4, host=held)
     manager.register(
-        p.Register(v=1, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1, tiers=tiers)
+        p.Register(
+            v=p.PROTOCOL_VERSION, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1, tiers=tiers
+        )
     )
     (cpu,) = manager.pools["x"].tiers.tiers
     assert dict(cpu.entries) == {b"a" * 16: 3, b"d" * 16: 0}  # a slot named twice, or outside the tier: left out
@@ -167,7 +173,9 @@ def test_random_traffic_never_loads_or_saves_a_block_that_holds_other_content():
     manager = BlockManager()
     tiers = TierSpec(host_blocks=3, disk_blocks=5)
     manager.register(
-        p.Register(v=1, id=1, pool_id="x", num_blocks=8, block_size=BS, model_id="m", epoch=1, tiers=tiers)
+        p.Register(
+            v=p.PROTOCOL_VERSION, id=1, pool_id="x", num_blocks=8, block_size=BS, model_id="m", epoch=1, tiers=tiers
+        )
     )
     pool = manager.pools["x"]
     device: dict[int, bytes] = {}
