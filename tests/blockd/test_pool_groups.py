@@ -112,8 +112,11 @@ def test_bad_group_specs_are_refused() -> None:
     expect_error(ErrorCode.INVALID_REQUEST, BlockPool, PoolSpec("p", 8, BS, "m", 1, None, (False, True)))
     expect_error(ErrorCode.INVALID_REQUEST, BlockPool, PoolSpec("p", 8, BS, "m", 1, 4, (True,) * (MAX_GROUPS + 1)))
     with pytest.raises(p.RequestError, match="groups"):  # bounded on the wire, before any work
-        p.decode_request(p.encode(p.Register(v=p.PROTOCOL_VERSION, id=1, pool_id="p", num_blocks=8, block_size=4, model_id="m",
-                                             epoch=1, groups=[True] * (MAX_GROUPS + 1))))  # fmt: skip
+        register = p.Register(
+            v=p.PROTOCOL_VERSION, id=1, pool_id="p", num_blocks=8, block_size=4, model_id="m", epoch=1,
+            groups=[True] * (MAX_GROUPS + 1),
+        )  # fmt: skip
+        p.decode_request(p.encode(register))
 
 
 def test_check_reports_a_missing_or_diverging_group_table() -> None:

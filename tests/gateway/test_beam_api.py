@@ -14,7 +14,7 @@ from executor.params import SamplingParams
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
 from tests.executor.harness import hf_beams, random_prompts
-from tests.support.gateway import _hf_tokenizer, local_stack, tiny_model, wait_until_no_live_blocks
+from tests.support.gateway import hf_tokenizer, local_stack, tiny_model, wait_until_no_live_blocks
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_completions_beam_search_returns_transformers_beams(client, stack, model
         best_of=params.beam_width,
         extra_body={"use_beam_search": True, "length_penalty": 0.5, "early_stopping": True},
     )
-    decode = _hf_tokenizer(model_dir).decode
+    decode = hf_tokenizer(model_dir).decode
     beams = hf_beams(model_dir, prompt, params)
     assert [c.text for c in answer.choices] == [decode(b, skip_special_tokens=True) for b in beams]
     assert [c.index for c in answer.choices] == [0, 1]
@@ -65,7 +65,7 @@ def test_chat_beam_search_takes_n_as_its_width(client, stack, model_dir) -> None
     beams = hf_beams(
         model_dir, prompt, SamplingParams(max_tokens=8, temperature=0.0, n=3, beam_width=3, early_stopping="never")
     )
-    decode = _hf_tokenizer(model_dir).decode
+    decode = hf_tokenizer(model_dir).decode
     assert [c.message.content for c in answer.choices] == [decode(b, skip_special_tokens=True) for b in beams]
 
 
