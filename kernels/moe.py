@@ -7,12 +7,14 @@ docs/kernels.md, "Mixture of experts".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from kernels import dispatch, pointwise
+from kernels import linear as cpu_linear
 
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "swiglu_oai")
@@ -38,6 +40,7 @@ def experts(
     limit: float = SWIGLU_LIMIT,
     backend: dispatch.Backend = "auto",
     out: torch.Tensor | None = None,
+    packed: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum for every token: `[T, H]` in hidden's dtype (`out` if given).
 
@@ -55,8 +58,12 @@ def experts(
         alpha, limit: the swiglu_oai constants (ignored by the other activations).
         backend: "auto" | "triton" | "torch" | "reference" (see `kernels.dispatch`).
         out: optional `[T, H]` output of hidden's dtype on its device; may be `hidden` itself.
+        packed: per expert, its gate_up and down weights as `kernels.linear.pack` gave them (the CPU path's
+            matmuls then run on those); None: the plain weights.
     """
     _check(hidden, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit, out)
+    if packed is not None and len(packed) != w_gate_up.shape[0]:
+        raise ValueError(f"packed holds {len(packed)} experts' weights, w_gate_up {w_gate_up.shape[0]}")
     if out is None:
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     if hidden.shape[0] == 0:
@@ -68,7 +75,7 @@ def experts(
             raise TypeError("the Triton MoE kernel takes float16, bfloat16 or float32, not float64")
         acc = dispatch.triton_module("triton_moe", hidden.device).experts(*args)
     elif chosen == "torch":
-        acc = _grouped(*args)
+        acc = _grouped(*args, packed)
     else:
         acc = _per_token(*args)
     return out.copy_(acc)
@@ -101,6 +108,7 @@ def _grouped(
     activation: Activation,
     alpha: float,
     limit: float,
+    packed: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """Pairs sorted by expert; per chosen expert, its rows gathered, two matmuls, a weighted scatter-add.
 
@@ -119,9 +127,11 @@ def _grouped(
         if count == 0:
             continue
         seg = slice(start, start + count)
-        gate_up = F.linear(hidden.index_select(0, rows[seg]), w_gate_up[e], None if b_gate_up is None else b_gate_up[e])
+        packed_gate_up, packed_down = (None, None) if packed is None else packed[e]
+        x = hidden.index_select(0, rows[seg])
+        gate_up = cpu_linear.linear(x, w_gate_up[e], None if b_gate_up is None else b_gate_up[e], packed_gate_up)
         act = activate(gate_up.to(acc_dtype), activation, alpha, limit).to(w_down.dtype)
-        y = F.linear(act, w_down[e], None if b_down is None else b_down[e]).to(acc_dtype)
+        y = cpu_linear.linear(act, w_down[e], None if b_down is None else b_down[e], packed_down).to(acc_dtype)
         acc.index_add_(0, rows[seg], y.mul_(routing[seg, None]))
         start += count
     return acc

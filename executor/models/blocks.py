@@ -17,6 +17,7 @@ from torch import nn
 from executor.model_config import ModelConfig
 from executor.models.rotary import Rotary, partial_rotary_order
 from kernels import dispatch, moe, pointwise
+from kernels import linear as cpu_linear
 
 if TYPE_CHECKING:
     from executor.parallel import Collectives
@@ -47,10 +48,19 @@ class ForwardBatch:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` without its random initialisation: every parameter is loaded from the checkpoint."""
+    """`nn.Linear` without its random initialisation: every parameter is loaded from the checkpoint. On the CPU
+    its weight is packed for oneDNN once loaded (`prepare`; `kernels.linear`), and the product runs on that."""
+
+    packed: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         pass
+
+    def prepare(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
 
 
 class Embedding(nn.Embedding):
@@ -249,6 +259,15 @@ class SparseMoE(nn.Module):
         # parallelism this rank holds experts [start, stop) of the router's and weighs the others' choices 0.
         self.collectives: Collectives | None = None
         self.expert_range = experts
+        self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+
+    def prepare(self) -> None:
+        """Each expert's two weights packed for the CPU's matmuls (`kernels.linear`), where they pack."""
+        pairs = [
+            (cpu_linear.pack(gate_up), cpu_linear.pack(down))
+            for gate_up, down in zip(self.experts_gate_up.detach(), self.experts_down.detach(), strict=True)
+        ]
+        self.packed = pairs if any(p is not None for pair in pairs for p in pair) else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their float32 weights [T, k]), as transformers' routers compute them."""
@@ -277,6 +296,7 @@ class SparseMoE(nn.Module):
             b_gate_up=self.experts_gate_up_bias,
             b_down=self.experts_down_bias,
             backend=backend,
+            packed=self.packed,
             **self.options,
         )
         return out if self.collectives is None else self.collectives.all_reduce(out)

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from kernels import linear as cpu_linear
 from kernels import moe
 
 DEVICE = torch.device(os.environ.get("PAGEDKV_TEST_DEVICE", "cpu"))
@@ -305,3 +306,18 @@ def test_bad_calls_are_refused(change, error, match):
 def test_triton_refuses_float64():
     with pytest.raises(TypeError, match="not float64"):
         moe.experts(**_cast(_case(13, 2, 32, 16, 4, 1, biased=False), torch.float64), backend="triton")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_on_packed_weights_matches_reference(shape, dtype, tol):
+    """The CPU path with each expert's weights packed for oneDNN (as `SparseMoE.prepare` packs them)."""
+    seed, tokens, hidden, inter, num_experts, top_k, biased = shape
+    case = _case(seed, tokens, hidden, inter, num_experts, top_k, biased=biased)
+    cast = _cast(case, dtype, torch.device("cpu"))
+    packed = [(cpu_linear.pack(g), cpu_linear.pack(d)) for g, d in zip(cast["w_gate_up"], cast["w_down"], strict=True)]
+    assert all(p is not None for pair in packed for p in pair)
+    got = moe.experts(**cast, activation="silu", backend="torch", packed=packed)
+    torch.testing.assert_close(got.double(), _oracle(case, dtype, "silu"), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="packed holds"):
+        moe.experts(**cast, activation="silu", backend="torch", packed=packed[:-1])
