@@ -557,10 +557,12 @@ def _cross_pool(stack: Stack, findings: Findings) -> None:
                     bp.Commit(seq_id="planted", num_computed_tokens=64),
                 ],
             ),
-            bp.Unregister(v=1, id=3, pool_id="executor-0", epoch=-1),
-            bp.Heartbeat(v=1, id=4, pool_id="executor-0", epoch=2**62),
-            bp.ResetPrefixCache(v=1, id=5, pool_id="executor-0", epoch=7),
-            bp.Register(v=1, id=6, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=99),
+            bp.Unregister(v=bp.PROTOCOL_VERSION, id=3, pool_id="executor-0", epoch=-1),
+            bp.Heartbeat(v=bp.PROTOCOL_VERSION, id=4, pool_id="executor-0", epoch=2**62),
+            bp.ResetPrefixCache(v=bp.PROTOCOL_VERSION, id=5, pool_id="executor-0", epoch=7),
+            bp.Register(
+                v=bp.PROTOCOL_VERSION, id=6, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=99
+            ),
         ]
         for key in ("pool-executor-1", INTRUDER):
             socket = _dealer(context, stack.blockd, stack.curve(key))
@@ -603,16 +605,26 @@ def _blockd_snapshot(stack: Stack) -> tuple[Any, ...]:
 def _keyless_blockd_frames(rng: random.Random, count: int) -> list[bytes]:
     tokens = pack_tokens(range(64))
     requests: list[bp.Request] = [
-        bp.Step(v=1, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=tokens)]),
-        bp.Step(v=1, id=2, pool_id="executor-0", epoch=0, ops=[bp.Commit(seq_id=PLANTED, num_computed_tokens=64)]),
-        bp.Step(v=1, id=3, pool_id="executor-1", epoch=0, ops=[bp.Free(seq_id="victim")]),
-        bp.Register(v=1, id=4, pool_id="keyless-pool", num_blocks=64, block_size=16, model_id="m", epoch=1),
-        bp.Unregister(v=1, id=5, pool_id="executor-1", epoch=0),
-        bp.ResetPrefixCache(v=1, id=6, pool_id="executor-0"),
-        bp.Lookup(v=1, id=7, tokens=tokens),
-        bp.Stats(v=1, id=8),
-        bp.Pools(v=1, id=9),
-        bp.Check(v=1, id=10),
+        bp.Step(
+            v=bp.PROTOCOL_VERSION, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=tokens)]
+        ),
+        bp.Step(
+            v=bp.PROTOCOL_VERSION,
+            id=2,
+            pool_id="executor-0",
+            epoch=0,
+            ops=[bp.Commit(seq_id=PLANTED, num_computed_tokens=64)],
+        ),
+        bp.Step(v=bp.PROTOCOL_VERSION, id=3, pool_id="executor-1", epoch=0, ops=[bp.Free(seq_id="victim")]),
+        bp.Register(
+            v=bp.PROTOCOL_VERSION, id=4, pool_id="keyless-pool", num_blocks=64, block_size=16, model_id="m", epoch=1
+        ),
+        bp.Unregister(v=bp.PROTOCOL_VERSION, id=5, pool_id="executor-1", epoch=0),
+        bp.ResetPrefixCache(v=bp.PROTOCOL_VERSION, id=6, pool_id="executor-0"),
+        bp.Lookup(v=bp.PROTOCOL_VERSION, id=7, tokens=tokens),
+        bp.Stats(v=bp.PROTOCOL_VERSION, id=8),
+        bp.Pools(v=bp.PROTOCOL_VERSION, id=9),
+        bp.Check(v=bp.PROTOCOL_VERSION, id=10),
     ]
     frames = [bp.encode(r) for r in requests]
     return frames + [_bad_blockd_frame(rng, i) for i in range(count) if i % 80 != 5]  # no 4 MB lookups here
@@ -694,11 +706,19 @@ def _keyless_peers(stack: Stack, findings: Findings, frames: int, wait_s: float)
                 findings.problem(f"{who}: not refused as forbidden ({code}, {reply!r})")
 
         as_executor: list[bp.Request] = [
-            bp.Step(v=1, id=1, pool_id="executor-0", epoch=0, ops=[bp.Admit(seq_id=PLANTED, tokens=pack_tokens([1]))]),
-            bp.Register(v=1, id=2, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=5),
-            bp.Heartbeat(v=1, id=3, pool_id="executor-0", epoch=0),
-            bp.Unregister(v=1, id=4, pool_id="executor-1", epoch=0),
-            bp.ResetPrefixCache(v=1, id=5, pool_id="executor-0", epoch=0),
+            bp.Step(
+                v=bp.PROTOCOL_VERSION,
+                id=1,
+                pool_id="executor-0",
+                epoch=0,
+                ops=[bp.Admit(seq_id=PLANTED, tokens=pack_tokens([1]))],
+            ),
+            bp.Register(
+                v=bp.PROTOCOL_VERSION, id=2, pool_id="executor-0", num_blocks=64, block_size=16, model_id="m", epoch=5
+            ),
+            bp.Heartbeat(v=bp.PROTOCOL_VERSION, id=3, pool_id="executor-0", epoch=0),
+            bp.Unregister(v=bp.PROTOCOL_VERSION, id=4, pool_id="executor-1", epoch=0),
+            bp.ResetPrefixCache(v=bp.PROTOCOL_VERSION, id=5, pool_id="executor-0", epoch=0),
         ]
         for key in ("gateway", "operator"):
             socket = _dealer(context, stack.blockd, stack.curve(key))
@@ -746,7 +766,7 @@ def _bad_blockd_frame(rng: random.Random, i: int) -> bytes:
     if kind == 0:
         return rng.randbytes(rng.randrange(0, 300))
     if kind == 1:
-        valid = bp.encode(bp.Lookup(v=1, id=i, tokens=pack_tokens(range(rng.randrange(1, 200)))))
+        valid = bp.encode(bp.Lookup(v=bp.PROTOCOL_VERSION, id=i, tokens=pack_tokens(range(rng.randrange(1, 200)))))
         return valid[: rng.randrange(0, len(valid))]
     if kind == 2:  # wrong shapes
         shapes: list[Any] = [
@@ -779,7 +799,7 @@ def _bad_blockd_frame(rng: random.Random, i: int) -> bytes:
             }
         )
     if kind == 5 and i % 80 == 5:  # an oversized lookup (a million tokens), now and then
-        return bp.encode(bp.Lookup(v=1, id=i, tokens=rng.randbytes(4_000_000)))
+        return bp.encode(bp.Lookup(v=bp.PROTOCOL_VERSION, id=i, tokens=rng.randbytes(4_000_000)))
     if kind == 6:
         return bp.encode(bp.Lookup(v=2, id=i, tokens=b"\x01\x00\x00\x00"))
     return msgspec.msgpack.encode({"op": "step", "v": 1, "id": i, "pool_id": "executor-1", "epoch": i, "ops": []})
