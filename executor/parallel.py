@@ -144,7 +144,11 @@ def init_group(
         world_size=world,
         timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
     )
-    prove_membership(rank, world, token, device)
+    try:
+        prove_membership(rank, world, token, device)
+    except GroupIntruder:
+        destroy_group()  # a refused rank exits with its own error, not an abort from the group's destructors
+        raise
     _serving[:] = [dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))]
 
 
