@@ -9,9 +9,11 @@ aligned pointers, strides divisible by 16). Exit status 0: all compiled; 1: a ke
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import click
@@ -215,27 +217,46 @@ def _moe_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int
         yield label, tm._fused_experts_kernel, sig, consts, cfg.num_warps, cfg.num_stages
 
 
-def compile_all(arch: int, echo=click.echo) -> bool:
-    """Compile every case for `sm_<arch>`; return whether all compiled."""
+def _cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    return [*_attention_cases(), *_cache_cases(), *_moe_cases()]
+
+
+def _compile_case(arch: int, index: int) -> tuple[bool, str]:
+    """Compile case `index` of `_cases()` for `sm_<arch>`: whether it compiled, and the line that says so."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    target = GPUTarget("cuda", arch, 32)
-    ok = True
-    for label, kernel, sig, consts, num_warps, num_stages in (*_attention_cases(), *_cache_cases(), *_moe_cases()):
-        names = kernel.arg_names
-        # What the JIT infers at run time for real inputs: aligned pointers, strides divisible by 16.
-        hinted = [k for k, t in sig.items() if t.startswith("*") or k.startswith("stride") or k == "block_numel"]
-        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in hinted if k != "stride_bt_seq"}
-        src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
-        try:
-            compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
-            echo(f"ok    {label}: shared memory {compiled.metadata.shared} B")
-        except Exception as exc:
-            ok = False
-            echo(f"FAIL  {label}: {type(exc).__name__}: {str(exc)[:2000]}")
-    return ok
+    label, kernel, sig, consts, num_warps, num_stages = _cases()[index]
+    names = kernel.arg_names
+    # What the JIT infers at run time for real inputs: aligned pointers, strides divisible by 16.
+    hinted = [k for k, t in sig.items() if t.startswith("*") or k.startswith("stride") or k == "block_numel"]
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in hinted if k != "stride_bt_seq"}
+    src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
+    try:
+        target = GPUTarget("cuda", arch, 32)
+        compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+        return True, f"ok    {label}: shared memory {compiled.metadata.shared} B"
+    except Exception as exc:
+        return False, f"FAIL  {label}: {type(exc).__name__}: {str(exc)[:2000]}"
+
+
+def compile_all(arch: int, echo=click.echo, workers: int | None = None) -> bool:
+    """Compile every case for `sm_<arch>`, on `workers` processes (default: one per usable core: each compile is
+    single-threaded, and the cases are independent); echo a line per case, in the cases' order. Return whether
+    all compiled."""
+    count = len(_cases())
+    workers = max(1, min(count, workers or len(os.sched_getaffinity(0))))
+    if workers == 1:
+        results = [_compile_case(arch, i) for i in range(count)]
+    else:
+        # fork: the workers inherit the imported kernel modules (and no GPU context exists to break).
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            results = list(pool.map(_compile_case, [arch] * count, range(count)))
+    for _, line in results:
+        echo(line)
+    return all(ok for ok, _ in results)
 
 
 @click.command()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -126,10 +127,24 @@ def hf_model(model_dir: Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@contextlib.contextmanager
+def reference_run() -> Iterator[None]:
+    """The oracle's forward passes: no autograd, one torch thread. The tiny checkpoints' ops take microseconds,
+    and an OpenMP team is as slow as its slowest thread: with a stack's processes (or another job) on the other
+    core, two threads ran these forwards 8-10x slower than one (docs/architecture.md, "CPU threads")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate: the oracle. It stops after an end-of-sequence token, like the engine."""
     model = hf_model(model_dir)
-    with torch.no_grad():
+    with reference_run():
         out = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=max_new_tokens,
@@ -142,7 +157,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
 def hf_beams(model_dir: Path, prompt: list[int], params: SamplingParams) -> list[list[int]]:
     """transformers' own beam search: the oracle (its sequences padded past an end, cut back here)."""
     model = hf_model(model_dir)
-    with torch.no_grad():
+    with reference_run():
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -170,7 +185,7 @@ def hf_greedy_ignoring_eos(model, prompt, n):
     logits at each position, fed back)."""
     tokens = list(prompt)
     hf = hf_model(model)
-    with torch.no_grad():
+    with reference_run():
         for _ in range(n):
             tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt) :]
@@ -179,7 +194,7 @@ def hf_greedy_ignoring_eos(model, prompt, n):
 def hf_logprobs(model_dir: Path, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """log-softmax of transformers' logits at each generated position: [len(generated), vocab]."""
     model = hf_model(model_dir)
-    with torch.no_grad():
+    with reference_run():
         logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -224,7 +239,7 @@ def assert_forward_matches(model_dir: Path, reference: transformers.PreTrainedMo
         )
         pieces.append(loaded.model(batch, caches))
     ours = torch.cat(pieces)
-    with torch.no_grad():
+    with reference_run():
         expected = reference(ids[None]).logits[0].float()
     chosen = expected.argmax(-1)
     assert torch.equal(ours.argmax(-1), chosen)

@@ -14,6 +14,7 @@ import transformers
 from common.tokens import pack_tokens
 from executor import protocol as ep
 from executor.params import SamplingParams
+from tests.executor.harness import reference_run
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]
 
@@ -29,7 +30,7 @@ def test_embed_executor_serves_embed_and_refuses_submit(tiny_models, blockd, sta
     model_dir = tiny_models["llama"]
     executor = start_executor(model_dir, blockd.endpoint, "--task", "embed", "--pooling-type", "mean")
     model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
+    with reference_run():
         expected = torch.stack([model(torch.tensor([p])).last_hidden_state[0].mean(0) for p in PROMPTS])
     with executor.client(timeout_s=10) as client:
         assert client.info().task == "embed"

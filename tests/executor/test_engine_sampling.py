@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from executor.params import SamplingParams
-from tests.executor.harness import drive, hf_greedy, hf_model, make_engine, random_prompts
+from tests.executor.harness import drive, hf_greedy, hf_model, make_engine, random_prompts, reference_run
 from tests.support.sampling import reference_processing
 
 MAX_TOKENS = 20
@@ -34,7 +34,7 @@ class Reference(transformers.LogitsProcessor):
 
 def hf_generate(model_dir: Path, prompt: list[int], **kwargs: Any) -> list[int]:
     model = hf_model(model_dir)
-    with torch.no_grad():
+    with reference_run():
         out = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=MAX_TOKENS,

@@ -25,6 +25,7 @@ from executor.pooling import (
 )
 from executor.runner import load_model
 from pagedkv.tools.model_gen import write_model
+from tests.executor.harness import reference_run
 from tests.support.models import TINY
 
 ARCHS = {"qwen3": dict(arch="qwen3", head_dim=32), "llama": dict(arch="llama")}
@@ -41,7 +42,7 @@ def checkpoint(request, tmp_path_factory) -> Path:
 def reference(model_dir: Path, prompts: list[list[int]], kind: PoolingType) -> torch.Tensor:
     model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = []
-    with torch.no_grad():
+    with reference_run():
         for prompt in prompts:
             hidden = model(torch.tensor([prompt])).last_hidden_state[0]
             rows.append({"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(0)}[kind.value])

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from executor.params import SamplingParams
-from tests.executor.harness import drive, hf_greedy, hf_model, make_engine, random_prompts
+from tests.executor.harness import drive, hf_greedy, hf_model, make_engine, random_prompts, reference_run
 
 TOL = 2e-3
 
 
 def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
     """log-softmax of transformers' logits at prompt positions 0 .. len - 2: row i scores prompt token i + 1."""
-    with torch.no_grad():
+    with reference_run():
         logits = hf_model(model_dir)(torch.tensor([prompt])).logits[0, :-1]
     return torch.log_softmax(logits.float(), dim=-1)
 

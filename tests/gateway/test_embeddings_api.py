@@ -20,6 +20,7 @@ import transformers
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
 from pagedkv.tools.model_gen import write_model
+from tests.executor.harness import reference_run
 from tests.support.gateway import local_stack
 from tests.support.models import TINY
 
@@ -60,7 +61,7 @@ def reference(model_dir: Path):
     model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def last_token(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
+        with reference_run():
             return model(torch.tensor([ids])).last_hidden_state[0, -1]
 
     return last_token

@@ -14,7 +14,7 @@ import torch
 
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
-from tests.executor.harness import hf_model
+from tests.executor.harness import hf_model, reference_run
 from tests.support.gateway import local_stack, tiny_model, wait_until_no_live_blocks
 
 TOL = 2e-3
@@ -40,7 +40,7 @@ def client(stack: LocalStack) -> Iterator[openai.OpenAI]:
 
 
 def reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
+    with reference_run():
         logits = hf_model(model_dir)(torch.tensor([ids])).logits[0, :-1]
     return torch.log_softmax(logits.float(), dim=-1)
 

@@ -18,7 +18,7 @@ from executor.params import SamplingParams
 from gateway.api import CompletionRequest
 from gateway.text import Tokenizer
 from pagedkv.serve import LocalStack
-from tests.executor.harness import hf_model
+from tests.executor.harness import hf_model, reference_run
 from tests.support.gateway import local_stack, tiny_model, wait_until_no_live_blocks
 from tests.support.sampling import reference_processing
 
@@ -62,7 +62,7 @@ def hf_processed(model_dir: Path, prompt: list[int], n: int, processor: Any) -> 
     """n greedy tokens (end-of-sequence included) of transformers' logits passed through `processor`."""
     tokens = list(prompt)
     model = hf_model(model_dir)
-    with torch.no_grad():
+    with reference_run():
         for _ in range(n):
             ids = torch.tensor([tokens])
             scores = processor(ids, model(ids).logits[:, -1].float())
