@@ -31,13 +31,13 @@ POLICIES = ROUTING_POLICIES
 
 #: What getting one prompt token's K/V onto an executor costs, in tokens computed (recompute = 1), by where the
 #: K/V is: blockd's medium names (blockd.tiers; "GPU" is the device's cached prefix). Measured with `pagedkv bench
-#: tiers` (docs/benchmarks.md, "KV tiers"; CPU, 2026-12-02): a re-visited turn of ~340 prompt tokens, ~50 of them
-#: new, took 410 ms recomputed whole and 90 ms with the rest loaded from host memory, 99 ms from disk: about 1.2 ms
-#: per computed token against 0.04 (host) and 0.07 (disk) per loaded one. Host is rounded up to 0.05; disk is set
-#: at 0.25, well above what it measured, because those block files sat in the page cache: a cold read (and, on a
-#: GPU, a disk against a far faster prefill) costs a larger share of a recompute. Only the order device < host <
-#: disk < recompute matters much: the router compares executors whose load is within --load-slack by this cost.
-LOAD_COST_PER_TOKEN: Final[Mapping[str, float]] = MappingProxyType({"GPU": 0.0, "CPU": 0.05, "DISK": 0.25})
+#: tiers --conversations 8 --turns 2 --first-tokens 1024 --user-tokens 16 --output-tokens 4 --clients 1 --configs
+#: off,host,host+disk,host,off` (CPU, default model, 2026-12-02): a re-visited turn of ~1,044 tokens, 1,024 of them
+#: loaded, took 487/299 ms recomputed (0.38 ms a token), 45/65 ms loaded from host memory and 87 ms with three in
+#: four blocks from disk (page cache): a loaded token costs at most 0.12 (host) and 0.24 (disk) of a computed one,
+#: the request's fixed costs included. Only the order device < host < disk < recompute matters much: the router
+#: compares executors whose load is within --load-slack by this cost.
+LOAD_COST_PER_TOKEN: Final[Mapping[str, float]] = MappingProxyType({"GPU": 0.0, "CPU": 0.1, "DISK": 0.25})
 RECOMPUTE_COST_PER_TOKEN: Final = 1.0
 #: A medium this gateway has no figure for (a newer blockd's tier): taken for a load as dear as the dearest known.
 UNKNOWN_MEDIUM_COST_PER_TOKEN: Final = max(LOAD_COST_PER_TOKEN.values())
