@@ -153,8 +153,19 @@ class BlockdClient:
     ) -> dict[str, int]:
         """Prompt tokens each registered pool has cached for this prompt (the gateway routes on it). Only the
         first `max_tokens` are looked up (blockd refuses longer lookups: --max-lookup-tokens)."""
+        return self.lookup_tiers(tokens, cache_salt, max_tokens).cached_tokens
+
+    def lookup_tiers(
+        self, tokens: Sequence[int], cache_salt: str | None = None, max_tokens: int = DEFAULT_MAX_LOOKUP_TOKENS
+    ) -> p.LookupResult:
+        """Per pool, the prompt tokens cached on the device and those each lower tier would load after them (the
+        gateway routes on it). A reply that breaks the schema (a foreign or broken blockd) is `bad_message`."""
         packed = as_packed(tokens)[: max_tokens * TOKEN_BYTES]
-        return self.call(p.Lookup, tokens=bytes(packed), cache_salt=cache_salt).cached_tokens
+        try:
+            return self.call(p.Lookup, tokens=bytes(packed), cache_salt=cache_salt)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.reset()  # (the request may still count as in flight)
+            raise BlockdError(ErrorCode.BAD_MESSAGE, f"blockd's lookup reply does not decode: {exc}") from None
 
 
 class MirroredSequence(msgspec.Struct):

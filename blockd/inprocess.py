@@ -52,7 +52,7 @@ class InProcessBlockd(BlockdClient):
             p.Register: self.manager.register,
             p.Unregister: lambda r: p.ResetResult(self.manager.unregister(r.pool_id, r.epoch)),
             p.Heartbeat: self._heartbeat,
-            p.Lookup: lambda r: p.LookupResult(self.manager.lookup(r.tokens, r.cache_salt)),
+            p.Lookup: lambda r: self.manager.lookup(r.tokens, r.cache_salt),
         }
 
     def _connect(self) -> Any:

@@ -103,7 +103,10 @@ def _give_up(context: zmq.Context, auth: ServerAuth | None) -> None:
     help="Requests queued per peer before ZeroMQ stops reading from it (RCVHWM).",
 )
 @click.option(
-    "--max-pools", type=click.IntRange(min=1), default=DEFAULT_MAX_POOLS, help="Most pools (new ones: too_many_pools)."
+    "--max-pools",
+    type=click.IntRange(min=1, max=p.MAX_LOOKUP_POOLS),  # a lookup's answer names every pool: clients bound it
+    default=DEFAULT_MAX_POOLS,
+    help="Most pools (new ones: too_many_pools).",
 )
 @click.option(
     "--max-blocks-per-pool",

@@ -280,8 +280,9 @@ class BlockManager:
                 append(p.OpError(exc.code, exc.message, exc.missing_blocks))
         return p.StepResult(results)
 
-    def lookup(self, tokens: bytes, cache_salt: str | None) -> dict[str, int]:
-        """Cached prompt tokens per pool; the prompt is hashed once per (block size, model), not once per pool."""
+    def lookup(self, tokens: bytes, cache_salt: str | None) -> p.LookupResult:
+        """Per pool, the prompt tokens an admit would find cached on the device and those it would load from each
+        lower tier after them; the prompt is hashed once per (block size, model), not once per pool."""
         limit = self.limits.max_lookup_tokens
         if len(tokens) // 4 > limit:
             raise BlockdError(
@@ -291,15 +292,19 @@ class BlockManager:
             )
         chains: dict[tuple[int, str], list[bytes]] = {}
         found: dict[str, int] = {}
+        below: dict[str, dict[str, int]] = {}
         for pool_id, pool in self.pools.items():
-            if pool.num_groups > 1:  # every group's chain is its own (keyed by the group)
+            if pool.num_groups > 1:  # every group's chain is its own (keyed by the group); no tiers (refused)
                 found[pool_id] = pool.lookup(tokens, cache_salt)
                 continue
             kind = (pool.block_size, pool.spec.model_id)
             if kind not in chains:
                 chains[kind] = pool.prompt_hashes(tokens, cache_salt)
-            found[pool_id] = len(pool.cached_prefix_blocks(chains[kind], len(chains[kind]))) * pool.block_size
-        return found
+            device = len(pool.cached_prefix_blocks(chains[kind], len(chains[kind])))
+            found[pool_id] = device * pool.block_size
+            if pool.tiers is not None and (extent := pool.tier_extent(chains[kind], device)):
+                below[pool_id] = extent
+        return p.LookupResult(found, below)
 
     def reset_prefix_cache(self, pool_id: str, epoch: int | None = None) -> int:
         """Forget the pool's cached prefixes; with an epoch (an executor's request) only if it is the pool's."""

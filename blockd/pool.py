@@ -783,6 +783,15 @@ class BlockPool:
         limit = max(len(packed) // _TOKEN_BYTES - 1, 0) // self.block_size
         return self._cached_prefix(packed, cache_salt, limit)[0] * self.block_size
 
+    def tier_extent(self, hashes: Sequence[bytes], device_blocks: int) -> dict[str, int]:
+        """Per lower tier, the prompt tokens `admit` would load from it after a device prefix of `device_blocks`
+        blocks, `hashes` being the prompt's reusable chain (`prompt_hashes`). The one walk admission makes
+        (`_tier_hits`), so a lookup says what the admit would do; media with none are left out."""
+        found: dict[str, int] = {}
+        for tier, _h in self._tier_hits(hashes, device_blocks, len(hashes)):
+            found[tier.medium] = found.get(tier.medium, 0) + self.block_size
+        return found
+
     def reset_prefix_cache(self) -> int:
         """Forget every index entry; blocks stay where they are. Returns how many entries were dropped."""
         dropped = len(self.index)

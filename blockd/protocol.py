@@ -32,6 +32,14 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 #: Slots reserved past a sequence's tokens for tokens not registered yet (blockd.block_rule; the pool checks the
 #: exact bound, which depends on its block size: at most two blocks).
 Reserved = Annotated[int, msgspec.Meta(ge=0, le=2 * max(SUPPORTED_BLOCK_SIZES))]
+#: A lookup's cache salt: no longer than the gateway accepts from its clients.
+Salt = Annotated[str, msgspec.Meta(max_length=1024)]
+#: A KV tier's name in a lookup's answer (blockd.tiers: vLLM's `medium`, "CPU", "DISK", ...).
+MediumName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+#: Most lower tiers one pool reports in a lookup, and most pools a lookup answers for: bounds on what a client
+#: (the gateway) decodes from a blockd it does not control.
+MAX_LOOKUP_MEDIA: Final = 8
+MAX_LOOKUP_POOLS: Final = 4096
 
 
 # ------------------------------------------------------------------------------------------ step ops
@@ -177,7 +185,7 @@ class Step(Request, tag="step"):
 
 class Lookup(Request, tag="lookup"):
     tokens: PackedTokens
-    cache_salt: str | None = None
+    cache_salt: Salt | None = None
 
 
 class Stats(Request, tag="stats"):
@@ -228,8 +236,20 @@ class StepResult(msgspec.Struct):
     results: list[StepOpResult]
 
 
-class LookupResult(msgspec.Struct):
-    cached_tokens: dict[str, int]  # pool id -> prompt tokens an admit there would find cached
+class LookupResult(msgspec.Struct, omit_defaults=True):
+    """Per pool, how far along the prompt's block chain each medium goes, as an admit there would follow it
+    (blockd.pool.BlockPool.tier_extent): the device's cached prefix, then the tokens each lower tier would load
+    after it. `tier_tokens` is optional (empty, and so not sent, when no pool has any): a client that does not
+    know it reads device hits as before, and one that does reads {} from a blockd that does not send it, so
+    protocol version 2 stands. Media are open names: a tier added later slots into the same map."""
+
+    cached_tokens: Annotated[dict[Name, Count], msgspec.Meta(max_length=MAX_LOOKUP_POOLS)]  # on the device
+    # pool id -> medium -> prompt tokens after the device's prefix an admit there would load from that tier
+    # (pools, and media, with none are left out)
+    tier_tokens: Annotated[
+        dict[Name, Annotated[dict[MediumName, Count], msgspec.Meta(max_length=MAX_LOOKUP_MEDIA)]],
+        msgspec.Meta(max_length=MAX_LOOKUP_POOLS),
+    ] = {}
 
 
 class PersistenceStats(msgspec.Struct):

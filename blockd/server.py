@@ -158,7 +158,7 @@ class BlockdServer:
         return p.ResetResult(dropped)
 
     def _lookup(self, req: p.Lookup) -> p.LookupResult:
-        return p.LookupResult(self.manager.lookup(req.tokens, req.cache_salt))
+        return self.manager.lookup(req.tokens, req.cache_salt)
 
     def _stats(self, req: p.Stats) -> p.StatsResult:
         pool_stats = self.manager.pool_stats(req.pool_id)

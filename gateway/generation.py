@@ -19,7 +19,7 @@ from executor.params import SamplingParams
 from gateway import errors, migration
 from gateway.executors import ExecutorLink, ExecutorLost, ExecutorUnavailable, StreamItem
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Router
+from gateway.routing import Route, Router
 from gateway.text import Detokenizer, StopMatcher, Tokenizer
 
 log = structlog.get_logger("gateway")
@@ -248,7 +248,7 @@ class Generation:
             for index, choice in enumerate(self._choices):
                 choice.submission, choice.remote_index = submission, index
             self.usage = Usage(prompt_tokens=len(self.prompt), report_cached=self.report_cached_tokens)
-            self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
+            self._routed(route)
             return
 
     async def _migrate(self, lost: _Submission, reason: str) -> list[ChoiceEvent] | None:
@@ -312,7 +312,7 @@ class Generation:
             submission = _Submission(link, submitted_id, [index], original=False)
             self._submissions[submitted_id] = submission
             choice.submission, choice.remote_index = submission, 0
-            self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
+            self._routed(route)
             return True
 
     def _on_delta(self, index: int, delta: ep.Delta, original: bool) -> ChoiceEvent | None:
@@ -397,6 +397,20 @@ class Generation:
         vllm.inference.observe(now - submitted)
         vllm.request_prompt_tokens.observe(usage.prompt_tokens)
         vllm.request_generation_tokens.observe(usage.completion_tokens)
+
+    def _routed(self, route: Route) -> None:
+        """Count where a submission went, and why (where its prompt's K/V was there: gateway.routing)."""
+        link = route.link
+        self.metrics.routed.labels(executor=link.endpoint, policy=self.router.policy).inc()
+        if route.tier is not None:
+            self.metrics.routed_by_tier.labels(tier=route.tier).inc()
+            log.debug(
+                "request_routed",
+                request_id=self.request_id,
+                executor=link.pool_id,
+                tier=route.tier,
+                expected_cached_tokens=route.expected_cached_tokens,
+            )
 
     def _drop(self, submission: _Submission, abort: bool = False) -> None:
         """Stop listening for this submission; abort it at the executor if it may still be going."""

@@ -243,6 +243,13 @@ class GatewayMetrics:
         self.routed = Counter(
             "pagedkv_gateway_routed_requests", "Requests sent to each executor", ["executor", "policy"], registry=r
         )
+        self.routed_by_tier = Counter(
+            "pagedkv_gateway_routed_by_tier",
+            "Requests routed by where their prompt's K/V was on the executor chosen: device, host, disk (the dearest "
+            "medium it loads from), other (a tier this gateway has no cost for) or recompute (none of it cached)",
+            ["tier"],
+            registry=r,
+        )
         self.retries = Counter(
             "pagedkv_gateway_retried_requests",
             "Requests resubmitted elsewhere because their executor was lost",

@@ -284,6 +284,20 @@ def test_bad_input_is_answered_and_changes_nothing(redis_process, start_blockd):
             ErrorCode.UNKNOWN_POOL,
         ),
         ((enc({"v": p.PROTOCOL_VERSION, "id": 6, "op": "seq", "seq_id": "ghost"}),), ErrorCode.UNKNOWN_SEQUENCE),
+        # Lookups (a gateway's): token ids unpacked, not whole uint32s, a salt too long or not a string.
+        ((enc({"v": p.PROTOCOL_VERSION, "id": 7, "op": "lookup", "tokens": [1, 2]}),), ErrorCode.INVALID_REQUEST),
+        (
+            (enc({"v": p.PROTOCOL_VERSION, "id": 8, "op": "lookup", "tokens": b"\x01\x02\x03"}),),
+            ErrorCode.INVALID_REQUEST,
+        ),
+        (
+            (enc({"v": p.PROTOCOL_VERSION, "id": 9, "op": "lookup", "tokens": b"", "cache_salt": "s" * 1025}),),
+            ErrorCode.INVALID_REQUEST,
+        ),
+        (
+            (enc({"v": p.PROTOCOL_VERSION, "id": 10, "op": "lookup", "tokens": b"", "cache_salt": 5}),),
+            ErrorCode.INVALID_REQUEST,
+        ),
     ]
     for frames, code in cases:
         reply = ask(*frames)

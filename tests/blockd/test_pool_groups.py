@@ -146,7 +146,7 @@ def test_the_client_mirrors_every_groups_table_and_resyncs_them() -> None:
         assert mirrored.blocks == server.seqs[table_id].table, table_id
     assert pool.free_blocks == server.num_blocks - server.stats().blocks_in_use
     # The gateway's lookup: the sliding group's first blocks went back but stay cached, so 12 tokens hit.
-    assert blockd.manager.lookup(p_tokens([*range(14), 0]), None)["g"] == 12
+    assert blockd.manager.lookup(p_tokens([*range(14), 0]), None).cached_tokens["g"] == 12
     blockd.manager.pools.clear()  # blockd lost the pool: the executor's tables are the truth
     pool.resync()
     server = blockd.manager.pools["g"]

@@ -185,9 +185,15 @@ def test_random_traffic_never_loads_or_saves_a_block_that_holds_other_content():
     loads = 0
     for step in range(400):
         tokens = rng.choice(prefixes)[: rng.randrange(BS, 3 * BS + 1)] + [rng.randrange(1, 50) for _ in range(3)]
+        looked = manager.lookup(pack_tokens(tokens), None)
         (result,) = manager.step("x", 1, [p.Admit(f"s{step}", pack_tokens(tokens))]).results
         if type(result) is p.OpError:
             continue
+        # The lookup (the gateway's routing) said what the admit did: its device hits, then each tier's loads.
+        below = looked.tier_tokens.get("x", {})
+        assert looked.cached_tokens["x"] + sum(below.values()) == result.num_cached_tokens
+        loaded = [op.medium for op in result.tier_ops if op.kind == "load"]
+        assert below == {m: loaded.count(m) * BS for m in set(loaded)} and sum(below.values()) == result.loaded_tokens
         for op in result.tier_ops:
             if op.kind == "save":
                 assert device.get(op.block) == op.block_hash
@@ -213,3 +219,42 @@ def test_random_traffic_never_loads_or_saves_a_block_that_holds_other_content():
         manager.step("x", 1, [p.Free(f"s{step}")])
         assert manager.check() == []
     assert loads > 20
+
+
+def test_a_lookup_follows_the_chain_through_every_tier_as_an_admit_would():
+    manager = _manager(host=2, disk=8)
+    _run(manager, "a", _prompt(0))
+    # a's three blocks demoted, its last first (a freed sequence's tail is evicted first): that one spilled to
+    # disk when the host tier (two blocks) filled
+    _run(manager, "b", _prompt(100))
+    looked = manager.lookup(pack_tokens(_prompt(0)), None)
+    assert looked.cached_tokens == {"x": 0}
+    assert looked.tier_tokens == {"x": {"CPU": 2 * BS, "DISK": BS}}
+    # Another salt's chain, or a prompt nobody ran, is in no tier; the answer leaves such pools out.
+    assert manager.lookup(pack_tokens(_prompt(0)), "tenant").tier_tokens == {}
+    assert manager.lookup(pack_tokens(_prompt(500)), None) == p.LookupResult({"x": 0})
+    # The prompt's last block is never looked up (an admit computes at least the last token): as admission.
+    assert manager.lookup(pack_tokens(_prompt(0)[: 3 * BS]), None).tier_tokens == {"x": {"CPU": 2 * BS}}
+    # Nothing changed: the lookup only looked (the admit that follows still loads all three).
+    admitted = _run(manager, "a2", _prompt(0))
+    assert admitted.loaded_tokens == 3 * BS and manager.check() == []
+
+
+def test_a_lookup_reply_without_tiers_is_the_version_2_reply_byte_for_byte():
+    """Pools without lower tiers: the optional field is not sent, and a client of before it decodes the reply."""
+
+    class OldLookupResult(msgspec.Struct):  # the reply's shape before tier_tokens
+        cached_tokens: dict[str, int]
+
+    manager = BlockManager()
+    manager.register(
+        p.Register(v=p.PROTOCOL_VERSION, id=1, pool_id="x", num_blocks=4, block_size=BS, model_id="m", epoch=1)
+    )
+    result = manager.lookup(pack_tokens(_prompt(0)), None)
+    assert p.encode(result) == p.encode(OldLookupResult({"x": 0}))
+    with_tiers = _manager(host=8, disk=0)
+    _run(with_tiers, "a", _prompt(0))
+    _run(with_tiers, "b", _prompt(100))
+    frame = p.encode(with_tiers.lookup(pack_tokens(_prompt(0)), None))
+    assert msgspec.msgpack.decode(frame, type=OldLookupResult) == OldLookupResult({"x": 0}), "old clients read on"
+    assert p.decode_result(msgspec.Raw(frame), p.LookupResult).tier_tokens == {"x": {"CPU": 3 * BS}}

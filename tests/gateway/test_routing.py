@@ -5,14 +5,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
+import msgspec
 import pytest
+import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from blockd import protocol as p
+from blockd.errors import BlockdError, ErrorCode
 from executor import protocol as ep
+from gateway import routing
 from gateway.executors import ExecutorLink
-from gateway.routing import POLICIES, PrefixLookup, Route, Router, load_of, pick
+from gateway.routing import POLICIES, Extents, PrefixLookup, Route, Router, load_of, pick
 
 SLACK = 8
 
@@ -50,20 +58,26 @@ def make_link(
     return link
 
 
-class FakeLookup:
-    """Stands in for PrefixLookup at its boundary: an async `cached_tokens(tokens)` giving tokens per pool."""
+def on_device(cached: Mapping[str, int]) -> Extents:
+    """Device hits only, as blockd answers for pools without lower tiers."""
+    return {pool: {"GPU": n} for pool, n in cached.items()}
 
-    def __init__(self, cached: dict[str, int], on_call: object = None) -> None:
-        self.cached = cached
+
+class FakeLookup:
+    """Stands in for PrefixLookup at its boundary: an async `cached_tokens(tokens)` giving, per pool, the tokens on
+    each medium (a plain number: on the device)."""
+
+    def __init__(self, cached: Mapping[str, int | dict[str, int]], on_call: object = None) -> None:
+        self.cached = {pool: {"GPU": n} if isinstance(n, int) else n for pool, n in cached.items()}
         self.calls: list[list[int]] = []
         self.on_call = on_call
 
-    async def cached_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
+    async def cached_tokens(self, tokens: Sequence[int], cache_salt: str | None = None) -> Extents:
         self.calls.append(list(tokens))
         if callable(self.on_call):
             self.on_call()
         await asyncio.sleep(0)
-        return dict(self.cached)
+        return {pool: dict(extent) for pool, extent in self.cached.items()}
 
 
 def choose(router: Router, prompt: Sequence[int] = (1, 2, 3), exclude: set[str] = frozenset()) -> Route | None:
@@ -238,8 +252,8 @@ def test_unknown_policy_is_refused() -> None:
 def test_pick_keeps_rotation_order_for_ties() -> None:
     a, b, c = make_link("a"), make_link("b"), make_link("c")
     assert pick([b, c, a], {}, SLACK).link is b
-    assert pick([c, a, b], {"pool-a": 0}, SLACK).link is c
-    assert pick([c, a, b], {"pool-a": 16, "pool-b": 16}, SLACK).link is a
+    assert pick([c, a, b], on_device({"pool-a": 0}), SLACK).link is c
+    assert pick([c, a, b], on_device({"pool-a": 16, "pool-b": 16}), SLACK).link is a
 
 
 # ------------------------------------------------------------------------------------------------ blockd lookup
@@ -260,13 +274,13 @@ def counted_lookup(retry_after_s: float) -> tuple[PrefixLookup, FakeClock, list[
     clock = FakeClock()
     lookup = PrefixLookup("tcp://127.0.0.1:1", timeout_s=0.05, retry_after_s=retry_after_s, clock=clock)
     calls: list[tuple[int, ...]] = []
-    original = lookup._client.lookup
+    original = lookup._client.lookup_tiers
 
     def counted(tokens, cache_salt=None):
         calls.append(tuple(tokens))
         return original(tokens, cache_salt)
 
-    lookup._client.lookup = counted  # type: ignore[method-assign]
+    lookup._client.lookup_tiers = counted  # type: ignore[method-assign]
     return lookup, clock, calls
 
 
@@ -305,3 +319,204 @@ def test_router_falls_back_to_least_loaded_when_blockd_is_away() -> None:
         assert name_of(route) == "b" and route is not None and route.expected_cached_tokens == 0
     finally:
         lookup.close()
+
+
+# ------------------------------------------------------------------------------------------------ lower tiers
+
+MEDIA = ("GPU", "CPU", "DISK", "SHARED")  # SHARED: a medium this gateway has no cost for
+
+
+def test_a_prefix_in_a_lower_tier_is_routed_to_the_executor_that_holds_it() -> None:
+    a, b = make_link("a", running=1), make_link("b")
+    router = Router([a, b], "prefix", FakeLookup({"pool-a": {"GPU": 0, "CPU": 64}, "pool-b": 0}), load_slack=SLACK)
+    for _ in range(4):  # whatever the rotation: loading 64 tokens beats computing them, within the slack
+        route = choose(router, [5] * 70)
+        assert name_of(route) == "a" and route is not None
+        assert route.expected_cached_tokens == 64, "loaded tokens count as cached"
+        assert route.tier == "host"
+
+
+def test_device_beats_host_beats_disk_beats_recompute_for_the_same_tokens() -> None:
+    links = {n: make_link(n) for n in "abcd"}
+    extents = {
+        "pool-a": {"GPU": 0},
+        "pool-b": {"GPU": 0, "DISK": 32},
+        "pool-c": {"GPU": 0, "CPU": 32},
+        "pool-d": {"GPU": 32},
+    }
+    for name, tier in [("d", "device"), ("c", "host"), ("b", "disk"), ("a", "recompute")]:
+        for order in itertools.permutations(links.values()):  # whatever the rotation
+            route = pick(list(order), extents, SLACK)
+            assert (name_of(route), route.tier) == (name, tier)
+        del links[name], extents[f"pool-{name}"]  # the winner gone, the next best wins
+
+
+def test_a_longer_prefix_on_disk_beats_a_shorter_one_on_the_device_by_what_it_saves() -> None:
+    a, b = make_link("a"), make_link("b")
+    # Saved against recomputing: A 64 x (1 - DISK's 0.25) = 48 tokens; B 32 on the device, 32.
+    assert name_of(pick([b, a], {"pool-a": {"GPU": 0, "DISK": 64}, "pool-b": {"GPU": 32}}, SLACK)) == "a"
+    # B 56 on the device saves more than A's 48: B, though A would compute fewer tokens.
+    route = pick([a, b], {"pool-a": {"GPU": 0, "DISK": 64}, "pool-b": {"GPU": 56}}, SLACK)
+    assert name_of(route) == "b" and route.expected_cached_tokens == 56 and route.tier == "device"
+    # A device prefix and host loads after it: the chain's dearest medium names the decision.
+    route = pick([a, b], {"pool-a": {"GPU": 16, "CPU": 48}, "pool-b": {"GPU": 56}}, SLACK)
+    assert name_of(route) == "a" and route.expected_cached_tokens == 64 and route.tier == "host"
+
+
+def test_a_prefix_in_a_lower_tier_is_not_worth_more_than_the_load_slack() -> None:
+    a, b = make_link("a", running=SLACK + 1), make_link("b")
+    router = Router([a, b], "prefix", FakeLookup({"pool-a": {"GPU": 0, "CPU": 4096}, "pool-b": 0}), load_slack=SLACK)
+    route = choose(router, [5] * 5000)
+    assert name_of(route) == "b" and route is not None and route.tier == "recompute"
+
+
+def test_an_unknown_medium_costs_as_the_dearest_known_load() -> None:
+    a, b, c = make_link("a"), make_link("b"), make_link("c")
+    extents = {"pool-a": {"GPU": 0, "SHARED": 32}, "pool-b": {"GPU": 0, "CPU": 32}, "pool-c": {"GPU": 0}}
+    assert name_of(pick([a, c, b], extents, SLACK)) == "b", "a known host load is cheaper"
+    route = pick([c, a], extents, SLACK)
+    assert name_of(route) == "a" and route.tier == "other", "any load beats recomputing; its label stays bounded"
+
+
+def test_not_asking_blockd_counts_no_tier() -> None:
+    a, b = make_link("a"), make_link("b")
+    assert choose(Router([a, b], "least-loaded", FakeLookup({"pool-a": 64}))).tier is None
+    assert choose(Router([a, b], "prefix", None)).tier is None
+    assert choose(Router([a, b], "prefix", FakeLookup({}))).tier is None, "no answer: no reason to count"
+
+
+def extents_strategy() -> st.SearchStrategy[dict[str, int]]:
+    return st.dictionaries(st.sampled_from(MEDIA), st.integers(0, 64).map(lambda n: n * 16), max_size=len(MEDIA))
+
+
+def cumulative(extent: Mapping[str, int]) -> list[int]:
+    """Tokens available at each cost or cheaper, over every cost a medium has: a dominates b where a's list is
+    element-wise at least b's (as near, or nearer, for every token)."""
+    costs = sorted({routing.cost_of(m) for m in MEDIA})
+    return [sum(n for m, n in extent.items() if routing.cost_of(m) <= c) for c in costs]
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=extents_strategy(), b=extents_strategy(), flip=st.booleans())
+def test_at_equal_load_a_dominated_executor_is_never_preferred(a: dict[str, int], b: dict[str, int], flip: bool):
+    """Never more recompute, or a dearer load, for nothing: if A's K/V of the prompt is as near as B's for every
+    token (and nearer for some), B is not chosen at equal load, whatever the rotation."""
+    if not all(x >= y for x, y in zip(cumulative(a), cumulative(b), strict=True)) or cumulative(a) == cumulative(b):
+        return
+    la, lb = make_link("a", running=2), make_link("b", running=2)
+    route = pick([lb, la] if flip else [la, lb], {"pool-a": a, "pool-b": b}, SLACK)
+    assert name_of(route) == "a"
+    assert route.expected_cached_tokens == sum(a.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    extents=st.lists(extents_strategy(), min_size=2, max_size=4),
+    loads=st.lists(st.integers(0, 3 * SLACK), min_size=4, max_size=4),
+    moved=st.integers(0, 3),
+)
+def test_moving_tokens_nearer_never_loses_the_route_and_the_slack_always_holds(
+    extents: list[dict[str, int]], loads: list[int], moved: int
+):
+    links = [make_link(str(i), running=loads[i]) for i in range(len(extents))]
+    cached = {f"pool-{i}": e for i, e in enumerate(extents)}
+    route = pick(links, cached, SLACK)
+    lightest = min(load_of(link, SLACK) for link in links)
+    assert load_of(route.link, SLACK) <= lightest + SLACK, "a warm cache never outweighs the load slack"
+    chosen = cached[route.link.pool_id or ""]
+    assert route.expected_cached_tokens == sum(chosen.values())
+    # The chosen executor's K/V moves nearer (16 tokens of its dearest medium onto the device, or 16 recomputed
+    # tokens found in a tier): it is still chosen.
+    nearer = dict(chosen)
+    dearest = max((m for m, n in nearer.items() if n > 0 and m != "GPU"), key=routing.cost_of, default=None)
+    if dearest is not None:
+        nearer[dearest] -= 16
+        nearer["GPU"] = nearer.get("GPU", 0) + 16
+    else:
+        nearer[MEDIA[moved]] = nearer.get(MEDIA[moved], 0) + 16
+    assert pick(links, {**cached, route.link.pool_id or "": nearer}, SLACK).link is route.link
+
+
+def test_blockds_answer_becomes_one_map_per_pool_and_a_wrong_one_is_not_believed() -> None:
+    result = p.LookupResult(
+        cached_tokens={"a": 16, "b": 0, "c": 32, "d": 0},
+        tier_tokens={"a": {"CPU": 32}, "c": {"DISK": 48}, "d": {"GPU": 64, "CPU": 16}, "ghost": {"CPU": 16}},
+    )
+    extents = routing.extents_of(result, prompt_tokens=70)
+    assert extents["a"] == {"GPU": 16, "CPU": 32} and extents["b"] == {"GPU": 0}
+    assert "c" not in extents, "32 + 48 tokens of a 70-token prompt: a wrong answer, none of it believed"
+    assert extents["d"] == {"GPU": 0, "CPU": 16}, "the device's count is cached_tokens', never a tier's"
+    assert "ghost" not in extents, "a pool that is not in the answer's device counts is not one"
+
+
+class HostileBlockd:
+    """A ROUTER on loopback answering every lookup with one given reply body (real sockets): the answers of a
+    broken or foreign blockd, for the gateway's side of the boundary."""
+
+    def __init__(self, result: object) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.result = result
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:  # (the socket is this thread's from here on: ZeroMQ sockets are not thread-safe)
+        while not self._stop.is_set():
+            if not self.socket.poll(20):
+                continue
+            peer, frame = self.socket.recv_multipart()
+            request = msgspec.msgpack.decode(frame)
+            reply = {"v": p.PROTOCOL_VERSION, "id": request["id"], "ok": True, "result": self.result}
+            self.socket.send_multipart([peer, msgspec.msgpack.encode(reply)])
+        self.socket.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.context.term()
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        {"cached_tokens": {"pool-a": 16}, "tier_tokens": {"pool-a": {"CPU": -16}}},  # a negative count
+        {"cached_tokens": {"pool-a": 16}, "tier_tokens": {"pool-a": {"C" * 33: 16}}},  # a medium name too long
+        {"cached_tokens": {"pool-a": 16}, "tier_tokens": {"pool-a": {f"M{i}": 16 for i in range(9)}}},  # too many
+        {"cached_tokens": {"pool-a": 16}, "tier_tokens": {"pool-a": [16]}},  # not a map
+        {"cached_tokens": {f"p{i}": 0 for i in range(p.MAX_LOOKUP_POOLS + 1)}},  # more pools than any blockd has
+        {"cached_tokens": "all of them"},
+    ],
+    ids=["negative", "long-medium", "many-media", "not-a-map", "many-pools", "not-counts"],
+)
+def test_a_lookup_reply_that_breaks_the_schema_routes_as_least_loaded(result: object) -> None:
+    blockd = HostileBlockd(result)
+    lookup = PrefixLookup(blockd.endpoint, timeout_s=2.0)
+    try:
+        with pytest.raises(BlockdError) as refused:
+            lookup._client.lookup_tiers([5] * 40)
+        assert refused.value.code == ErrorCode.BAD_MESSAGE and "does not decode" in refused.value.message
+        router = Router([make_link("a", running=3), make_link("b", running=1)], "prefix", lookup, load_slack=SLACK)
+        route = choose(router, [5] * 40)
+        assert name_of(route) == "b" and route is not None and route.tier is None, "no answer believed"
+        assert lookup.reachable is False
+    finally:
+        lookup.close()
+        blockd.close()
+
+
+def test_a_lookup_of_a_blockd_with_lower_tiers_reaches_the_router_whole() -> None:
+    blockd = HostileBlockd({"cached_tokens": {"pool-a": 0, "pool-b": 16}, "tier_tokens": {"pool-a": {"CPU": 32}}})
+    lookup = PrefixLookup(blockd.endpoint, timeout_s=2.0)
+    try:
+        assert asyncio.run(lookup.cached_tokens([5] * 40)) == {"pool-a": {"GPU": 0, "CPU": 32}, "pool-b": {"GPU": 16}}
+        router = Router([make_link("a"), make_link("b")], "prefix", lookup, load_slack=SLACK)
+        route = choose(router, [5] * 40)
+        assert (
+            name_of(route) == "a" and route is not None and (route.expected_cached_tokens, route.tier) == (32, "host")
+        )
+    finally:
+        lookup.close()
+        blockd.close()
