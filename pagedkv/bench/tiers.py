@@ -1,27 +1,24 @@
-"""`pagedkv bench tiers`: multi-turn conversations whose working set is several times the device KV, with the lower
-KV tiers off, in host memory, and in host memory and on disk.
+"""`pagedkv bench tiers`: multi-turn conversations whose working set is several times the device KV, with the
+lower KV tiers off, in host memory, in host memory and on disk, and with FP8 blocks (and a host tier); then the
+same conversations on vLLM's CPU build with its prefix caching, and with its CPU offloading.
 
-Each configuration gets its own blockd and executor (a real process each, on the CPU or one GPU). Conversations
-take turns round-robin (the least friendly order for an LRU: every conversation comes back after all the others
-ran), `--clients` of them in flight; every turn's prompt is the whole history so far (a first message, then each
-user message and the answer to it). Figures: the prefix hit rate (cached prompt tokens / prompt tokens) against an
-infinite cache's on the same token sequences, time to first token (p50, p99; and p50 of re-visited turns, the
-second turn on), throughput, and the tiers' counters. Greedy decoding, so every configuration sees the same tokens
-(checked: `outputs_equal`). Method and figures: docs/benchmarks.md ("tiers"). The last stdout line is one JSON
-object of every figure.
+Each pagedkv configuration gets its own blockd and executor (a real process each, on the CPU or one GPU); each vLLM
+configuration its own `vllm serve` (`tiers_vllm.py`). The workload, its infinite-cache reference and the driver
+are in `tiers_workload.py`. Figures: the prefix hit rate against an infinite cache's, time to first token (p50,
+p99) of the re-visited turns (the second on) and of all turns, throughput, the tiers' counters, and pagedkv ÷ vLLM.
+Greedy decoding: the configurations of the model's KV dtype see the same tokens (checked: `outputs_equal`). Method
+and figures: docs/benchmarks.md ("KV tiers"). The last stdout line is one JSON object of every figure.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,125 +26,69 @@ import click
 
 from blockd.client import BlockdClient
 from common import processes
+from common.limits import SUPPORTED_BLOCK_SIZES
 from common.net import free_port
 from executor import protocol as ep
 from executor.client import ExecutorClient, ExecutorUnavailable
 from executor.params import SamplingParams
 from pagedkv.bench.common import blockd_daemon, log_tail, table_lines
+from pagedkv.bench.peer_serve import VLLM_CLI, ServerFailed
+from pagedkv.bench.peer_systems import default_vllm_python
 from pagedkv.bench.shapes import DEFAULT_SHAPE, SHAPES, ensure_shape
+from pagedkv.bench.tiers_vllm import VllmSettings, run_vllm
+from pagedkv.bench.tiers_workload import (
+    BLOCK_SIZE,
+    BackendError,
+    ConfigResult,
+    Event,
+    Workload,
+    converse,
+    warm_up,
+)
 
-TOKEN_IDS = (4, 500)  # past the special tokens, below any generated model's vocabulary
-BLOCK_SIZE = 16
-CONFIGS = ("off", "host", "host+disk")
+PAGEDKV_CONFIGS = ("off", "host", "host+disk", "fp8")
+VLLM_CONFIGS = ("vllm", "vllm+offload")
+CONFIGS = PAGEDKV_CONFIGS + VLLM_CONFIGS
+#: Each vLLM configuration against the pagedkv one that keeps the same KV: the device only, or a host tier too.
+PEERS = {"vllm": "off", "vllm+offload": "host"}
+MAX_NUM_SEQS = 128  # the executor's defaults, given to vLLM too
+MAX_NUM_BATCHED_TOKENS = 2048
 REQUEST_TIMEOUT_S = 600.0
+#: The issue's aims: re-visited TTFT p50 this many times better than tiers off, hits this share of the infinite's.
+AIM_SPEEDUP, AIM_OF_INFINITE = 3.0, 0.9
 
 
-@dataclass(frozen=True)
-class Workload:
-    conversations: int
-    turns: int
-    first_tokens: int  # the first message of each conversation
-    user_tokens: int  # each later user message
-    output_tokens: int  # each answer
-    clients: int
-    device_fraction: float  # the device KV holds this fraction of the working set
-    seed: int
+class ExecutorBackend:
+    """pagedkv's executor over its ZeroMQ protocol (`ExecutorClient`)."""
 
-    def working_set_blocks(self) -> int:
-        """Blocks of every conversation's whole history at its end."""
-        final = self.first_tokens + (self.turns - 1) * self.user_tokens + self.turns * self.output_tokens
-        return self.conversations * -(-final // BLOCK_SIZE)
+    def __init__(self, client: ExecutorClient) -> None:
+        self.client = client
 
-    def user_messages(self) -> list[list[list[int]]]:
-        rng = random.Random(self.seed)
-        return [
-            [
-                rng.choices(range(*TOKEN_IDS), k=self.first_tokens if t == 0 else self.user_tokens)
-                for t in range(self.turns)
-            ]
-            for _ in range(self.conversations)
-        ]
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.client.submit(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    def receive(self) -> Event:
+        while True:
+            message = self.client.receive()
+            if type(message) is ep.Rejected:
+                raise BackendError(f"request {message.request_id} rejected: {message.message}")
+            if type(message) is ep.Delta:
+                return Event(message.request_id, list(message.token_ids), message.finish_reason, message.cached_tokens)
 
 
-@dataclass
-class Turn:
-    conversation: int
-    turn: int
-    prompt_tokens: int
-    cached_tokens: int
-    ideal_cached_tokens: int
-    ttft_s: float
-    output: list[int]
+def block_bytes(model: Path, block_size: int, kv_dtype: str = "auto") -> int:
+    """Bytes of one KV block of the model: K and V of every layer, in the model's dtype or in 8 bits."""
+    from executor.checkpoint import load_config
+
+    c = load_config(model)
+    element = 1 if kv_dtype.startswith("fp8") else 2 if c.torch_dtype in ("float16", "bfloat16") else 4
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * element
 
 
-@dataclass
-class ConfigResult:
-    config: str
-    flags: list[str]
-    turns: list[Turn] = field(default_factory=list)
-    wall_s: float = 0.0
-    executor_tiers: dict[str, int] = field(default_factory=dict)
-    blockd_tiers: list[dict[str, Any]] = field(default_factory=list)
-
-    def figures(self) -> dict[str, Any]:
-        prompt = sum(t.prompt_tokens for t in self.turns)
-        cached = sum(t.cached_tokens for t in self.turns)
-        ideal = sum(t.ideal_cached_tokens for t in self.turns)
-        ttft = sorted(t.ttft_s for t in self.turns)
-        revisited = sorted(t.ttft_s for t in self.turns if t.turn > 0)
-        outputs = sum(len(t.output) for t in self.turns)
-        return {
-            "config": self.config,
-            "requests": len(self.turns),
-            "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-            "infinite_cache_hit_rate": round(ideal / prompt, 4) if prompt else 0.0,
-            "hit_rate_of_infinite": round(cached / ideal, 4) if ideal else 0.0,
-            "ttft_p50_s": round(percentile(ttft, 50), 4),
-            "ttft_p99_s": round(percentile(ttft, 99), 4),
-            "revisited_ttft_p50_s": round(percentile(revisited, 50), 4),
-            "output_tokens_per_s": round(outputs / self.wall_s, 2) if self.wall_s else 0.0,
-            "prompt_tokens_per_s": round(prompt / self.wall_s, 2) if self.wall_s else 0.0,
-            "wall_s": round(self.wall_s, 2),
-            "executor_tiers": self.executor_tiers,
-            "blockd_tiers": self.blockd_tiers,
-        }
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile of sorted values, nearest rank (0 for none)."""
-    if not values:
-        return 0.0
-    rank = max(0, min(len(values) - 1, math.ceil(q / 100 * len(values)) - 1))
-    return values[rank]
-
-
-class InfiniteCache:
-    """What a cache that never evicts would hold: every computed full block of every sequence so far."""
-
-    def __init__(self) -> None:
-        self.blocks: set[tuple[int, ...]] = set()
-
-    @staticmethod
-    def _keys(tokens: list[int]) -> list[tuple[int, ...]]:
-        return [tuple(tokens[: (i + 1) * BLOCK_SIZE]) for i in range(len(tokens) // BLOCK_SIZE)]
-
-    def hit(self, prompt: list[int]) -> int:
-        """Cached tokens an admit would find (at most all but the last prompt token's block)."""
-        hits = 0
-        for key in self._keys(prompt)[: (len(prompt) - 1) // BLOCK_SIZE]:
-            if key not in self.blocks:
-                break
-            hits += 1
-        return hits * BLOCK_SIZE
-
-    def computed(self, tokens: list[int]) -> None:
-        self.blocks.update(self._keys(tokens))
-
-
-def config_flags(config: str, workload: Workload, block_bytes: int, disk_dir: Path) -> list[str]:
-    """The executor's tier flags: host memory for the whole working set (host), or for a quarter of it with the
-    disk for all of it (host+disk)."""
-    working = workload.working_set_blocks() * block_bytes
+def config_flags(config: str, workload: Workload, model: Path, disk_dir: Path) -> list[str]:
+    """The executor's flags: host memory for the whole working set (host; fp8, in 8-bit blocks), or for a quarter
+    of it with the disk for all of it (host+disk)."""
+    working = workload.working_set_blocks() * block_bytes(model, workload.block_size)
     if config == "host":
         return ["--host-kv-memory", str(working)]
     if config == "host+disk":
@@ -159,13 +100,23 @@ def config_flags(config: str, workload: Workload, block_bytes: int, disk_dir: Pa
             "--disk-kv-size",
             str(2 * working),
         ]
+    if config == "fp8":
+        fp8_working = workload.working_set_blocks() * block_bytes(model, workload.block_size, "fp8")
+        return ["--kv-cache-dtype", "fp8_e4m3", "--host-kv-memory", str(fp8_working)]
     return []
 
 
-def run_config(
-    model: Path, config: str, flags: list[str], num_blocks: int, workload: Workload, logs: Path, device: str
+def run_pagedkv(
+    model: Path,
+    config: str,
+    flags: list[str],
+    num_blocks: int,
+    workload: Workload,
+    logs: Path,
+    device: str,
+    progress: Callable[[str], None],
 ) -> ConfigResult:
-    result = ConfigResult(config, flags)
+    result = ConfigResult(config, "pagedkv", flags)
     slug = config.replace("+", "-")
     with blockd_daemon(logs / f"blockd-{slug}.log", "--no-persistence") as blockd:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -183,7 +134,7 @@ def run_config(
             "--bind",
             endpoint,
             "--block-size",
-            str(BLOCK_SIZE),
+            str(workload.block_size),
             "--num-blocks",
             str(num_blocks),
             "--log-level",
@@ -194,9 +145,10 @@ def run_config(
         try:
             _wait_ready(process, endpoint, log)
             with ExecutorClient(endpoint, timeout_s=REQUEST_TIMEOUT_S) as client:
-                _warm_up(client)
+                backend = ExecutorBackend(client)
+                warm_up(backend, workload.block_size)
                 started = time.perf_counter()
-                result.turns = _converse(client, workload)
+                result.turns = converse(backend, workload, progress)
                 result.wall_s = time.perf_counter() - started
                 result.executor_tiers = dict(client.load().tiers)
             with BlockdClient(blockd, timeout_s=5) as bc:
@@ -223,70 +175,126 @@ def _wait_ready(process: subprocess.Popen[bytes], endpoint: str, log: Path) -> N
         raise click.ClickException(f"{exc}; its log:\n{log_tail(log)}") from None
 
 
-def _warm_up(client: ExecutorClient) -> None:
-    """First-call costs (allocations, lazy imports) out of the measured run: prompts no conversation shares."""
-    for i in range(2):
-        client.generate([TOKEN_IDS[1] - 1 - i] * (3 * BLOCK_SIZE), SamplingParams(max_tokens=2, temperature=0.0))
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
-def _converse(client: ExecutorClient, workload: Workload) -> list[Turn]:
-    """Every conversation's turns, round-robin, `clients` in flight; greedy, EOS ignored (fixed lengths)."""
-    messages = workload.user_messages()
-    history: list[list[int]] = [[] for _ in range(workload.conversations)]
-    next_turn = [0] * workload.conversations
-    ready = deque(range(workload.conversations))
-    params = SamplingParams(max_tokens=workload.output_tokens, temperature=0.0, ignore_eos=True)
-    ideal = InfiniteCache()
-    inflight: dict[str, tuple[int, list[int], int, float, list[float], list[int]]] = {}
-    turns: list[Turn] = []
-    total = workload.conversations * workload.turns
-    while len(turns) < total:
-        while ready and len(inflight) < workload.clients:
-            c = ready.popleft()
-            t = next_turn[c]
-            prompt = history[c] + messages[c][t]
-            request_id = f"c{c}t{t}"
-            first: list[float] = []
-            inflight[request_id] = (c, prompt, ideal.hit(prompt), time.perf_counter(), first, [])
-            client.submit(request_id, prompt, params)
-        message = client.receive()
-        if type(message) is ep.Rejected:
-            raise click.ClickException(f"request {message.request_id} rejected: {message.message}")
-        if type(message) is not ep.Delta or message.request_id not in inflight:
+def comparisons(figures: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, bool | None]]:
+    """pagedkv ÷ vLLM for each vLLM configuration against its pagedkv peer, and whether each aim is met."""
+    pairs = []
+    for theirs, ours in PEERS.items():
+        a, b = figures.get(ours), figures.get(theirs)
+        if a is None or b is None:
             continue
-        c, prompt, ideal_hit, sent, first, output = inflight[message.request_id]
-        if message.token_ids and not first:
-            first.append(time.perf_counter() - sent)
-        output.extend(message.token_ids)
-        if message.finish_reason is None:
-            continue
-        del inflight[message.request_id]
-        if message.finish_reason not in ("length", "stop"):
-            raise click.ClickException(f"request {message.request_id} ended with {message.finish_reason}")
-        t = next_turn[c]
-        turns.append(Turn(c, t, len(prompt), message.cached_tokens, ideal_hit, first[0] if first else 0.0, output))
-        ideal.computed(prompt + output[:-1])  # (the last token sampled is never computed)
-        history[c] = prompt + output
-        next_turn[c] += 1
-        if next_turn[c] < workload.turns:
-            ready.append(c)
-    return turns
+        pairs.append(
+            {
+                "pagedkv": ours,
+                "vllm": theirs,
+                # below 1: pagedkv's first tokens come sooner
+                "revisited_ttft_p50": _ratio(a["revisited_ttft_p50_s"], b["revisited_ttft_p50_s"]),
+                "revisited_ttft_p99": _ratio(a["revisited_ttft_p99_s"], b["revisited_ttft_p99_s"]),
+                "ttft_p50": _ratio(a["ttft_p50_s"], b["ttft_p50_s"]),
+                # above 1: pagedkv hits more, answers faster
+                "prefix_hit_rate": _ratio(a["prefix_hit_rate"], b["prefix_hit_rate"]),
+                "output_tokens_per_s": _ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
+            }
+        )
+    # Each system's best that ran: vLLM's CPU offloading may not run at all (it needs a GPU in 0.32).
+    best_vllm = next((figures[n] for n in ("vllm+offload", "vllm") if n in figures), None)
+    if best_vllm is not None and "host" in figures and not any(p["pagedkv"] == "host" for p in pairs):
+        a, b = figures["host"], best_vllm
+        pairs.append(
+            {
+                "pagedkv": "host",
+                "vllm": b["config"],
+                "revisited_ttft_p50": _ratio(a["revisited_ttft_p50_s"], b["revisited_ttft_p50_s"]),
+                "revisited_ttft_p99": _ratio(a["revisited_ttft_p99_s"], b["revisited_ttft_p99_s"]),
+                "ttft_p50": _ratio(a["ttft_p50_s"], b["ttft_p50_s"]),
+                "prefix_hit_rate": _ratio(a["prefix_hit_rate"], b["prefix_hit_rate"]),
+                "output_tokens_per_s": _ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
+            }
+        )
+    with_tiers = [p for p in pairs if p["pagedkv"] == "host"]  # the aim: pagedkv with its tier, vLLM its best
+    tiered = [f for name, f in figures.items() if name in PAGEDKV_CONFIGS and name != "off"]
+    aims: dict[str, bool | None] = {
+        "revisited_ttft_speedup_ge_3": all((f["revisited_ttft_speedup"] or 0) >= AIM_SPEEDUP for f in tiered)
+        if tiered and "off" in figures
+        else None,
+        "hit_rate_ge_90pct_of_infinite": all(f["hit_rate_of_infinite"] >= AIM_OF_INFINITE for f in tiered)
+        if tiered
+        else None,
+        "ahead_of_vllm": all(
+            (p["revisited_ttft_p50"] or 9) < 1 and (p["output_tokens_per_s"] or 0) > 1 for p in with_tiers
+        )
+        if with_tiers
+        else None,
+    }
+    return pairs, aims
 
 
-def _block_bytes(model: Path) -> int:
-    from executor.checkpoint import load_config
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
 
-    c = load_config(model)
-    element = 2 if c.torch_dtype in ("float16", "bfloat16") else 4
-    return 2 * c.num_layers * BLOCK_SIZE * c.num_kv_heads * c.head_dim * element
+
+def report_lines(figures: list[dict[str, Any]], pairs: list[dict[str, Any]], aims: dict[str, bool | None]) -> list[str]:
+    columns = ["config", "hit rate", "infinite", "of infinite", "revisit p50", "revisit p99", "TTFT p50", "TTFT p99"]
+    columns += ["speedup", "out tok/s", "wall s"]
+    rows = [
+        [
+            f["config"],
+            f"{f['prefix_hit_rate']:.1%}",
+            f"{f['infinite_cache_hit_rate']:.1%}",
+            f"{f['hit_rate_of_infinite']:.1%}",
+            _ms(f["revisited_ttft_p50_s"]),
+            _ms(f["revisited_ttft_p99_s"]),
+            _ms(f["ttft_p50_s"]),
+            _ms(f["ttft_p99_s"]),
+            f"{f['revisited_ttft_speedup']}x" if f["revisited_ttft_speedup"] else "-",
+            f"{f['output_tokens_per_s']:.1f}",
+            f"{f['wall_s']:.1f}",
+        ]
+        for f in figures
+    ]
+    lines = table_lines(columns, rows)
+    for f in figures:
+        for t in f["blockd_tiers"]:
+            lines.append(
+                f"  {f['config']}: {t['medium']} {t['blocks']}/{t['capacity_blocks']} blocks, {t['hits']} hits, "
+                f"{t['loads']} loads, {t['demotions']} demotions, {t['drops']} drops"
+            )
+    for p in pairs:
+        lines.append(
+            f"pagedkv {p['pagedkv']} / {p['vllm']}: revisit p50 {p['revisited_ttft_p50']}, revisit p99 "
+            f"{p['revisited_ttft_p99']}, TTFT p50 {p['ttft_p50']} (below 1: pagedkv sooner); hit rate "
+            f"{p['prefix_hit_rate']}, out tok/s {p['output_tokens_per_s']} (above 1: pagedkv ahead)"
+        )
+    verdict = {True: "met", False: "MISSED", None: "not measured"}
+    lines.append("aims: " + ", ".join(f"{name} {verdict[met]}" for name, met in aims.items()))
+    return lines
+
+
+def _choose(configs: str) -> list[str]:
+    chosen = [c.strip() for c in configs.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown or not chosen:
+        raise click.BadParameter(
+            f"{', '.join(unknown) or 'none'}: choose from {', '.join(CONFIGS)}", param_hint="--configs"
+        )
+    return chosen
 
 
 @click.command("tiers")
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--model-shape", type=click.Choice(sorted(SHAPES)), default=DEFAULT_SHAPE, show_default=True)
-@click.option("--conversations", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--turns", type=click.IntRange(min=2), default=6, show_default=True)
-@click.option("--first-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--conversations", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--turns", type=click.IntRange(min=2), default=8, show_default=True)
+@click.option(
+    "--history-tokens",
+    type=click.IntRange(min=2),
+    default=2048,
+    show_default=True,
+    help="A conversation's history at its last turn: a first message, then each turn's user message and answer.",
+)
 @click.option("--user-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--output-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--clients", type=click.IntRange(min=1), default=4, show_default=True, help="Conversations in flight.")
@@ -297,114 +305,165 @@ def _block_bytes(model: Path) -> int:
     show_default=True,
     help="The device KV holds this fraction of the working set (every history at its end).",
 )
-@click.option("--configs", default=",".join(CONFIGS), show_default=True, help="Comma-separated: off, host, host+disk.")
+@click.option("--configs", default=",".join(CONFIGS), show_default=True, help=f"Comma-separated: {', '.join(CONFIGS)}.")
+@click.option(
+    "--block-size",
+    "block_size_choice",
+    type=click.Choice([str(b) for b in SUPPORTED_BLOCK_SIZES]),
+    default=str(BLOCK_SIZE),
+    show_default=True,
+    help="Tokens per KV block, every system's (vLLM's CPU attention takes multiples of 32 only).",
+)
 @click.option("--device", default="cpu", show_default=True, help="The executors' device (cpu, cuda, cuda:N).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--quick", is_flag=True, help="A small run: 6 conversations of 3 turns over 128-token histories.")
+@click.option("--quick", is_flag=True, help="A small run: 6 conversations of 3 turns over 192-token histories.")
+@click.option(
+    "--vllm-python",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The vLLM environment's interpreter (default: .venv-peer/bin/python); without it the vLLM rows are skipped.",
+)
+@click.option(
+    "--vllm-cli",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=VLLM_CLI,
+    show_default="vllm_cli.py beside this module",
+    help="The script --vllm-python runs as vLLM's command line (tests give a fake).",
+)
+@click.option("--vllm-eager", is_flag=True, help="vLLM without torch.compile (enforce_eager).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench_tiers(
     model_dir: Path | None,
     model_shape: str,
     conversations: int,
     turns: int,
-    first_tokens: int,
+    history_tokens: int,
     user_tokens: int,
     output_tokens: int,
     clients: int,
     device_fraction: float,
     configs: str,
+    block_size_choice: str,
     device: str,
     seed: int,
     quick: bool,
+    vllm_python: Path | None,
+    vllm_cli: Path,
+    vllm_eager: bool,
     json_path: Path | None,
 ) -> None:
-    """Multi-turn conversations over a device KV a fraction of their working set: tiers off, host, host + disk."""
-    chosen = [c.strip() for c in configs.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in CONFIGS]
-    if unknown or not chosen:
-        raise click.BadParameter(
-            f"{', '.join(unknown) or 'none'}: choose from {', '.join(CONFIGS)}", param_hint="--configs"
-        )
+    """Multi-turn conversations over a device KV a fraction of their working set: tiers off, host, host + disk,
+    FP8; and vLLM with prefix caching and with its CPU offloading."""
+    chosen = _choose(configs)
+    block_size = int(block_size_choice)
     if quick:
-        conversations, turns, first_tokens, user_tokens, output_tokens = 6, 3, 128, 32, 8
+        conversations, turns, history_tokens, user_tokens, output_tokens = 6, 3, 192, 24, 8
         clients, device_fraction = 2, 0.25
-    workload = Workload(conversations, turns, first_tokens, user_tokens, output_tokens, clients, device_fraction, seed)
+    workload = Workload(
+        conversations, turns, history_tokens, user_tokens, output_tokens, clients, device_fraction, seed
+    )
+    try:
+        workload.check()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--history-tokens") from None
     model = model_dir if model_dir is not None else ensure_shape(model_shape)
-    block_bytes = _block_bytes(model)
-    longest = first_tokens + (turns - 1) * (user_tokens + output_tokens) + output_tokens
-    num_blocks = max(round(workload.working_set_blocks() * device_fraction), -(-longest // BLOCK_SIZE) * clients + 4)
-    click.echo(
-        f"{conversations} conversations x {turns} turns, working set {workload.working_set_blocks()} blocks of "
-        f"{BLOCK_SIZE} tokens ({block_bytes:,} bytes each); device KV {num_blocks} blocks",
-        err=True,
+    one_block = block_bytes(model, block_size)
+    longest_blocks = -(-workload.longest_tokens // block_size)
+    num_blocks = max(round(workload.working_set_blocks() * device_fraction), longest_blocks * clients + 4)
+    python = vllm_python if vllm_python is not None else default_vllm_python()
+    skipped: dict[str, str] = {}
+    if not python.exists():
+        for c in [c for c in chosen if c in VLLM_CONFIGS]:
+            skipped[c] = f"no vLLM environment: {python} does not exist (make peer-env, or --vllm-python)"
+            chosen.remove(c)
+
+    def progress(line: str) -> None:
+        click.echo(line, err=True)
+
+    progress(
+        f"{conversations} conversations x {turns} turns over {history_tokens}-token histories, working set "
+        f"{workload.working_set_blocks()} blocks of {block_size} tokens ({one_block:,} bytes each); device KV "
+        f"{num_blocks} blocks ({num_blocks * one_block:,} bytes; fp8: twice the blocks in the same bytes)"
     )
     results: list[ConfigResult] = []
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-tiers-") as scratch:
         logs = Path(scratch)
         for config in chosen:
-            flags = config_flags(config, workload, block_bytes, logs / f"disk-{config.replace('+', '-')}")
-            click.echo(f"running {config} {' '.join(flags)}", err=True)
-            results.append(run_config(model, config, flags, num_blocks, workload, logs, device))
+            started = time.monotonic()
+            if config in VLLM_CONFIGS:
+                offload = workload.working_set_blocks() * one_block if config == "vllm+offload" else None
+                progress(f"running {config} (vllm serve, {num_blocks * one_block:,} KV bytes)")
+                try:
+                    results.append(
+                        run_vllm(
+                            config,
+                            model,
+                            VllmSettings(python, vllm_cli, vllm_eager),
+                            workload,
+                            num_blocks * one_block,
+                            offload,
+                            MAX_NUM_SEQS,
+                            MAX_NUM_BATCHED_TOKENS,
+                            logs,
+                            progress,
+                        )
+                    )
+                except (ServerFailed, BackendError) as exc:
+                    why = exc.message if isinstance(exc, ServerFailed) else str(exc)
+                    skipped[config] = f"failed: {why}"
+                    progress(f"  {config} failed: {why}")
+            else:
+                flags = config_flags(config, workload, model, logs / f"disk-{config.replace('+', '-')}")
+                # The same device bytes: 8-bit blocks are 2x (16-bit models) or 4x (float32) as many.
+                blocks = (
+                    num_blocks * one_block // block_bytes(model, block_size, "fp8") if config == "fp8" else num_blocks
+                )
+                progress(f"running {config} --num-blocks {blocks} {' '.join(flags)}")
+                try:
+                    results.append(run_pagedkv(model, config, flags, blocks, workload, logs, device, progress))
+                except BackendError as exc:
+                    raise click.ClickException(f"{config}: {exc}") from None
+            progress(f"  {config} done in {time.monotonic() - started:.0f} s")
     figures = [r.figures() for r in results]
-    outputs = [
-        [(t.conversation, t.turn, t.output) for t in sorted(r.turns, key=lambda t: (t.conversation, t.turn))]
-        for r in results
-    ]
-    equal = all(o == outputs[0] for o in outputs)
-    base = next((f for f in figures if f["config"] == "off"), None)
-    for f in figures:
+    by_name = {f["config"]: f for f in figures}
+    # The model's own KV dtype sees the same tokens everywhere; FP8 and vLLM are compared turn by turn with it.
+    reference = next((r for r in results if r.system == "pagedkv" and r.config != "fp8"), None)
+    same = [r for r in results if r.system == "pagedkv" and r.config != "fp8"]
+    equal = all(r.outputs() == same[0].outputs() for r in same)
+    for r, f in zip(results, figures, strict=True):
+        if reference is not None:
+            theirs, ours = r.outputs(), reference.outputs()
+            f["turns_equal_to_reference"] = sum(theirs[k] == ours.get(k) for k in theirs)
+        base = by_name.get("off")
         f["revisited_ttft_speedup"] = (
             round(base["revisited_ttft_p50_s"] / f["revisited_ttft_p50_s"], 2)
-            if base and f["revisited_ttft_p50_s"]
+            if base and f["system"] == "pagedkv" and f["revisited_ttft_p50_s"]
             else None
         )
-    columns = [
-        "config",
-        "hit rate",
-        "infinite",
-        "of infinite",
-        "TTFT p50",
-        "TTFT p99",
-        "revisit p50",
-        "speedup",
-        "out tok/s",
-        "wall s",
-    ]
-    rows = [
-        [
-            f["config"],
-            f"{f['prefix_hit_rate']:.1%}",
-            f"{f['infinite_cache_hit_rate']:.1%}",
-            f"{f['hit_rate_of_infinite']:.1%}",
-            f"{f['ttft_p50_s'] * 1000:.1f} ms",
-            f"{f['ttft_p99_s'] * 1000:.1f} ms",
-            f"{f['revisited_ttft_p50_s'] * 1000:.1f} ms",
-            f"{f['revisited_ttft_speedup']}x" if f["revisited_ttft_speedup"] else "-",
-            f"{f['output_tokens_per_s']:.1f}",
-            f"{f['wall_s']:.1f}",
-        ]
-        for f in figures
-    ]
-    for line in table_lines(columns, rows):
+    pairs, aims = comparisons(by_name)
+    for line in report_lines(figures, pairs, aims):
         click.echo(line)
-    for f in figures:
-        for t in f["blockd_tiers"]:
-            click.echo(
-                f"  {f['config']}: {t['medium']} {t['blocks']}/{t['capacity_blocks']} blocks, {t['hits']} hits, "
-                f"{t['loads']} loads, {t['demotions']} demotions, {t['drops']} drops"
-            )
-    click.echo(f"outputs equal across configs: {'yes' if equal else 'NO'}")
+    for config, why in skipped.items():
+        click.echo(f"{config}: {why}")
+    click.echo(
+        f"outputs equal across the {reference.config if reference else '-'} KV dtype's configs: "
+        f"{'yes' if equal else 'NO'}"
+    )
     summary = {
         "benchmark": "tiers",
-        "workload": asdict(workload),
+        "workload": asdict(workload) | {"first_tokens": workload.first_tokens},
         "model": str(model),
         "device": device,
-        "block_size": BLOCK_SIZE,
-        "block_bytes": block_bytes,
+        "block_size": block_size,
+        "block_bytes": one_block,
         "device_blocks": num_blocks,
+        "device_kv_bytes": num_blocks * one_block,
         "working_set_blocks": workload.working_set_blocks(),
         "outputs_equal": equal,
         "configs": figures,
+        "skipped": skipped,
+        "pagedkv_over_vllm": pairs,
+        "aims": aims,
     }
     text = json.dumps(summary)
     if json_path is not None:

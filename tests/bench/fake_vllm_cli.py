@@ -1,8 +1,10 @@
 """A stand-in for `pagedkv/bench/vllm_cli.py` without vLLM (standard library only), run by this interpreter.
 
 - `serve MODEL --port P --served-model-name NAME ...`: a minimal OpenAI-compatible server on 127.0.0.1:P (GET
-  /health and /v1/models; POST /v1/chat/completions streaming, one chunk of text per token, then the usage chunk)
-  with a child process beside it (as vLLM's engine core), which must go when the bench stops the server.
+  /health and /v1/models; POST /v1/chat/completions streaming, one chunk of text per token, then the usage chunk;
+  POST /v1/completions of token-id prompts streaming their `token_ids`, then the usage with the cached prompt
+  tokens of a prefix cache that never evicts, as `pagedkv bench tiers` reads them) with a child process beside it
+  (as vLLM's engine core), which must go when the bench stops the server.
 - `bench serve ...`: a minimal `vllm bench serve`: the flags the bench passes, streamed chat completions at the
   given concurrency or Poisson rate, and a result JSON with the keys (and meaning) of vLLM's.
 
@@ -54,11 +56,13 @@ def serve(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--served-model-name", required=True)
+    parser.add_argument("--block-size", default="16")
     args, _ = parser.parse_known_args(argv)
     fail_if_asked("serve")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     record({"child": child.pid})
     name = args.served_model_name
+    cache = PrefixCache(int(args.block_size))
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_: Any) -> None:
@@ -84,6 +88,14 @@ def serve(argv: list[str]) -> int:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+            if self.path == "/v1/completions" and body.get("model") == name:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for chunk in completion_chunks(body, cache):
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
             if self.path != "/v1/chat/completions" or body.get("model") != name:
                 self._json(404, {"error": f"no {body.get('model')} at {self.path}"})
                 return
@@ -117,6 +129,42 @@ def serve(argv: list[str]) -> int:
     finally:
         child.kill()
     return 0
+
+
+class PrefixCache:
+    """Every computed full block of every sequence, never evicted; a hit leaves the prompt's last token out."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size, self.blocks, self.lock = block_size, set(), threading.Lock()
+
+    def hit(self, prompt: list[int]) -> int:
+        with self.lock:
+            n = 0
+            while (n + 1) * self.block_size <= len(prompt) - 1 and tuple(
+                prompt[: (n + 1) * self.block_size]
+            ) in self.blocks:
+                n += 1
+            return n * self.block_size
+
+    def computed(self, tokens: list[int]) -> None:
+        with self.lock:
+            self.blocks.update(
+                tuple(tokens[: (i + 1) * self.block_size]) for i in range(len(tokens) // self.block_size)
+            )
+
+
+def completion_chunks(body: dict[str, Any], cache: PrefixCache) -> list[dict[str, Any]]:
+    """A streamed completion of a token-id prompt: one token per chunk (a function of the prompt, as greedy decoding
+    is), the finish reason, then the usage."""
+    prompt = [int(t) for t in body["prompt"]]
+    tokens = [4 + (sum(prompt) + 7 * i) % 400 for i in range(int(body.get("max_tokens") or 16))]
+    cached = cache.hit(prompt)
+    cache.computed(prompt + tokens[:-1])
+    chunks: list[dict[str, Any]] = [{"choices": [{"index": 0, "text": " x", "token_ids": [t]}]} for t in tokens]
+    chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens), "total_tokens": len(prompt) + len(tokens)}
+    chunks.append({"choices": [], "usage": usage | {"prompt_tokens_details": {"cached_tokens": cached}}})
+    return chunks
 
 
 # ----------------------------------------------------------------------------------------------- bench serve
