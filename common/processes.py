@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -52,11 +53,13 @@ def start(
     cwd: Path | None = None,
     pipe_stderr: bool = False,
     die_with_parent: bool = False,
+    file_size_limit: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """`argv` in a session (so a process group) of its own, stdin closed, stdout and stderr appended to `log`
     (stderr piped instead with `pipe_stderr`). Its own session: a terminal's Ctrl-C reaches only the parent, which
     stops it, and `stop` takes whatever it starts with it. `die_with_parent`: the kernel sends it SIGTERM when the
-    parent thread that started it exits."""
+    parent thread that started it exits. `file_size_limit`: no file it writes grows past this many bytes
+    (RLIMIT_FSIZE, SIGXFSZ ignored, so such a write fails with EFBIG as on a full disk: `pagedkv chaos`)."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             list(argv),
@@ -66,8 +69,19 @@ def start(
             env=None if env is None else dict(env),
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            preexec_fn=_in_child(die_with_parent, file_size_limit) if die_with_parent or file_size_limit else None,
         )
+
+
+def _in_child(die_with_parent: bool, file_size_limit: int | None) -> Callable[[], None]:
+    def setup() -> None:
+        if die_with_parent:
+            _die_with_parent()
+        if file_size_limit is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (an ignored signal stays ignored across exec)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return setup
 
 
 def _die_with_parent() -> None:

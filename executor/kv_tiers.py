@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Final
 
 MAGIC: Final = b"PKVB"
-FORMAT: Final = 1
+FORMAT: Final = 2  # 2: the checksum covers the block hash and the layout too
 SUFFIX: Final = ".kvb"
 TEMP_SUFFIX: Final = ".tmp"
 _HEADER = struct.Struct("<4sHHQ16s16s")
@@ -66,18 +66,23 @@ class Dropped(enum.Enum):
 
 
 class BadBlock(Exception):
-    def __init__(self, reason: Dropped, detail: str) -> None:
+    def __init__(self, reason: Dropped, detail: str, *, theirs: bool = False) -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
+        # A whole block file of another layout: another deployment's sharing the directory, not to be deleted.
+        self.theirs = theirs
 
 
-def checksum(payload: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def checksum(block_hash: bytes, encoded_layout: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+    digest = hashlib.blake2b(block_hash, digest_size=16)
+    digest.update(len(encoded_layout).to_bytes(2, "little") + encoded_layout)
+    digest.update(payload)
+    return digest.digest()
 
 
 def encode_block(layout: KvLayout, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     encoded = layout.encoded()
-    header = _HEADER.pack(MAGIC, FORMAT, len(encoded), len(payload), block_hash, checksum(payload))
+    header = _HEADER.pack(MAGIC, FORMAT, len(encoded), len(payload), block_hash, checksum(block_hash, encoded, payload))
     return b"".join((header, encoded, payload))
 
 
@@ -95,10 +100,11 @@ def decode_block(layout: KvLayout, block_hash: bytes, data: bytes) -> memoryview
     view = memoryview(data)
     start = _HEADER.size + layout_len
     payload = view[start : start + payload_len]
-    if len(data) != start + payload_len or checksum(payload) != stored_sum:
+    stored_layout = bytes(view[_HEADER.size : start])
+    if len(data) != start + payload_len or checksum(stored_hash, stored_layout, payload) != stored_sum:
         raise BadBlock(Dropped.CORRUPT, "its bytes do not match its checksum")
-    if bytes(view[_HEADER.size : start]) != layout.encoded() or payload_len != layout.block_bytes:
-        raise BadBlock(Dropped.FOREIGN, "another KV layout")
+    if stored_layout != layout.encoded() or payload_len != layout.block_bytes:
+        raise BadBlock(Dropped.FOREIGN, "another KV layout", theirs=stored_hash == block_hash)
     if stored_hash != block_hash:
         raise BadBlock(Dropped.FOREIGN, "another block's content")
     return payload

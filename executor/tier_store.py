@@ -25,6 +25,7 @@ from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, 
 log = structlog.get_logger("executor")
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+COUNTERS = ("saves_cpu", "saves_disk", "spills", "loads_cpu", "loads_disk", "written", "write_failures")
 
 
 class TierStore:
@@ -50,13 +51,16 @@ class TierStore:
         self.disk_dir = disk_dir
         self.disk_blocks = disk_bytes // layout.file_bytes if disk_dir is not None else 0
         self.disk: OrderedDict[bytes, None] = OrderedDict()  # hashes on disk (or queued for it), oldest first
-        self.counters: Counter[str] = Counter()
+        # Every key from the start: the writer thread counts too, and a report iterating the counters while a
+        # first count adds a key would fail.
+        self.counters: Counter[str] = Counter(dict.fromkeys([*COUNTERS, *(f"dropped_{r.value}" for r in Dropped)], 0))
         self._pending: dict[bytes, bytes] = {}  # hash -> a block's bytes queued for the writer (it checksums them)
         self._lock = threading.Lock()  # guards _pending between the step's thread and the writer
         self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._d2h = False  # device-to-host copies queued on the stream, not yet waited for
         self._lost: list[bytes] = []  # disk entries dropped since blockd last heard (`take_drops`)
+        self._unwritten: list[bytes] = []  # hashes whose write failed, for the step's thread (under _lock)
         if disk_dir is not None and self.disk_blocks:
             disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -144,16 +148,25 @@ class TierStore:
             return memoryview(queued)
         try:
             return decode_block(self.layout, block_hash, self._path(block_hash).read_bytes())
-        except OSError as exc:  # gone (its write failed), or unreadable
-            self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}")
+        except OSError as exc:  # gone, or unreadable
+            with self._lock:
+                unwritten = block_hash in self._unwritten
+            if unwritten:  # its write failed (counted there): forgotten, not counted again
+                self._forget(block_hash)
+            else:
+                self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}")
         except BadBlock as exc:
             self._drop(block_hash, exc.reason, str(exc))
         return None
 
+    def _forget(self, block_hash: bytes) -> None:
+        if block_hash in self.disk:
+            del self.disk[block_hash]
+            self._lost.append(block_hash)
+
     def _drop(self, block_hash: bytes, reason: Dropped, detail: str) -> None:
         self.counters[f"dropped_{reason.value}"] += 1
-        self.disk.pop(block_hash, None)
-        self._lost.append(block_hash)
+        self._forget(block_hash)
         with contextlib.suppress(OSError):
             self._path(block_hash).unlink()
         log.warning(
@@ -161,7 +174,13 @@ class TierStore:
         )
 
     def take_drops(self) -> list[bytes]:
-        """The disk entries lost since the last call, for blockd's directory (sent with the next step)."""
+        """The disk entries lost since the last call, for blockd's directory (sent with the next step): dropped
+        files, and blocks whose write failed (a full disk), so that blockd never sends a load of them."""
+        with self._lock:
+            unwritten, self._unwritten = self._unwritten, []
+            unwritten = [h for h in unwritten if h not in self._pending]  # not queued again since
+        for block_hash in unwritten:
+            self._forget(block_hash)
         lost, self._lost = self._lost, []
         return lost
 
@@ -194,6 +213,7 @@ class TierStore:
         drop and count every other one (a torn write's temporary file, a corrupt, foreign or stale file)."""
         assert self.disk_dir is not None
         found: list[tuple[float, bytes]] = []
+        theirs = 0
         for path in self.disk_dir.iterdir():
             if path.name.endswith(TEMP_SUFFIX):
                 self.counters[f"dropped_{Dropped.TRUNCATED.value}"] += 1
@@ -213,16 +233,22 @@ class TierStore:
                 continue
             except BadBlock as exc:
                 self.counters[f"dropped_{exc.reason.value}"] += 1
-                path.unlink(missing_ok=True)
+                if exc.theirs:  # whole, of another model: a deployment sharing the directory still reads it
+                    theirs += 1
+                else:
+                    path.unlink(missing_ok=True)
                 continue
-            found.append((path.stat().st_mtime, block_hash))
+            try:
+                found.append((path.stat().st_mtime, block_hash))
+            except OSError:  # deleted meanwhile (by whoever shares the directory): not there, then
+                continue
         found.sort()
         over = max(len(found) - self.disk_blocks, 0)
         for _, block_hash in found[:over]:  # the budget shrank: the oldest go
             self._path(block_hash).unlink(missing_ok=True)
         for _, block_hash in found[over:]:
             self.disk[block_hash] = None
-        log.info("kv_tier_disk_scanned", blocks=len(self.disk), over_budget=over, **self.dropped())
+        log.info("kv_tier_disk_scanned", blocks=len(self.disk), over_budget=over, left_theirs=theirs, **self.dropped())
 
     def _write_behind(self) -> None:
         while True:
@@ -240,17 +266,27 @@ class TierStore:
                 if data is None:
                     continue  # discarded meanwhile
                 temp = path.with_name(path.name + TEMP_SUFFIX)
-                temp.write_bytes(encode_block(self.layout, block_hash, data))
-                os.replace(temp, path)  # whole or not there: a kill mid-write leaves only the temporary file
+                try:
+                    temp.write_bytes(encode_block(self.layout, block_hash, data))
+                    os.replace(temp, path)  # whole or not there: a kill mid-write leaves only the temporary file
+                except OSError:
+                    temp.unlink(missing_ok=True)  # a full disk's partial file would only take more of it
+                    raise
                 self.counters["written"] += 1
                 with self._lock:
                     if self._pending.get(block_hash) is data:
                         del self._pending[block_hash]
-            except OSError as exc:  # a full or failing disk: the block is not kept there
+            except OSError as exc:  # a full or failing disk: the block is not kept there, and blockd hears it
                 self.counters["write_failures"] += 1
+                failures = self.counters["write_failures"]
                 with self._lock:
-                    self._pending.pop(block_hash, None)
-                log.warning("kv_tier_write_failed", block_hash=block_hash.hex(), error=str(exc))
+                    if action == "write" and self._pending.get(block_hash) is data:
+                        del self._pending[block_hash]
+                        self._unwritten.append(block_hash)
+                if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a full disk does not flood the log
+                    log.warning(
+                        "kv_tier_write_failed", block_hash=block_hash.hex(), error=str(exc), write_failures=failures
+                    )
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued write is on disk, then stop the writer (shutdown; tests)."""

@@ -3,8 +3,11 @@ outputs.
 
 Redis, blockd, two CPU executors and a gateway, authenticated and supervised; kills, pauses, foreign keys and
 malformed frames while clients compare every answer with the clean stack's, then the load-held phase (overload,
-a stalled step), then the ranks phase: executor-1 restarted as a tensor-parallel group of two, whose worker rank
-is killed and paused. The scenarios and what each must show: docs/architecture.md ("Faults and attacks").
+a stalled step), then the tiers phase: executor-0 with host and disk KV tiers alone behind the gateway, killed
+during a hung write-behind, its block files damaged while it runs and while it is down, its disk full, its
+directory shared with an executor of another model; then the ranks phase: executor-1 restarted as a
+tensor-parallel group of two, whose worker rank is killed and paused. The scenarios and what each must show:
+docs/architecture.md ("Faults and attacks").
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ from common.auth import ClientCurve, KeySet, generate
 from common.net import free_port
 from common.tokens import pack_tokens
 from executor import protocol as ep
+from executor.client import ExecutorClient, ExecutorRejected, ExecutorUnavailable, tokens_of
+from executor.kv_tiers import Dropped
 from executor.parallel_runner import EX_GROUP_FAILED
 from executor.params import SamplingParams
 from pagedkv.bench.common import table_lines
+from pagedkv.tools import chaos_tiers as ct
 from pagedkv.tools.model_gen import write_model
 
 INTRUDER = "executor-intruder"  # an any-pool executor key in the attacker's hands (the cross-pool scenario)
@@ -55,9 +61,11 @@ MAX_QUEUE_DELAY_S = 2.0
 # Tokens each answer of the load-held scenarios holds: enough that the executors, not the HTTP clients, are what
 # an overload saturates.
 LOAD_MAX_TOKENS = 128
-# The fault and attack scenarios under greedy load; the load-held scenarios; a tensor-parallel group's rank faults
-# under greedy load (executor-1 restarted as a group of two ranks).
-PHASES = ("faults", "load", "ranks")
+# The fault and attack scenarios under greedy load; the load-held scenarios; the KV tiers' faults under greedy load
+# (executor-0 alone, with host and disk tiers); a tensor-parallel group's rank faults under greedy load (executor-1
+# restarted as a group of two ranks).
+PHASES = ("faults", "load", "tiers", "ranks")
+OTHER = "executor-other"  # the tiers phase's executor of another model, sharing executor-0's disk directory
 TP_TIMEOUT_S = 3.0  # the group's --tensor-parallel-timeout: a paused rank stops it this long after
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog",
@@ -91,9 +99,10 @@ class Service:
         self.retired = False
         self.peak_rss = 0
         self.idle_rss = 0
+        self.file_size_limit: int | None = None  # RLIMIT_FSIZE of its next starts (the tiers phase's full disk)
 
     def start(self) -> None:
-        self.process = processes.start(self.argv, self.log, env=self.env)
+        self.process = processes.start(self.argv, self.log, env=self.env, file_size_limit=self.file_size_limit)
 
     @property
     def pid(self) -> int:
@@ -123,12 +132,12 @@ class Service:
 
 
 class Stack:
-    def __init__(self, root: Path, model_dir: Path) -> None:
+    def __init__(self, root: Path, model_dir: Path, *, tiers: bool = False) -> None:
         self.root = root
         # The key set: server, gateway, operator, pool-executor-0/1; and an any-pool executor key held by the
         # attacker of the cross-pool scenario (a leaked or misissued key: fencing must still hold).
         self.keys_dir = root / "keys"
-        generate(self.keys_dir, ["executor-0", "executor-1"])
+        generate(self.keys_dir, ["executor-0", "executor-1", OTHER])
         zmq.auth.create_certificates(self.keys_dir, INTRUDER)
         self.keys = KeySet(self.keys_dir)
         self.api_key = secrets.token_urlsafe(24)
@@ -150,6 +159,13 @@ class Stack:
         self._add("blockd", blockd_argv)
         for i, endpoint in enumerate(self.executors):
             self._add(f"executor-{i}", self.executor_argv(endpoint, f"executor-{i}"), {"OMP_NUM_THREADS": "1"})
+        # The tiers phase's executor of another model (its argv set then; never started before). Added now: the
+        # supervisor walks the services, which must not change meanwhile.
+        self._add(OTHER, [], {"OMP_NUM_THREADS": "1"})
+        self.services[OTHER].retired = True
+        if tiers:  # (the tiers phase alone: executor-0 starts with its tiers, executor-1 never starts)
+            self.services["executor-0"].argv += ct.tier_flags(self.tier_dir)
+            self.services["executor-1"].retired = True
         gateway_argv = [py, "-m", "gateway.main", "--model", str(model_dir), "--executors", ",".join(self.executors)]
         gateway_argv += ["--blockd", self.blockd, "--port", str(self.gateway_port)]
         gateway_argv += ["--executor-timeout", f"{EXECUTOR_TIMEOUT_S:g}", "--max-queue-delay", f"{MAX_QUEUE_DELAY_S:g}"]
@@ -158,8 +174,14 @@ class Stack:
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
 
-    def executor_argv(self, endpoint: str, pool_id: str) -> list[str]:
-        argv = [sys.executable, "-m", "executor.main", "--model", str(self.model_dir), "--device", "cpu"]
+    @property
+    def tier_dir(self) -> Path:
+        """executor-0's disk tier in the tiers phase."""
+        return self.root / "kv-0"
+
+    def executor_argv(self, endpoint: str, pool_id: str, model_dir: Path | None = None) -> list[str]:
+        model = model_dir or self.model_dir
+        argv = [sys.executable, "-m", "executor.main", "--model", str(model), "--device", "cpu"]
         argv += ["--blockd", self.blockd, "--bind", endpoint, "--pool-id", pool_id, "--kv-cache-memory", "8MiB"]
         argv += ["--keys", str(self.keys_dir)]
         return [*argv, "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--log-level", "warning"]
@@ -177,7 +199,8 @@ class Stack:
 
     def start(self, timeout_s: float) -> None:
         for service in self.services.values():
-            service.start()
+            if not service.retired:
+                service.start()
         self._supervisor.start()
         self.wait_healthy(timeout_s)
 
@@ -196,7 +219,8 @@ class Stack:
             body = httpx.get(f"{self.url}/health", timeout=2).json()
         except (httpx.HTTPError, ValueError):
             return False
-        return body.get("status") == "ok" and all(e["healthy"] for e in body["executors"])
+        serving = {e for i, e in enumerate(self.executors) if not self.services[f"executor-{i}"].retired}
+        return body.get("status") == "ok" and all(e["healthy"] for e in body["executors"] if e["endpoint"] in serving)
 
     def wait_healthy(self, timeout_s: float) -> float:
         started = time.monotonic()
@@ -210,7 +234,7 @@ class Stack:
 
     def stop(self) -> None:
         self._stop.set()
-        for name in ("gateway", "executor-0", "executor-1", "blockd", "redis"):
+        for name in ("gateway", OTHER, "executor-0", "executor-1", "blockd", "redis"):
             self.services[name].stop()
 
 
@@ -237,7 +261,7 @@ class Tally:
 
 
 def _ask(
-    url: str, prompt: str, max_tokens: int, stream: bool, headers: dict[str, str], timeout: float = 60
+    url: str, prompt: str | list[int], max_tokens: int, stream: bool, headers: dict[str, str], timeout: float = 60
 ) -> tuple[str, str]:
     """(outcome, text): outcome is ok, cut (a stream broke after text), refused:<status>, unclear, transport."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
@@ -312,10 +336,12 @@ class Load:
         clients: int,
         headers: dict[str, str],
         tally: Tally | None = None,  # counted on from an earlier load's
+        bodies: dict[str, list[int]] | None = None,  # what is sent for each reference's name (token prompts)
     ) -> None:
         self.url = url
         self.headers = headers
         self.references = references
+        self.bodies = bodies or {}
         self.max_tokens = max_tokens
         self.tally = tally if tally is not None else Tally()
         self._stop = threading.Event()
@@ -355,7 +381,8 @@ class Load:
         prompts = list(self.references)
         while not self._stop.is_set():
             prompt = rng.choice(prompts)
-            outcome, text = _ask(self.url, prompt, self.max_tokens, rng.random() < 0.5, self.headers)
+            body = self.bodies.get(prompt, prompt)
+            outcome, text = _ask(self.url, body, self.max_tokens, rng.random() < 0.5, self.headers)
             self.record(prompt, outcome, text, self.references[prompt])
             if outcome == "transport":
                 time.sleep(0.2)  # the gateway is down: do not spin
@@ -1207,6 +1234,329 @@ def _stalled_step(stack: Stack, references: dict[str, str], max_tokens: int) -> 
     return scenario
 
 
+# ---------------------------------------------------------------------------------------------- tiers
+
+
+@dataclass
+class TierScenario:
+    """One tiers scenario: the load's requests and wrong outputs meanwhile, and what was injected and counted."""
+
+    name: str
+    seconds: float = 0.0
+    requests: int = 0
+    wrong: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def row(self) -> list[str]:
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts.items())
+        return [self.name, f"{self.seconds:.1f}", str(self.requests), str(self.wrong), counts]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"seconds": round(self.seconds, 1), "requests": self.requests, "wrong": self.wrong, **self.counts}
+
+
+class TiersPhase:
+    """executor-0 with host and disk tiers, alone behind the gateway, under greedy load of token prompts whose
+    blocks it demotes to disk and loads back; each scenario injects a fault of the disk tier and reads what the
+    executor counted (`LoadReport.tiers`). A count short of what was injected is a problem."""
+
+    def __init__(self, stack: Stack, findings: Findings, tally: Tally, clients: int, max_tokens: int) -> None:
+        self.stack = stack
+        self.findings = findings
+        self.tally = tally
+        self.clients = clients
+        self.max_tokens = max_tokens
+        self.disk = stack.tier_dir
+        self.endpoint = stack.executors[0]
+        self.curve = stack.curve("gateway")
+        vocab = MODEL["vocab_size"]
+        self.prompts = ct.token_prompts("tier", 10, seed=22, vocab_size=vocab)  # the load's: 40 blocks
+        self.fresh = ct.token_prompts("fresh", 8, seed=23, vocab_size=vocab)  # asked to make blocks to write
+        self.bodies = {**self.prompts, **self.fresh}
+        self.references: dict[str, str] = {}
+        self.model_id = ""
+        self.load: Load | None = None
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def report(self, endpoint: str | None = None, timeout_s: float = 60) -> dict[str, int]:
+        endpoint = endpoint or self.endpoint
+        report = processes.wait_until(lambda: ct.tier_report(endpoint, self.curve), timeout_s)
+        return report
+
+    def wait_count(self, key: str, at_least: int, timeout_s: float = 30, endpoint: str | None = None) -> dict[str, int]:
+        """The executor's tier report once `key` reached `at_least` (or the last one, after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self.report(endpoint)
+            if report.get(key, 0) >= at_least or time.monotonic() > deadline:
+                return report
+            time.sleep(0.2)
+
+    def ask(self, name: str) -> None:
+        """One greedy request (not streamed) for `name`, held to its reference like the load's."""
+        assert self.load is not None
+        outcome, text = _ask(self.stack.url, self.bodies[name], self.max_tokens, False, self.stack.auth_headers)
+        self.load.record(name, outcome, text, self.references[name])
+
+    def off_device(self, count: int, timeout_s: float = 15) -> list[str]:
+        """Up to `count` load prompts whose first block is on disk and not on executor-0's device (blockd's
+        lookup reports device hits only): their next admission loads that block from its file."""
+        deadline = time.monotonic() + timeout_s
+        found: list[str] = []
+        with BlockdClient(self.stack.blockd, timeout_s=5, curve=self.curve) as client:
+            while len(found) < count and time.monotonic() < deadline:
+                for name, tokens in self.prompts.items():
+                    first = ct.block_file(self.disk, ct.block_hashes(self.model_id, tokens)[0])
+                    if name not in found and first.exists() and client.lookup(tokens).get("executor-0", 0) == 0:
+                        found.append(name)
+                        if len(found) == count:
+                            break
+                time.sleep(0.1)
+        return found
+
+    def check(self, scenario: TierScenario, what: str, ok: bool) -> None:
+        if not ok:
+            self.findings.problem(f"tiers, {scenario.name}: {what}")
+
+    # ------------------------------------------------------------------------------------ the phase
+
+    def run(self) -> list[TierScenario]:
+        stack = self.stack
+        executor = stack.services["executor-0"]
+        plain, log = list(executor.argv), executor.log
+        alone = "--disk-kv-dir" in executor.argv  # the stack started for this phase alone
+        if not alone:
+            stack.services["executor-1"].stop()  # retired: the gateway sends everything to executor-0
+            _restart(stack, "executor-0", [*executor.argv, *ct.tier_flags(self.disk)])
+        with BlockdClient(stack.blockd, timeout_s=5, curve=stack.curve("operator")) as client:
+            self.model_id = next(p.model_id for p in client.pools().pools if p.pool_id == "executor-0")
+        for name, tokens in self.bodies.items():
+            outcome, text = _ask(stack.url, tokens, self.max_tokens, False, stack.auth_headers)
+            if outcome != "ok":
+                raise click.ClickException(f"the stack with tiers did not answer {name}: {outcome}")
+            self.references[name] = text
+        # The load asks the load prompts only (the fresh ones are asked apart, when a scenario wants blocks written).
+        load_references = {name: self.references[name] for name in self.prompts}
+        self.load = Load(
+            stack.url, load_references, self.max_tokens, self.clients, stack.auth_headers, self.tally, self.prompts
+        )
+        self.load.start()
+        scenarios: list[TierScenario] = []
+        try:
+            warm = self.wait_count("written", 8, timeout_s=60)
+            self.check(
+                TierScenario("warm-up"), f"only {warm.get('written', 0)} blocks written in 60 s", warm["written"] >= 8
+            )
+            for name, action in (
+                ("kill -9 in a hung write-behind, files damaged while down", self.kill_during_write_behind),
+                ("block files damaged while it runs", self.damage_while_running),
+                (f"a full disk (RLIMIT_FSIZE {ct.FULL_DISK_BYTES // 1024} KiB from the restart on)", self.full_disk),
+                ("the directory shared with another model, its file copied in", self.another_model),
+            ):
+                _log(f"chaos: tiers: {name}")
+                scenario = TierScenario(name)
+                requests, wrong, started = self.tally.requests, self.tally.wrong, time.monotonic()
+                try:
+                    action(scenario)
+                except Exception as exc:  # a scenario that cannot run is a finding, not the end of the run
+                    self.findings.problem(f"tiers, {name}: {exc!r}")
+                scenario.seconds = time.monotonic() - started
+                scenario.requests, scenario.wrong = self.tally.requests - requests, self.tally.wrong - wrong
+                self.check(scenario, f"{scenario.wrong} wrong outputs", scenario.wrong == 0)
+                scenarios.append(scenario)
+        finally:
+            self.load.stop()
+            stack.services[OTHER].stop()
+            executor.file_size_limit, executor.log = None, log
+        if not alone:  # executor-0 without tiers again, executor-1 back, for the phases after
+            executor.argv = plain
+            _restart(stack, "executor-0", plain)
+            stack.services["executor-1"].retired = False
+            stack.wait_healthy(180)
+        return scenarios
+
+    def kill_during_write_behind(self, scenario: TierScenario) -> None:
+        """The fresh prompts' blocks would be written to files whose temporary names are FIFOs: the writer hangs on
+        the first, as on a stalled disk, and the writes after it queue (loads of them read the queued bytes).
+        Then kill -9, damage surviving files while the executor is down, and restart it on the same directory (on a
+        full disk: the next scenarios'): the temporary files are dropped (truncated), the damaged ones too
+        (truncated, corrupt), the rest hit again."""
+        stack, executor = self.stack, self.stack.services["executor-0"]
+        hashes = [h for tokens in self.fresh.values() for h in ct.block_hashes(self.model_id, tokens)]
+        scenario.counts["hung_writes_set"] = ct.hang_writes(self.disk, hashes)
+        for name in self.fresh:
+            self.ask(name)
+        queued = self.wait_count("pending_writes", 4)["pending_writes"]
+        scenario.counts["writes_queued_at_kill"] = queued
+        self.check(scenario, f"only {queued} writes queued behind the hung one", queued >= 4)
+        executor.retired = True  # (the supervisor waits: the directory is damaged while it is down)
+        process = executor.process
+        assert process is not None
+        executor.signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        temps = len(ct.temp_files(self.disk))
+        survivors = ct.block_files(self.disk)
+        damaged = survivors[: 2 * len(ct.DAMAGE)]
+        for i, path in enumerate(damaged):
+            ct.damage(path, ct.DAMAGE[i % len(ct.DAMAGE)])
+        truncated = sum(1 for i in range(len(damaged)) if ct.DAMAGE[i % len(ct.DAMAGE)] == "truncated")
+        # Back on a full disk (the full-disk scenario's: every write fails; reads, which these scenarios check, work).
+        executor.file_size_limit = ct.FULL_DISK_BYTES
+        executor.log = self.stack.root / "executor-0-full-disk.log"  # (its usual log may be past the limit)
+        executor.retired = False
+        stack.wait_healthy(180)
+        scan = self.report()
+        loads = self.wait_count("loads_disk", 1)["loads_disk"]
+        scenario.counts |= {
+            "temp_files_left": temps,
+            "files_damaged_down": len(damaged),
+            "disk_held_after": scan["disk_held"],
+            "dropped_truncated": scan["dropped_truncated"],
+            "dropped_corrupt": scan["dropped_corrupt"],
+            "loads_disk_after": loads,
+        }
+        self.check(scenario, "no temporary file left by the kill", temps > 0)
+        want = temps + truncated
+        self.check(
+            scenario, f"{scan['dropped_truncated']} truncated drops, {want} due", scan["dropped_truncated"] >= want
+        )
+        corrupt = len(damaged) - truncated
+        self.check(
+            scenario, f"{scan['dropped_corrupt']} corrupt drops, {corrupt} due", scan["dropped_corrupt"] >= corrupt
+        )
+        self.check(scenario, "temporary files left after the restart", not ct.temp_files(self.disk))
+        self.check(scenario, "no surviving block loaded after the restart", loads >= 1)
+
+    def damage_while_running(self, scenario: TierScenario) -> None:
+        """The first block file of load prompts off the device damaged (one of each kind) while the executor runs,
+        then those prompts asked: each load finds the damage, drops the file and computes the block instead."""
+        before = self.report()
+        victims = self.off_device(len(ct.DAMAGE))
+        for name, how in zip(victims, ct.DAMAGE, strict=False):
+            ct.damage(ct.block_file(self.disk, ct.block_hashes(self.model_id, self.prompts[name])[0]), how)
+        for name in victims:
+            self.ask(name)
+        truncated = int("truncated" in ct.DAMAGE[: len(victims)])
+        due = {"dropped_truncated": truncated, "dropped_corrupt": len(victims) - truncated}
+        after = before
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            after = self.report()
+            if all(after[k] - before[k] >= n for k, n in due.items()):
+                break
+            time.sleep(0.2)
+        scenario.counts["files_damaged"] = len(victims)
+        for key in due:
+            scenario.counts[key] = after[key] - before[key]
+        self.check(scenario, "no block file off the device to damage", bool(victims))
+        for key, n in due.items():
+            self.check(scenario, f"{scenario.counts[key]} {key} of {n} damaged", scenario.counts[key] >= n)
+
+    def full_disk(self, scenario: TierScenario) -> None:
+        """executor-0 came back from the kill with RLIMIT_FSIZE below a block file's size (SIGXFSZ ignored): every
+        block write fails with EFBIG, as on a full disk (reads, the scenarios before, are unaffected). The fresh
+        prompts' blocks, which no file holds, are written: each failure is counted, leaves no partial file, and
+        blockd hears of it (no load of a block never written, so no drop counted); serving goes on."""
+        before = self.report()
+        ok = self.tally.ok
+        for name in self.fresh:
+            self.ask(name)
+        report = self.wait_count("write_failures", before["write_failures"] + 4)
+        for name in self.fresh:  # their blocks again: on the device, on the host or computed, never from a file
+            self.ask(name)
+        report = self.report()
+        partial = len(ct.temp_files(self.disk))
+        dropped = [f"dropped_{r.value}" for r in Dropped]
+        scenario.counts |= {
+            "write_failures": report["write_failures"] - before["write_failures"],
+            "written": report["written"] - before["written"],
+            "partial_files_left": partial,
+            "dropped": sum(report[k] - before[k] for k in dropped),
+            "answered_meanwhile": self.tally.ok - ok,
+        }
+        self.check(scenario, "no write failed", scenario.counts["write_failures"] >= 1)
+        self.check(scenario, f"{partial} partial files left by failed writes", partial == 0)
+        self.check(
+            scenario, "failed writes counted as drops (loads of blocks never written)", not scenario.counts["dropped"]
+        )
+        self.check(scenario, "nothing answered while the disk was full", scenario.counts["answered_meanwhile"] > 0)
+
+    def another_model(self, scenario: TierScenario) -> None:
+        """An executor of another model (same shapes, other weights) started on executor-0's directory and kept
+        busy beside it: its start finds executor-0's files foreign and leaves them (every one still there, and
+        executor-0 loads on), it writes and loads its own; one of its files copied over one of executor-0's is
+        dropped at executor-0's load of it. Both answer right throughout."""
+        stack = self.stack
+        other_model = write_model(
+            stack.root / "tiny-chaos-other", arch="llama", quiet=True, dtype="float32", **{**MODEL, "seed": 1}
+        )
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        other = stack.services[OTHER]
+        other.argv = [*stack.executor_argv(endpoint, OTHER, other_model), *ct.tier_flags(self.disk)]
+        ours = ct.block_files(self.disk)
+        before = self.report()
+        other.retired = False
+        other.start()
+        prompts = ct.token_prompts("other", 8, seed=24, vocab_size=MODEL["vocab_size"])
+        stop = threading.Event()
+        traffic = threading.Thread(target=self._other_traffic, args=(endpoint, prompts, stop), daemon=True)
+        first = self.report(endpoint, timeout_s=180)
+        gone = [p for p in ours if not p.exists()]
+        traffic.start()
+        try:
+            written = self.wait_count("written", 4, endpoint=endpoint)
+            theirs = [p for p in ct.block_files(self.disk) if p not in ours]
+            victims = self.off_device(1)
+            if victims and theirs:
+                own = ct.block_file(self.disk, ct.block_hashes(self.model_id, self.prompts[victims[0]])[0])
+                own.write_bytes(theirs[0].read_bytes())
+                self.ask(victims[0])
+            loaded = self.wait_count("dropped_foreign", before["dropped_foreign"] + len(victims))
+            other_after = self.wait_count("loads_disk", 1, endpoint=endpoint)
+        finally:
+            stop.set()
+            traffic.join(timeout=60)
+        scenario.counts |= {
+            "other_files": len(theirs),
+            "other_written": written["written"],
+            "other_dropped_foreign_at_start": first["dropped_foreign"],
+            "own_files_gone_at_its_start": len(gone),
+            "dropped_foreign_at_load": loaded["dropped_foreign"] - before["dropped_foreign"],
+            "own_dropped_truncated": loaded["dropped_truncated"] - before["dropped_truncated"],
+            "other_loads_disk": other_after["loads_disk"],
+        }
+        self.check(scenario, "the other model wrote no file", bool(theirs))
+        self.check(
+            scenario, "the other's start found none of executor-0's files foreign", first["dropped_foreign"] >= 1
+        )
+        self.check(scenario, f"the other's start deleted {len(gone)} of executor-0's files", not gone)
+        self.check(
+            scenario,
+            "the other's file under executor-0's name was not dropped",
+            scenario.counts["dropped_foreign_at_load"] >= 1,
+        )
+        self.check(scenario, "the other executor loaded none of its files", other_after["loads_disk"] >= 1)
+
+    def _other_traffic(self, endpoint: str, prompts: dict[str, list[int]], stop: threading.Event) -> None:
+        """Greedy requests to the other model's executor (outside the gateway, which serves executor-0's model),
+        held to its first answer for each prompt, computed on a cold cache."""
+        assert self.load is not None
+        greedy = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
+        references: dict[str, str] = {}
+        rng = random.Random(25)
+        with ExecutorClient(endpoint, timeout_s=30, curve=self.curve) as client:
+            while not stop.is_set():
+                name = rng.choice(list(prompts))
+                try:
+                    (deltas,) = client.generate(prompts[name], greedy)
+                except (ExecutorUnavailable, ExecutorRejected):
+                    self.load.record(name, "transport", "", "")
+                    continue
+                text = " ".join(map(str, tokens_of(deltas)))
+                self.load.record(name, "ok", text, references.setdefault(name, text))
+
+
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -1356,22 +1706,29 @@ def run_chaos(
 ) -> dict[str, Any]:
     started = time.monotonic()
     model_dir = write_model(root / "tiny-chaos", arch="llama", quiet=True, dtype="float32", **MODEL)
-    stack = Stack(root, model_dir)
+    stack = Stack(root, model_dir, tiers=phases == ("tiers",))
     findings = Findings()
     tally, scenario_rows, load_scenarios = Tally(), [], []
-    _log(f"chaos: starting redis, blockd, 2 executors and a gateway; logs in {root}")
+    tier_scenarios: list[TierScenario] = []
+    executors = sum(not stack.services[f"executor-{i}"].retired for i in range(2))
+    _log(f"chaos: starting redis, blockd, {executors} executors and a gateway; logs in {root}")
     try:
         stack.start(timeout_s=300)
-        references = _references(stack.url, max_tokens, stack.auth_headers)
+        # (the tiers phase has prompts and references of its own)
+        others = phases != ("tiers",)
+        references = _references(stack.url, max_tokens, stack.auth_headers) if others else {}
         # Long answers: the load-held scenarios' and the streams an executor is killed under.
-        long_references = _references(stack.url, LOAD_MAX_TOKENS, stack.auth_headers)
+        long_references = _references(stack.url, LOAD_MAX_TOKENS, stack.auth_headers) if others else {}
         time.sleep(1.0)
         for service in stack.services.values():
             service.idle_rss = service.rss()
             service.peak_rss = service.idle_rss
         # The phases in this order: the ranks phase last, as executor-1 stays a group once it is one.
-        for phase in ("faults", "load", "ranks"):
+        for phase in PHASES:
             if phase not in phases:
+                continue
+            if phase == "tiers":
+                tier_scenarios = TiersPhase(stack, findings, tally, clients, max_tokens).run()
                 continue
             if phase == "load":
                 load_scenarios = _load_phase(stack, long_references, findings, LOAD_MAX_TOKENS, overload_s)
@@ -1426,12 +1783,15 @@ def run_chaos(
         "problems": findings.problems,
         "wrong_examples": tally.wrong_examples,
         "load_scenarios": {scenario.name: scenario.as_json() for scenario in load_scenarios},
+        "tier_scenarios": {scenario.name: scenario.as_json() for scenario in tier_scenarios},
     }
-    _print_tables(result, scenario_rows, [scenario.row() for scenario in load_scenarios])
+    _print_tables(result, scenario_rows, [s.row() for s in load_scenarios], [s.row() for s in tier_scenarios])
     return result
 
 
-def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_rows: list[list[str]]) -> None:
+def _print_tables(
+    result: dict[str, Any], scenario_rows: list[list[str]], load_rows: list[list[str]], tier_rows: list[list[str]]
+) -> None:
     if scenario_rows:
         click.echo("")
         columns = ["scenario", "seconds", "recovered in s", "requests", "failed", "cut after text", "attacks"]
@@ -1442,6 +1802,11 @@ def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_r
         click.echo("")
         columns = ["load scenario", "seconds", "load", "requests", "accepted", "accepted failed", "refused 429"]
         for line in table_lines([*columns, "wrong outputs", "leaked blocks"], load_rows):
+            click.echo(line)
+    if tier_rows:
+        click.echo("")
+        columns = ["tiers scenario", "seconds", "requests", "wrong outputs", "injected and counted"]
+        for line in table_lines(columns, tier_rows):
             click.echo(line)
     click.echo("")
     rows = [
@@ -1479,7 +1844,9 @@ def _print_tables(result: dict[str, Any], scenario_rows: list[list[str]], load_r
     default=None,
     help="Run one phase: faults (kills, pauses, attacks under greedy load), load (overload at 3x capacity, a "
     "step stalled for 2x the gateway's executor timeout) or ranks (executor-1 restarted as a tensor-parallel group "
-    "of 2, its worker rank killed and paused under greedy load). Default: all three.",
+    "of 2, its worker rank killed and paused under greedy load) or tiers (executor-0 alone with host and disk KV "
+    "tiers: kill -9 during a hung write-behind, block files truncated and corrupted, a full disk, another model's "
+    "files and a directory shared with it). Default: all four.",
 )
 @click.option(
     "--overload-seconds",

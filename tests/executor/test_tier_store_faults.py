@@ -1,0 +1,89 @@
+"""The disk tier's failure modes on real files, as `pagedkv chaos --only tiers` found them: a write that fails (a
+full disk: RLIMIT_FSIZE in a child process, so the write gets EFBIG) leaves no partial file and is reported to
+blockd as not on disk, never loaded nor counted as a drop; a flipped byte in a block file's header reads as corrupt,
+not as another layout; a whole block file of another model, in a directory two deployments share, is left to it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockd.tiers import MEDIUM_DISK, TierOp
+from common import processes
+from executor.kv_tiers import BadBlock, Dropped, KvLayout, decode_block, encode_block
+from executor.tier_store import TierStore
+
+LAYOUT = KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)  # 16 KiB a block
+OTHER = KvLayout("tiny-other", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)
+
+_FULL_DISK_CHILD = """
+import json, sys
+from pathlib import Path
+import torch
+from blockd.tiers import MEDIUM_DISK, TierOp
+from executor.kv_tiers import KvLayout
+from executor.tier_store import TierStore
+
+disk = Path(sys.argv[1])
+caches = [(torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)) for _ in range(2)]
+store = TierStore(KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4), caches, disk_dir=disk, disk_bytes=1 << 20)
+block_hash = bytes(range(16))
+store.run([TierOp("save", MEDIUM_DISK, block_hash, block=1)])
+store.flush()
+failed = store.run([TierOp("load", MEDIUM_DISK, block_hash, block=2)])  # sent before blockd heard
+lost = store.take_drops()
+files = sorted(p.name for p in disk.iterdir())
+print(json.dumps({"report": store.report(), "failed": failed, "lost": [h.hex() for h in lost], "files": files}))
+"""
+
+
+def test_a_write_to_a_full_disk_leaves_nothing_and_blockd_hears_of_it(tmp_path: Path) -> None:
+    disk, log = tmp_path / "kv", tmp_path / "child.log"
+    disk.mkdir()
+    child = processes.start(
+        [sys.executable, "-c", _FULL_DISK_CHILD, str(disk)], log, file_size_limit=LAYOUT.file_bytes // 2
+    )
+    assert child.wait(timeout=120) == 0, log.read_text()[-3000:]
+    result = json.loads(log.read_text().strip().splitlines()[-1])
+    report = result["report"]
+    assert report["write_failures"] == 1 and report["written"] == 0, result
+    assert result["files"] == [], result  # no partial temporary file taking more of the full disk
+    assert result["failed"] == [2], result  # the load fails: the block is computed instead
+    assert report["dropped_truncated"] == 0 and report["disk_held"] == 0, result  # a failed write, not a drop
+    assert result["lost"] == [bytes(range(16)).hex()], result  # blockd's directory forgets it
+
+
+@pytest.mark.parametrize("offset", [4, 20, 40, 60])  # format, the block hash, the checksum, the layout
+def test_a_byte_flipped_in_the_header_is_never_read(offset: int) -> None:
+    block_hash = bytes(16)
+    data = bytearray(encode_block(LAYOUT, block_hash, bytes(LAYOUT.block_bytes)))
+    data[offset] ^= 0x5A
+    with pytest.raises(BadBlock) as raised:
+        decode_block(LAYOUT, block_hash, bytes(data))
+    assert raised.value.reason == (Dropped.STALE if offset == 4 else Dropped.CORRUPT)
+    assert not raised.value.theirs
+
+
+def test_a_directory_shared_with_another_model_keeps_its_files(tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    payload = torch.randn(LAYOUT.block_bytes // 4).numpy().tobytes()
+    ours, theirs, copied = bytes([1]) * 16, bytes([2]) * 16, bytes([3]) * 16
+    (disk / f"{ours.hex()}.kvb").write_bytes(encode_block(LAYOUT, ours, payload))
+    (disk / f"{theirs.hex()}.kvb").write_bytes(encode_block(OTHER, theirs, payload))  # the other model's own
+    (disk / f"{copied.hex()}.kvb").write_bytes(encode_block(OTHER, theirs, payload))  # under another name
+    caches = [(torch.zeros(4, 16, 2, 32), torch.zeros(4, 16, 2, 32)) for _ in range(2)]
+    store = TierStore(LAYOUT, caches, disk_dir=disk, disk_bytes=1 << 20)
+    try:
+        assert list(store.disk) == [ours]
+        assert store.report()["dropped_foreign"] == 2
+        assert (disk / f"{theirs.hex()}.kvb").exists()  # whole and the other's: it still reads it
+        assert not (disk / f"{copied.hex()}.kvb").exists()  # nobody's: gone
+        assert store.run([TierOp("load", MEDIUM_DISK, ours, block=0)]) == []
+        assert caches[0][0][0].reshape(-1).view(torch.uint8).numpy().tobytes() == payload[: LAYOUT.layer_bytes]
+    finally:
+        store.flush()
