@@ -235,6 +235,8 @@ class PoolClient:
         # The executor's lower KV tiers, reported on every (re-)registration (blockd.tiers): what they hold now.
         self.tiers: Callable[[], p.TierSpec] | None = None
         self.tier_drops: Callable[[], list[bytes]] | None = None  # what its disk lost since the last step
+        # The shared tier's writes finished, and those failed or found bad, since the last step.
+        self.shared_reports: Callable[[], tuple[list[bytes], list[bytes]]] | None = None
 
     @property
     def epoch_fingerprint(self) -> str:
@@ -400,8 +402,17 @@ class PoolClient:
             raise RuntimeError("a step is already in flight: finish_step() it first")
         ops = list(ops)
         drops = self.tier_drops() if self.tier_drops is not None else []
+        written, lost = self.shared_reports() if self.shared_reports is not None else ([], [])
         # (A step resent after a re-sync carries none: the re-registration's report no longer names them.)
-        self.client.send(p.Step, pool_id=self.pool_id, epoch=self.epoch, ops=ops, tier_drops=drops)
+        self.client.send(
+            p.Step,
+            pool_id=self.pool_id,
+            epoch=self.epoch,
+            ops=ops,
+            tier_drops=drops,
+            shared_written=written,
+            shared_drops=lost,
+        )
         self._in_flight = ops  # only once sent: a send that raised leaves nothing in flight
 
     def finish_step(self) -> list[p.StepOpResult]:
@@ -565,7 +576,10 @@ class _Heartbeats(threading.Thread):
         try:
             while not self._halt.wait(self._interval()):
                 try:
-                    self.client.call(p.Heartbeat, pool_id=pool.pool_id, epoch=pool.epoch)
+                    written, lost = pool.shared_reports() if pool.shared_reports is not None else ([], [])
+                    self.client.call(
+                        p.Heartbeat, pool_id=pool.pool_id, epoch=pool.epoch, shared_written=written, shared_drops=lost
+                    )
                     self.sent += 1
                 except BlockdUnavailable:
                     self.failed += 1

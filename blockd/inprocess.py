@@ -48,7 +48,9 @@ class InProcessBlockd(BlockdClient):
         super().__init__(ENDPOINT, timeout_s=timeout_s)
         self.manager = manager or BlockManager()
         self._handlers: dict[type, Any] = {
-            p.Step: lambda r: self.manager.step(r.pool_id, r.epoch, r.ops, r.tier_drops),
+            p.Step: lambda r: self.manager.step(
+                r.pool_id, r.epoch, r.ops, r.tier_drops, r.shared_written, r.shared_drops
+            ),
             p.Register: self.manager.register,
             p.Unregister: lambda r: p.ResetResult(self.manager.unregister(r.pool_id, r.epoch)),
             p.Heartbeat: self._heartbeat,
@@ -77,5 +79,5 @@ class InProcessBlockd(BlockdClient):
             return p.encode_error(request_id, exc.code, exc.message)
 
     def _heartbeat(self, request: p.Heartbeat) -> p.HeartbeatResult:
-        self.manager.heartbeat(request.pool_id, request.epoch)
+        self.manager.heartbeat(request.pool_id, request.epoch, request.shared_written, request.shared_drops)
         return p.HeartbeatResult(self.manager.lease_timeout_s)

@@ -17,7 +17,7 @@ from blockd import protocol as p
 from blockd.errors import BlockdError, ErrorCode
 from blockd.hashing import epoch_fingerprint
 from blockd.pool import HOLE, BlockPool, BlockRecord, Journal, PoolSpec, PoolStats
-from blockd.tiers import TierDirectory
+from blockd.tiers import MAX_SHARED_ID, SharedTier, TierDirectory
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 DEFAULT_MAX_POOLS = 64
@@ -79,6 +79,9 @@ class BlockManager:
         self.last_seen: dict[str, float] = {}
         self.registered_at: dict[str, float] = {}  # wall-clock time of the pool's registration with its epoch
         self.dormant: dict[str, DormantPool] = {}
+        # The deployment's shared KV tiers by id (blockd.tiers): one per shared directory and KV layout, made by the
+        # first pool that registers with it, its capacity that pool's; not persisted (executors report them).
+        self.shared_tiers: dict[str, SharedTier] = {}
 
     # ------------------------------------------------------------------------------------ registry
 
@@ -125,12 +128,31 @@ class BlockManager:
             )
         tiers = req.tiers
         if tiers is not None and not (
-            0 <= tiers.host_blocks <= limits.max_blocks_per_pool and 0 <= tiers.disk_blocks <= 1 << 31
+            0 <= tiers.host_blocks <= limits.max_blocks_per_pool
+            and 0 <= tiers.disk_blocks <= 1 << 31
+            and 0 <= tiers.shared_blocks <= 1 << 31
         ):
             raise BlockdError(
                 ErrorCode.POOL_TOO_LARGE,
-                f"tiers of {tiers.host_blocks} host and {tiers.disk_blocks} disk blocks: at most "
-                f"{limits.max_blocks_per_pool} host blocks (--max-blocks-per-pool) and 2**31 on disk",
+                f"tiers of {tiers.host_blocks} host, {tiers.disk_blocks} disk and {tiers.shared_blocks} shared blocks: "
+                f"at most {limits.max_blocks_per_pool} host blocks (--max-blocks-per-pool) and 2**31 on disk",
+            )
+        if tiers is not None and (
+            len(tiers.shared_id) > MAX_SHARED_ID or bool(tiers.shared_id) != (tiers.shared_blocks > 0)
+        ):
+            raise BlockdError(
+                ErrorCode.INVALID_REQUEST,
+                f"a shared tier needs an id of 1 to {MAX_SHARED_ID} characters and a capacity, not id "
+                f"{tiers.shared_id[:MAX_SHARED_ID]!r} with {tiers.shared_blocks} blocks",
+            )
+        if (
+            tiers is not None
+            and tiers.shared_id
+            and tiers.shared_id not in self.shared_tiers
+            and len(self.shared_tiers) >= limits.max_pools
+        ):
+            raise BlockdError(
+                ErrorCode.TOO_MANY_POOLS, f"this blockd holds {limits.max_pools} shared tiers already (--max-pools)"
             )
         known = req.pool_id in self.pools or req.pool_id in self.dormant
         if not known and len(self.pools) + len(self.dormant) >= limits.max_pools:
@@ -190,7 +212,10 @@ class BlockManager:
             generations = previous.generation  # blockd never lost them; the executor simply did not send its own
         pool = BlockPool(spec, deployment=self.deployment, journal=self.events.new_journal(), hash_key=self.hash_key)
         if req.tiers is not None:  # what they hold is the executor's report: it is the truth about its memory and disk
-            pool.tiers = TierDirectory(spec.pool_id, req.tiers, _tier_events(pool))
+            shared = self._shared_tier(req.tiers)
+            if previous is not None and previous.tiers is not None and previous.tiers.shared is not None:
+                previous.tiers.shared.release(req.pool_id)  # the writes its old self owed
+            pool.tiers = TierDirectory(spec.pool_id, req.tiers, _tier_events(pool), shared)
         # Build the new pool completely before touching the registry: a bad sequence leaves everything as it was.
         if generations is not None:
             pool.adopt_generations(generations)
@@ -219,15 +244,30 @@ class BlockManager:
             groups=pool.num_groups,
         )
 
+    def _shared_tier(self, tiers: p.TierSpec) -> SharedTier | None:
+        if not tiers.shared_id:
+            return None
+        shared = self.shared_tiers.get(tiers.shared_id)
+        if shared is None:
+            shared = self.shared_tiers[tiers.shared_id] = SharedTier(tiers.shared_id, tiers.shared_blocks)
+        return shared
+
     def unregister(self, pool_id: str, epoch: int) -> int:
         self.owned(pool_id, epoch)
         return self._drop(pool_id)
 
-    def heartbeat(self, pool_id: str, epoch: int) -> None:
-        self.touch(pool_id, epoch)
+    def heartbeat(
+        self, pool_id: str, epoch: int, shared_written: Collection[bytes] = (), shared_drops: Collection[bytes] = ()
+    ) -> None:
+        pool = self.touch(pool_id, epoch)
+        if pool.tiers is not None:
+            pool.tiers.shared_written(shared_written)
+            pool.tiers.shared_lost(shared_drops)
 
     def _drop(self, pool_id: str) -> int:
         pool = self.pools.pop(pool_id, None)
+        if pool is not None and pool.tiers is not None and pool.tiers.shared is not None:
+            pool.tiers.shared.release(pool_id)
         self.last_seen.pop(pool_id, None)
         self.registered_at.pop(pool_id, None)
         dormant = self.dormant.pop(pool_id, None)
@@ -250,13 +290,27 @@ class BlockManager:
 
     # ------------------------------------------------------------------------------------ operations
 
-    def step(self, pool_id: str, epoch: int, ops: list[p.StepOp], tier_drops: Collection[bytes] = ()) -> p.StepResult:
+    def step(
+        self,
+        pool_id: str,
+        epoch: int,
+        ops: list[p.StepOp],
+        tier_drops: Collection[bytes] = (),
+        shared_written: Collection[bytes] = (),
+        shared_drops: Collection[bytes] = (),
+    ) -> p.StepResult:
         """Apply one scheduler step's ops in order; each op succeeds or fails on its own. A step with another
         epoch than the pool's is refused whole (stale_epoch) and neither changes the pool nor renews its lease.
-        `tier_drops`: hashes the executor's disk tier lost (blockd.tiers), forgotten first."""
+        `tier_drops`: hashes the executor's disk tier lost; `shared_written` and `shared_drops`: the shared tier's
+        writes it finished and the ones it could not make or found bad (blockd.tiers); all taken in first."""
         pool = self.touch(pool_id, epoch)
-        if tier_drops and pool.tiers is not None:
-            pool.tiers.forget(tier_drops)
+        if pool.tiers is not None:
+            if tier_drops:
+                pool.tiers.forget(tier_drops)
+            if shared_written:
+                pool.tiers.shared_written(shared_written)
+            if shared_drops:
+                pool.tiers.shared_lost(shared_drops)
         results: list[p.StepOpResult] = []
         append = results.append
         for op in ops:
@@ -266,7 +320,7 @@ class BlockManager:
                 elif type(op) is p.Admit:
                     append(pool.admit(op.seq_id, op.tokens, op.cache_salt, reuse_prefix=op.reuse_prefix, hold=op.hold))
                 elif type(op) is p.Commit:
-                    append(p.CommitResult(pool.commit(op.seq_id, op.num_computed_tokens)))
+                    append(p.CommitResult(pool.commit(op.seq_id, op.num_computed_tokens), pool.take_tier_ops()))
                 elif type(op) is p.Free:
                     append(p.FreeResult(pool.free(op.seq_id)))
                 elif type(op) is p.Slide:
@@ -350,6 +404,9 @@ class BlockManager:
         problems: list[str] = []
         for pool in self.pools.values():
             problems += pool.check()
+        for shared in self.shared_tiers.values():
+            readers = [pid for pid, q in self.pools.items() if q.tiers is not None and q.tiers.shared is shared]
+            problems += shared.check(readers)
         return problems
 
 

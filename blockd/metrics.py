@@ -35,7 +35,10 @@ class BlockdMetrics:
         tier = ["pool", "medium"]
         self.tier_gauges = {
             "capacity_blocks": Gauge(
-                "blockd_pool_tier_capacity_blocks", "Blocks a lower KV tier (CPU, DISK) holds at most", tier, registry=r
+                "blockd_pool_tier_capacity_blocks",
+                "Blocks a lower KV tier (CPU, DISK, SHARED) holds at most",
+                tier,
+                registry=r,
             ),
             "blocks": Gauge("blockd_pool_tier_blocks", "Blocks a lower KV tier holds", tier, registry=r),
             "hits": Gauge("blockd_pool_tier_hits", "Admitted blocks found in a lower tier", tier, registry=r),
@@ -95,7 +98,7 @@ class BlockdMetrics:
         self._known_pools = set(pools)
         tiers: set[tuple[str, str]] = set()
         for pool_id, pool in pools.items():
-            for t in pool.tiers.tiers if pool.tiers is not None else ():
+            for t in pool.tiers.all_tiers if pool.tiers is not None else ():
                 tiers.add((pool_id, t.medium))
                 g, c = self.tier_gauges, t.counters
                 g["capacity_blocks"].labels(pool_id, t.medium).set(t.capacity)

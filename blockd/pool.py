@@ -511,6 +511,10 @@ class BlockPool:
             groups=[GroupTable(*r) for r in result[1:]],
         )
 
+    def take_tier_ops(self) -> tuple[TierOp, ...]:
+        """The tier moves the last op caused (a commit's shared writes), for its result."""
+        return self.tiers.take() if self.tiers is not None else ()
+
     def _tier_hits(self, hashes: Sequence[bytes], start: int, limit: int) -> list[tuple[Tier, bytes]]:
         """The chain's blocks after the device's cached prefix that a lower tier holds, in a row (not with a
         sliding window, whose hits may start with holes); the admit loads them into fresh blocks."""
@@ -630,7 +634,8 @@ class BlockPool:
 
     def commit(self, seq_id: str, num_computed_tokens: int) -> int:
         """Enter the sequence's computed full blocks into the prefix index (every group's, each hashed from the
-        same tokens with its group's key); returns how many entries it added.
+        same tokens with its group's key); returns how many entries it added. With a shared tier, each new entry
+        is written there too (`take_tier_ops` hands out the writes).
 
         A block whose hash is already indexed under another block (the same prefix computed twice) is left out
         of the index: the first copy stays the hit.
@@ -665,6 +670,8 @@ class BlockPool:
             index[h] = b
             block_hash[b] = h
             added += 1
+            if self.tiers is not None:  # the deployment's shared tier gets it now, while its author still holds it
+                self.tiers.publish(h, b)
             if self.journal is not None:
                 self.journal[b] = (h, self.generation[b], self._clock)
             if self.kv_events is not None:

@@ -12,7 +12,7 @@ import msgspec
 
 from blockd.errors import BlockdError, ErrorCode
 from blockd.pool import MAX_GROUPS, AdmitResult, AppendResult, PoolStats
-from blockd.tiers import TierSpec
+from blockd.tiers import TierOp, TierSpec
 from common.limits import SUPPORTED_BLOCK_SIZES
 
 PROTOCOL_VERSION: Final = 2  # 2: the `trim` op
@@ -92,8 +92,11 @@ class Trim(msgspec.Struct, tag="trim"):
 StepOp = Admit | Append | Commit | Slide | Fork | Free | Trim
 
 
-class CommitResult(msgspec.Struct, tag="commit"):
+class CommitResult(msgspec.Struct, tag="commit", omit_defaults=True):
     added: int  # new prefix-index entries
+    # Writes of the new entries to the deployment's shared KV tier (and the discards that make room), run before
+    # the step's forward pass as every tier op (blockd.tiers). Not sent when empty: version 2 stands.
+    tier_ops: tuple[TierOp, ...] = ()
 
 
 class SlideResult(msgspec.Struct, tag="slide"):
@@ -169,6 +172,10 @@ class Unregister(Request, tag="unregister"):
 class Heartbeat(Request, tag="heartbeat"):
     pool_id: Name
     epoch: int
+    # The shared tier's writes finished and lost since the last report (as a step's): an idle executor's writes
+    # become loadable within a heartbeat, not only at its next step.
+    shared_written: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
+    shared_drops: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
 
 
 class Step(Request, tag="step"):
@@ -181,6 +188,10 @@ class Step(Request, tag="step"):
     # Hashes the executor's disk tier lost since its last step (a block file found bad at a load): blockd's
     # directory forgets them before the ops, so it neither loads them again nor thinks them kept (blockd.tiers).
     tier_drops: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
+    # The shared tier's writes this executor finished since its last step (from then on they may be loaded), and
+    # those it could not make or found bad at a load (blockd.tiers).
+    shared_written: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
+    shared_drops: Annotated[list[bytes], msgspec.Meta(max_length=MAX_STEP_OPS)] = []
 
 
 class Lookup(Request, tag="lookup"):

@@ -125,10 +125,10 @@ class BlockdServer:
         return reply
 
     def _step(self, req: p.Step) -> p.StepResult:
-        return self.manager.step(req.pool_id, req.epoch, req.ops, req.tier_drops)
+        return self.manager.step(req.pool_id, req.epoch, req.ops, req.tier_drops, req.shared_written, req.shared_drops)
 
     def _heartbeat(self, req: p.Heartbeat) -> p.HeartbeatResult:
-        self.manager.heartbeat(req.pool_id, req.epoch)
+        self.manager.heartbeat(req.pool_id, req.epoch, req.shared_written, req.shared_drops)
         return p.HeartbeatResult(self.manager.lease_timeout_s)
 
     def _register(self, req: p.Register) -> p.RegisterResult:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import os
 import struct
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Final
 
 MAGIC: Final = b"PKVB"
@@ -84,6 +86,19 @@ def encode_block(layout: KvLayout, block_hash: bytes, payload: bytes | bytearray
     encoded = layout.encoded()
     header = _HEADER.pack(MAGIC, FORMAT, len(encoded), len(payload), block_hash, checksum(block_hash, encoded, payload))
     return b"".join((header, encoded, payload))
+
+
+def write_block_file(path: Path, layout: KvLayout, block_hash: bytes, payload: bytes, temp_tag: str = "") -> None:
+    """Write a block file whole or not at all: to a temporary name (`temp_tag` makes it this writer's own), then
+    renamed into place, so a kill mid-write leaves only the temporary file; a failed write removes it (a full
+    disk's partial file would only take more of it)."""
+    temp = path.with_name(path.name + temp_tag + TEMP_SUFFIX)
+    try:
+        temp.write_bytes(encode_block(layout, block_hash, payload))
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def decode_block(layout: KvLayout, block_hash: bytes, data: bytes) -> memoryview:

@@ -41,6 +41,7 @@ from executor.parallel_runner import ParallelRunner, broadcast_int
 from executor.pooling import Embedder, PoolingConfigError, read_pooling_config
 from executor.runner import DTYPES, LoadedModel, ModelRunner, kv_layout, load_model
 from executor.server import DEFAULT_MAX_QUEUED_REQUESTS, EmbedFault, ExecutorServer, Fenced, StepStall
+from executor.shared_tier import SharedStore
 from executor.speculative import SpeculativeConfig, SpeculativeConfigError
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 from executor.tier_store import TierStore
@@ -311,6 +312,21 @@ def _speculative(text: str | None, embed: bool, tensor_parallel_size: int, block
     help="A directory of this executor's for KV blocks (checksummed files): they survive restarts of the executor.",
 )
 @click.option("--disk-kv-size", default="0", help="Bytes the --disk-kv-dir tier may hold (e.g. 64GiB).")
+@click.option(
+    "--shared-kv-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="PAGEDKV_EXECUTOR_SHARED_KV_DIR",
+    help="A directory every executor of the deployment mounts (a shared volume): each block this executor computes "
+    "is written there behind, and any executor of the same model and KV layout loads it on a prefix hit; it "
+    "survives restarts of the whole stack.",
+)
+@click.option(
+    "--shared-kv-size",
+    default="0",
+    envvar="PAGEDKV_EXECUTOR_SHARED_KV_SIZE",
+    help="Bytes the --shared-kv-dir tier holds (e.g. 1TiB); blockd takes the first executor's figure.",
+)
 @keys_option(
     "Key directory (`pagedkv keys generate DIR`): serve gateways over CURVE only, and reach blockd with this "
     "pool's executor key (pool-POOL, else executor).",
@@ -369,6 +385,8 @@ def main(
     host_kv_memory,
     disk_kv_dir,
     disk_kv_size,
+    shared_kv_dir,
+    shared_kv_size,
     keys_dir,
     insecure,
     embed_fault,
@@ -410,8 +428,11 @@ def main(
         raise click.BadParameter("must be at least --max-num-seqs", param_hint="--max-num-batched-tokens")
     budget: KvBudget = parse_kv_budget(kv_cache_memory, device)
     host_kv_bytes, disk_kv_bytes = _tier_sizes(host_kv_memory, disk_kv_dir, disk_kv_size)
-    if (host_kv_bytes or disk_kv_bytes) and (embed or tensor_parallel_size > 1):
-        raise click.UsageError("--host-kv-memory and --disk-kv-dir run with generation on one device, for now")
+    shared_kv_bytes = _shared_size(shared_kv_dir, shared_kv_size)
+    if (host_kv_bytes or disk_kv_bytes or shared_kv_bytes) and (embed or tensor_parallel_size > 1):
+        raise click.UsageError(
+            "--host-kv-memory, --disk-kv-dir and --shared-kv-dir run with generation on one device, for now"
+        )
     stall = _stall(stall_spec) if stall_spec else None
     try:
         message_limit = parse_size(max_message_bytes)
@@ -498,22 +519,41 @@ def main(
         raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
     model_runner = engine.runner
     store = None
-    if host_kv_bytes or disk_kv_bytes:
+    if host_kv_bytes or disk_kv_bytes or shared_kv_bytes:
         if any(loaded.config.sliding_windows):  # (windowed and layer-grouped pools have no tiers yet)
             raise click.UsageError(
-                "--host-kv-memory and --disk-kv-dir need a model without sliding-window layers, for now"
+                "--host-kv-memory, --disk-kv-dir and --shared-kv-dir need a model without sliding-window layers, "
+                "for now"
             )
+        layout = kv_layout(loaded, block_size_int)
+        shared = None
+        if shared_kv_dir is not None:
+            try:
+                shared = SharedStore(layout, shared_kv_dir, shared_kv_bytes)
+            except OSError as exc:
+                raise click.BadParameter(f"{shared_kv_dir}: {exc}", param_hint="--shared-kv-dir") from None
+            if shared.blocks == 0:
+                raise click.BadParameter(f"holds no block of {layout.file_bytes} bytes", param_hint="--shared-kv-size")
         store = TierStore(
-            kv_layout(loaded, block_size_int),
+            layout,
             model_runner.kv_caches,
             host_bytes=host_kv_bytes,
             disk_dir=disk_kv_dir,
             disk_bytes=disk_kv_bytes,
+            shared=shared,
         )
         engine.model_step.tiers = store
         engine.pool.tiers = store.spec
         engine.pool.tier_drops = store.take_drops
-        log.info("kv_tiers", host_blocks=store.host_blocks, disk_blocks=store.disk_blocks, disk_held=len(store.disk))
+        engine.pool.shared_reports = store.take_shared_reports
+        log.info(
+            "kv_tiers",
+            host_blocks=store.host_blocks,
+            disk_blocks=store.disk_blocks,
+            disk_held=len(store.disk),
+            shared_blocks=shared.blocks if shared is not None else 0,
+            shared_id=shared.shared_id if shared is not None else None,
+        )
     _register(engine.pool, blockd_endpoint, blockd_wait, pool_wait)
     engine.pool.start_heartbeats()
     info = ep.Info(
@@ -599,6 +639,16 @@ def _tier_sizes(host: str, disk_dir: Path | None, disk: str) -> tuple[int, int]:
     if (disk_dir is None) != (disk_bytes == 0):
         raise click.UsageError("--disk-kv-dir and --disk-kv-size go together")
     return host_bytes, disk_bytes
+
+
+def _shared_size(directory: Path | None, size: str) -> int:
+    try:
+        shared_bytes = parse_size(size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shared-kv-size") from None
+    if (directory is None) != (shared_bytes == 0):
+        raise click.UsageError("--shared-kv-dir and --shared-kv-size go together")
+    return shared_bytes
 
 
 def _stall(spec: str) -> StepStall:

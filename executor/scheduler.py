@@ -664,7 +664,10 @@ class Scheduler:
                 case Purpose.FREE:
                     if seq in self.to_free:
                         self.to_free.remove(seq)
-                case Purpose.COMMIT | Purpose.SLIDE | Purpose.PREEMPT | Purpose.TRIM:
+                case Purpose.COMMIT:
+                    assert type(result) is p.CommitResult
+                    outcome.tier_ops.extend(result.tier_ops)  # writes to the shared tier (blockd.tiers)
+                case Purpose.SLIDE | Purpose.PREEMPT | Purpose.TRIM:
                     pass  # nothing to take in: the sequence's state already moved when it was planned
         for seq, _error in outcome.failed:
             self.finish(seq, "error")

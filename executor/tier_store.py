@@ -1,5 +1,6 @@
-"""The executor's lower KV tiers: host memory (`--host-kv-memory`, pinned on CUDA) and a local disk directory
-(`--disk-kv-dir`, `--disk-kv-size`). blockd directs (blockd.tiers: which hash goes where, when); this moves the
+"""The executor's lower KV tiers: host memory (`--host-kv-memory`, pinned on CUDA), a local disk directory
+(`--disk-kv-dir`, `--disk-kv-size`) and the deployment's shared tier (executor.shared_tier).
+blockd directs (blockd.tiers: which hash goes where, when); this moves the
 bytes, in the order of blockd's ops, on the step's thread before the step's forward pass: a save copies a device
 block out before the step that reuses it writes there, a load completes before anything reads the block. Disk
 writes go behind, on a thread of their own; a disk load of a block still waiting for its write reads the copy
@@ -10,7 +11,6 @@ executor.kv_tiers.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections import Counter, OrderedDict
@@ -19,8 +19,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from blockd.tiers import MEDIUM_CPU, TierHeld, TierOp, TierSpec
-from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, decode_block, encode_block
+from blockd.tiers import MEDIUM_CPU, MEDIUM_SHARED, TierHeld, TierOp, TierSpec
+from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, decode_block, write_block_file
+from executor.shared_tier import SharedStore
 
 log = structlog.get_logger("executor")
 
@@ -39,8 +40,10 @@ class TierStore:
         host_bytes: int = 0,
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
+        shared: SharedStore | None = None,
     ) -> None:
         self.layout = layout
+        self.shared = shared
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         block = layout.block_bytes
@@ -72,7 +75,15 @@ class TierStore:
     def spec(self) -> TierSpec:
         """What the tiers hold now, for (re-)registration."""
         host = [TierHeld(h, s) for s, h in enumerate(self.host_hash) if h is not None]
-        return TierSpec(self.host_blocks, self.disk_blocks, host, [TierHeld(h) for h in self.disk])
+        disk = [TierHeld(h) for h in self.disk]
+        if self.shared is None:
+            return TierSpec(self.host_blocks, self.disk_blocks, host, disk)
+        shared = self.shared
+        return TierSpec(self.host_blocks, self.disk_blocks, host, disk, shared.shared_id, shared.blocks, shared.held())
+
+    def take_shared_reports(self) -> tuple[list[bytes], list[bytes]]:
+        """The shared tier's finished writes and its lost blocks since the last step (blockd.tiers)."""
+        return self.shared.take_reports() if self.shared is not None else ([], [])
 
     # ------------------------------------------------------------------------------------ blockd's ops
 
@@ -80,7 +91,10 @@ class TierStore:
         """Every op in order; returns the device blocks whose load failed (their file dropped and counted)."""
         failed: list[int] = []
         for op in ops:
-            if op.kind == "save":
+            if op.medium == MEDIUM_SHARED:
+                if not self._run_shared(op):
+                    failed.append(op.block)
+            elif op.kind == "save":
                 payload = self._device_block(op.block)
                 if op.medium == MEDIUM_CPU:
                     self._to_host(op.slot, payload, op.block_hash)
@@ -101,6 +115,21 @@ class TierStore:
                     self._pending.pop(op.block_hash, None)
                 self._queue.put(("delete", op.block_hash))
         return failed
+
+    def _run_shared(self, op: TierOp) -> bool:
+        """One shared-tier op; False: a load that failed."""
+        if self.shared is None:
+            raise RuntimeError("blockd sent a shared-tier move to an executor without --shared-kv-dir")
+        if op.kind == "save":
+            self.shared.write(op.block_hash, self._device_block(op.block).cpu().numpy().tobytes())
+        elif op.kind == "load":
+            payload = self.shared.read(op.block_hash)
+            if payload is None:
+                return False
+            self._copy_in(op.block, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        elif op.kind == "discard":
+            self.shared.discard(op.block_hash)
+        return True
 
     def _device_block(self, block: int) -> torch.Tensor:
         """Block `block` of every layer, K then V, as one uint8 tensor on the device."""
@@ -133,13 +162,17 @@ class TierStore:
             if payload is None:
                 return False
             source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._copy_in(op.block, source)
+        self.counters[f"loads_{op.medium.lower()}"] += 1
+        return True
+
+    def _copy_in(self, block: int, source: torch.Tensor) -> None:
+        """A stored block's bytes (every layer, K then V) into device `block`."""
         source = source.to(self.device, non_blocking=True)
         n = self.layout.layer_bytes
         for i, (k, v) in enumerate(self.kv_caches):
-            k[op.block].reshape(-1).view(torch.uint8).copy_(source[2 * i * n : (2 * i + 1) * n])
-            v[op.block].reshape(-1).view(torch.uint8).copy_(source[(2 * i + 1) * n : (2 * i + 2) * n])
-        self.counters[f"loads_{op.medium.lower()}"] += 1
-        return True
+            k[block].reshape(-1).view(torch.uint8).copy_(source[2 * i * n : (2 * i + 1) * n])
+            v[block].reshape(-1).view(torch.uint8).copy_(source[(2 * i + 1) * n : (2 * i + 2) * n])
 
     def _read_disk(self, block_hash: bytes) -> memoryview | None:
         with self._lock:
@@ -192,6 +225,7 @@ class TierStore:
             "host_held": sum(h is not None for h in self.host_hash),
             "disk_held": len(self.disk),
             "pending_writes": self.pending_writes(),
+            **(self.shared.report() if self.shared is not None else {}),
         }
 
     def dropped(self) -> dict[str, int]:
@@ -265,13 +299,7 @@ class TierStore:
                     data = self._pending.get(block_hash)
                 if data is None:
                     continue  # discarded meanwhile
-                temp = path.with_name(path.name + TEMP_SUFFIX)
-                try:
-                    temp.write_bytes(encode_block(self.layout, block_hash, data))
-                    os.replace(temp, path)  # whole or not there: a kill mid-write leaves only the temporary file
-                except OSError:
-                    temp.unlink(missing_ok=True)  # a full disk's partial file would only take more of it
-                    raise
+                write_block_file(path, self.layout, block_hash, data)
                 self.counters["written"] += 1
                 with self._lock:
                     if self._pending.get(block_hash) is data:
@@ -294,6 +322,8 @@ class TierStore:
             self._queue.put(None)
             self._writer.join(timeout_s)
             self._writer = None
+        if self.shared is not None:
+            self.shared.flush(timeout_s)
 
     def pending_writes(self) -> int:
         with self._lock:
