@@ -35,15 +35,21 @@ POLICIES = ROUTING_POLICIES
 #: off,host,host+disk,host,off` (CPU, default model, 2026-12-02): a re-visited turn of ~1,044 tokens, 1,024 of them
 #: loaded, took 487/299 ms recomputed (0.38 ms a token), 45/65 ms loaded from host memory and 87 ms with three in
 #: four blocks from disk (page cache): a loaded token costs at most 0.12 (host) and 0.24 (disk) of a computed one,
-#: the request's fixed costs included. Only the order device < host < disk < recompute matters much: the router
-#: compares executors whose load is within --load-slack by this cost.
-LOAD_COST_PER_TOKEN: Final[Mapping[str, float]] = MappingProxyType({"GPU": 0.0, "CPU": 0.1, "DISK": 0.25})
+#: the request's fixed costs included. The shared tier ("SHARED") is read as the disk is, from a file (measured on a
+#: local directory; a network volume is dearer: every executor pays the same for it, so it rarely decides a route).
+#: Only the order device < host < disk, shared < recompute matters much: the router compares executors whose load
+#: is within --load-slack by this cost.
+LOAD_COST_PER_TOKEN: Final[Mapping[str, float]] = MappingProxyType(
+    {"GPU": 0.0, "CPU": 0.1, "DISK": 0.25, "SHARED": 0.25}
+)
 RECOMPUTE_COST_PER_TOKEN: Final = 1.0
 #: A medium this gateway has no figure for (a newer blockd's tier): taken for a load as dear as the dearest known.
 UNKNOWN_MEDIUM_COST_PER_TOKEN: Final = max(LOAD_COST_PER_TOKEN.values())
 #: The `tier` a routing decision is counted under (pagedkv_gateway_routed_by_tier): the dearest medium the chosen
 #: executor loads the prompt's K/V from, "recompute" when it holds none of it, "other" for an unknown medium.
-TIER_LABELS: Final[Mapping[str, str]] = MappingProxyType({"GPU": "device", "CPU": "host", "DISK": "disk"})
+TIER_LABELS: Final[Mapping[str, str]] = MappingProxyType(
+    {"GPU": "device", "CPU": "host", "DISK": "disk", "SHARED": "shared"}
+)
 RECOMPUTE = "recompute"
 
 #: Pool id -> medium -> prompt tokens there, in chain order from the device ("GPU") down (blockd's lookup).
