@@ -179,6 +179,11 @@ class Stack:
         """executor-0's disk tier in the tiers phase."""
         return self.root / "kv-0"
 
+    @property
+    def shared_dir(self) -> Path:
+        """The shared tier's volume in the tiers phase."""
+        return self.root / "shared-kv"
+
     def executor_argv(self, endpoint: str, pool_id: str, model_dir: Path | None = None) -> list[str]:
         model = model_dir or self.model_dir
         argv = [sys.executable, "-m", "executor.main", "--model", str(model), "--device", "cpu"]
@@ -1299,21 +1304,29 @@ class TiersPhase:
         outcome, text = _ask(self.stack.url, self.bodies[name], self.max_tokens, False, self.stack.auth_headers)
         self.load.record(name, outcome, text, self.references[name])
 
-    def off_device(self, count: int, timeout_s: float = 15) -> list[str]:
-        """Up to `count` load prompts whose first block is on disk and not on executor-0's device (blockd's
-        lookup reports device hits only): their next admission loads that block from its file."""
+    def off_device(self, count: int, timeout_s: float = 15, *, shared: bool = False) -> list[str]:
+        """Up to `count` load prompts whose first block is on disk (or on the shared volume) and not on
+        executor-0's device (blockd's lookup's device hits): their next admission loads that block from its
+        file."""
         deadline = time.monotonic() + timeout_s
         found: list[str] = []
         with BlockdClient(self.stack.blockd, timeout_s=5, curve=self.curve) as client:
             while len(found) < count and time.monotonic() < deadline:
                 for name, tokens in self.prompts.items():
-                    first = ct.block_file(self.disk, ct.block_hashes(self.model_id, tokens)[0])
-                    if name not in found and first.exists() and client.lookup(tokens).get("executor-0", 0) == 0:
+                    first = self.first_file(tokens, shared=shared)
+                    if name in found or first is None or not first.exists():
+                        continue
+                    if client.lookup(tokens).get("executor-0", 0) == 0:
                         found.append(name)
                         if len(found) == count:
                             break
                 time.sleep(0.1)
         return found
+
+    def first_file(self, tokens: list[int], *, shared: bool = False) -> Path | None:
+        """The file of a prompt's first block on disk, or on the shared volume."""
+        first = ct.block_hashes(self.model_id, tokens)[0]
+        return ct.shared_file(self.stack.shared_dir, first) if shared else ct.block_file(self.disk, first)
 
     def check(self, scenario: TierScenario, what: str, ok: bool) -> None:
         if not ok:
@@ -1353,6 +1366,7 @@ class TiersPhase:
                 ("block files damaged while it runs", self.damage_while_running),
                 (f"a full disk (RLIMIT_FSIZE {ct.FULL_DISK_BYTES // 1024} KiB from the restart on)", self.full_disk),
                 ("the directory shared with another model, its file copied in", self.another_model),
+                ("the shared tier: files damaged and deleted while it runs, kill -9", self.shared_tier),
             ):
                 _log(f"chaos: tiers: {name}")
                 scenario = TierScenario(name)
@@ -1537,6 +1551,61 @@ class TiersPhase:
             scenario.counts["dropped_foreign_at_load"] >= 1,
         )
         self.check(scenario, "the other executor loaded none of its files", other_after["loads_disk"] >= 1)
+
+    def shared_tier(self, scenario: TierScenario) -> None:
+        """executor-0 restarted with the shared tier alone (no host or disk tier, no file size limit): every block
+        it commits is written to the volume behind, and what its device evicts is loaded back from there. The
+        first file of load prompts off the device truncated, flipped in the payload and in the header, and one
+        deleted (as another deployment's discard would) while it runs: each load drops it and computes the
+        block instead. Then kill -9 mid-load and a restart on the same volume: the surviving files hit again."""
+        stack, executor = self.stack, self.stack.services["executor-0"]
+        executor.file_size_limit = None
+        executor.log = stack.root / "executor-0-shared.log"
+        flags = ct.tier_flags(self.disk)
+        argv = executor.argv[: -len(flags)] if executor.argv[-len(flags) :] == flags else list(executor.argv)
+        argv = [*argv, *ct.shared_flags(stack.shared_dir)]
+        _restart(stack, "executor-0", argv)
+        self.wait_count("shared_written", 12, timeout_s=60)
+        before = self.report()
+        kinds = (*ct.DAMAGE, "deleted")
+        victims = self.off_device(len(kinds), shared=True)
+        for name, how in zip(victims, kinds, strict=False):
+            path = self.first_file(self.prompts[name], shared=True)
+            if path is None:
+                continue
+            if how == "deleted":
+                path.unlink(missing_ok=True)
+            else:
+                ct.damage(path, how)
+        for name in victims:
+            self.ask(name)
+        damaged = kinds[: len(victims)]
+        due = {
+            "shared_dropped_truncated": sum(how in ("truncated", "deleted") for how in damaged),
+            "shared_dropped_corrupt": sum(how in ("payload", "header") for how in damaged),
+        }
+        after = before
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            after = self.report()
+            if all(after.get(k, 0) - before.get(k, 0) >= n for k, n in due.items()):
+                break
+            time.sleep(0.2)
+        scenario.counts["files_damaged"] = len(victims)
+        for key in due:
+            scenario.counts[key] = after.get(key, 0) - before.get(key, 0)
+        scenario.counts["shared_written"] = after.get("shared_written", 0)
+        self.check(scenario, "no shared file off the device to damage", len(victims) == len(kinds))
+        for key, n in due.items():
+            self.check(scenario, f"{scenario.counts[key]} {key} of {n} damaged", scenario.counts[key] >= n)
+        process = executor.process
+        assert process is not None
+        executor.signal(signal.SIGKILL)  # (the supervisor starts it again with the same flags)
+        process.wait(timeout=30)
+        stack.wait_healthy(180)
+        loads = self.wait_count("shared_loads", 1, timeout_s=60)["shared_loads"]
+        scenario.counts["shared_loads_after_restart"] = loads
+        self.check(scenario, "no block loaded from the volume after the restart", loads >= 1)
 
     def _other_traffic(self, endpoint: str, prompts: dict[str, list[int]], stop: threading.Event) -> None:
         """Greedy requests to the other model's executor (outside the gateway, which serves executor-0's model),

@@ -1,5 +1,5 @@
-"""The disk tier's faults for `pagedkv chaos`'s tiers phase (its scenarios: chaos.py's `_tiers_phase`): the token
-prompts whose block files it aims at, those files' names, the damage it does to them (truncated; bytes flipped in
+"""The disk and shared tiers' faults for `pagedkv chaos`'s tiers phase (its scenarios: chaos.py's `TiersPhase`): the
+token prompts whose block files it aims at, those files' names, the damage it does to them (truncated; bytes flipped in
 the payload or the header; another model's file under one of their names), the hung write that lets writes queue
 behind it, and each executor's tier counters (`LoadReport.tiers`).
 
@@ -44,6 +44,29 @@ def tier_flags(disk_dir: Path) -> list[str]:
         "--disk-kv-size",
         DISK_KV,
     ]
+
+
+SHARED_KV: Final = "4MiB"
+
+
+def shared_flags(shared_dir: Path) -> list[str]:
+    """Flags of an executor with the shared tier alone (no host or disk tier): what its device evicts is loaded
+    back from the volume, where every block it commits is written."""
+    return [
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-blocks",
+        str(DEVICE_BLOCKS),
+        "--shared-kv-dir",
+        str(shared_dir),
+        "--shared-kv-size",
+        SHARED_KV,
+    ]
+
+
+def shared_file(shared_dir: Path, block_hash: bytes) -> Path | None:
+    """A block's file on the shared volume (under its layout's directory), if there is one."""
+    return next(shared_dir.glob(f"*/{block_hash.hex()}{SUFFIX}"), None)
 
 
 def token_prompts(prefix: str, count: int, seed: int, vocab_size: int) -> dict[str, list[int]]:

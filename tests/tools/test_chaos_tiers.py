@@ -2,7 +2,8 @@
 tiers and a gateway, authenticated, under greedy load of token prompts whose blocks go to disk and back. Its disk
 tier's faults: kill -9 while its write-behind hangs with writes queued, block files truncated and corrupted (in the
 payload and the header) while it is down and while it runs, a full disk (RLIMIT_FSIZE: every write fails with
-EFBIG), the directory shared with an executor of another model and that model's file copied over one of its own.
+EFBIG), the directory shared with an executor of another model and that model's file copied over one of its own;
+then the shared tier alone, its files damaged and deleted while it runs, and kill -9 with a restart on the volume.
 No output may differ from the clean stack's, no block stay held, and each injected fault must be counted."""
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ def test_chaos_tier_faults_are_dropped_counted_and_never_read(tmp_path: Path) ->
     assert result["leaked_blocks"] == 0 and result["check"] == "ok", context
     assert result["problems"] == [] and result["unclear_errors"] == 0, context
     scenarios = result["tier_scenarios"]  # (by name: the JSON's keys are sorted)
-    kill, running, full, shared = (
+    kill, running, full, shared, volume = (
         next(s for name, s in scenarios.items() if name.startswith(start))
-        for start in ("kill -9", "block files damaged while it runs", "a full disk", "the directory shared")
+        for start in (
+            "kill -9",
+            "block files damaged while it runs",
+            "a full disk",
+            "the directory shared",
+            "the shared",
+        )
     )
-    assert all(s["wrong"] == 0 and s["requests"] > 0 for s in (kill, running, full, shared)), context
+    assert all(s["wrong"] == 0 and s["requests"] > 0 for s in (kill, running, full, shared, volume)), context
     # kill -9 with writes queued behind a hung one: its temporary files and the files damaged meanwhile dropped
     # at the restart, the surviving blocks loaded again.
     assert kill["writes_queued_at_kill"] >= 4 and kill["temp_files_left"] >= 1, context
@@ -39,5 +46,10 @@ def test_chaos_tier_faults_are_dropped_counted_and_never_read(tmp_path: Path) ->
     assert shared["other_files"] >= 1 and shared["other_dropped_foreign_at_start"] >= 1, context
     assert shared["own_files_gone_at_its_start"] == 0 and shared["own_dropped_truncated"] == 0, context
     assert shared["dropped_foreign_at_load"] >= 1 and shared["other_loads_disk"] >= 1, context
-    assert result["restarts"]["executor-0"] == 1 and result["restarts"]["gateway"] == 0, context
+    # The shared tier: four files of prompts off the device damaged or deleted, each dropped at its load; after
+    # kill -9 the restarted executor loads the survivors from the volume.
+    assert volume["files_damaged"] == 4 and volume["shared_written"] >= 12, context
+    assert volume["shared_dropped_truncated"] >= 2 and volume["shared_dropped_corrupt"] >= 2, context
+    assert volume["shared_loads_after_restart"] >= 1, context
+    assert result["restarts"]["executor-0"] >= 1 and result["restarts"]["gateway"] == 0, context
     assert returncode == 0, context
