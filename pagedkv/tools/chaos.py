@@ -5,7 +5,7 @@ Redis, blockd, two CPU executors and a gateway, authenticated and supervised; ki
 malformed frames while clients compare every answer with the clean stack's, then the load-held phase (overload,
 a stalled step), then the tiers phase: executor-0 with host and disk KV tiers alone behind the gateway, killed
 during a hung write-behind, its block files damaged while it runs and while it is down, its disk full, its
-directory shared with an executor of another model; then the ranks phase: executor-1 restarted as a
+directory shared with an executor of another model, then with the shared tier alone, its files damaged; then the ranks phase: executor-1 restarted as a
 tensor-parallel group of two, whose worker rank is killed and paused. The scenarios and what each must show:
 docs/architecture.md ("Faults and attacks").
 """
@@ -1915,7 +1915,8 @@ def _print_tables(
     "step stalled for 2x the gateway's executor timeout) or ranks (executor-1 restarted as a tensor-parallel group "
     "of 2, its worker rank killed and paused under greedy load) or tiers (executor-0 alone with host and disk KV "
     "tiers: kill -9 during a hung write-behind, block files truncated and corrupted, a full disk, another model's "
-    "files and a directory shared with it). Default: all four.",
+    "files and a directory shared with it; then the shared tier alone, its files damaged and deleted, kill -9). "
+    "Default: all four.",
 )
 @click.option(
     "--overload-seconds",
