@@ -6,8 +6,8 @@ malformed frames while clients compare every answer with the clean stack's, then
 a stalled step), then the tiers phase: executor-0 with host and disk KV tiers alone behind the gateway, killed
 during a hung write-behind, its block files damaged while it runs and while it is down, its disk full, its
 directory shared with an executor of another model, then with the shared tier alone, its files damaged; then the
-ranks phase: executor-1 restarted as a tensor-parallel group of two, whose worker rank is killed and paused. The scenarios and what each must show:
-docs/architecture.md ("Faults and attacks").
+ranks phase: executor-1 restarted as a tensor-parallel group of two, whose worker rank is killed and paused. The
+scenarios and what each must show: docs/architecture.md ("Faults and attacks").
 """
 
 from __future__ import annotations
