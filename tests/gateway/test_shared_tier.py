@@ -2,13 +2,13 @@
 client): a prefix computed on one executor is served on the other from the shared tier (`cached_tokens` its length,
 transformers' greedy text); after kill -9 of the whole stack, a new stack on the same directory hits it again; a
 stream whose executor is killed goes on on the other, loading the prompt and the tokens already generated from the
-shared tier where they were written behind, and its text is an uninterrupted run's.
+shared tier where they were written behind, and its text is an uninterrupted run's; a full tier discards its
+oldest blocks' files and still serves its newest.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -27,12 +27,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("shared-tier-model"), "tiny-shared-tier")
 
 
-def _stack(model_dir: Path, shared: Path, logs: Path, *extra: str) -> LocalStack:
+def _stack(model_dir: Path, shared: Path, logs: Path, *extra: str, size: str = "4MiB") -> LocalStack:
     return local_stack(
         model_dir,
         logs,
         routing="round-robin",  # the second request goes to the other executor whatever it holds
-        executor_args=["--block-size", str(BS), "--shared-kv-dir", str(shared), "--shared-kv-size", "4MiB", *extra],
+        executor_args=["--block-size", str(BS), "--shared-kv-dir", str(shared), "--shared-kv-size", size, *extra],
         gateway_args=["--report-cached-tokens", "--executor-timeout", "2"],
     )
 
@@ -124,3 +124,28 @@ def test_a_migrated_stream_loads_what_was_written_behind_and_reads_as_one_run(
         assert metric(stack.url, "pagedkv_gateway_migrations_total") == 1
         loads = _shared(stack)[other]["counters"]["loads"]
         assert loads >= PROMPT_BLOCKS + 2, "the continuation loads the prompt and the tokens out from the shared tier"
+
+
+def test_a_full_shared_tier_discards_its_oldest_files_and_serves_the_newest(
+    model_dir: Path, shared_dir: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(9)
+    prompts = [[rng.randrange(4, 500) for _ in range(PROMPT_BLOCKS * BS + 1)] for _ in range(3)]
+    with _stack(model_dir, shared_dir, tmp_path / "logs", size="120KiB") as stack:  # 7 blocks' files
+        client = _client(stack)
+        capacity = _shared(stack)["executor-0"]["capacity_blocks"]
+        assert capacity < 2 * PROMPT_BLOCKS + PROMPT_BLOCKS  # three prompts' blocks do not fit
+        served = []
+        for prompt in prompts:
+            served.append(_complete(client, stack, prompt, 4)[0])
+            _wait_written(stack, min(capacity, PROMPT_BLOCKS * len(served)))
+        files = list(shared_dir.glob("*/*.kvb"))
+        rows = _shared(stack)
+        assert all(row["blocks"] <= capacity for row in rows.values())
+        assert len(files) <= capacity, "the discarded blocks' files are deleted"
+        # The newest prompt is on the volume whole: the executor that did not compute it loads it.
+        want, _ = reference_text(model_dir, prompts[-1], 4)
+        executor, text, cached = _complete(client, stack, prompts[-1], 4)
+        if executor == served[-1]:  # (round robin: the next one is the other executor)
+            executor, text, cached = _complete(client, stack, prompts[-1], 4)
+        assert executor != served[-1] and (text, cached) == (want, PROMPT_BLOCKS * BS)
