@@ -323,7 +323,7 @@ def test_router_falls_back_to_least_loaded_when_blockd_is_away() -> None:
 
 # ------------------------------------------------------------------------------------------------ lower tiers
 
-MEDIA = ("GPU", "CPU", "DISK", "SHARED")  # SHARED: a medium this gateway has no cost for
+MEDIA = ("GPU", "CPU", "DISK", "SHARED", "NVME-OF")  # NVME-OF: a medium this gateway has no cost for
 
 
 def test_a_prefix_in_a_lower_tier_is_routed_to_the_executor_that_holds_it() -> None:
@@ -372,10 +372,19 @@ def test_a_prefix_in_a_lower_tier_is_not_worth_more_than_the_load_slack() -> Non
 
 def test_an_unknown_medium_costs_as_the_dearest_known_load() -> None:
     a, b, c = make_link("a"), make_link("b"), make_link("c")
-    extents = {"pool-a": {"GPU": 0, "SHARED": 32}, "pool-b": {"GPU": 0, "CPU": 32}, "pool-c": {"GPU": 0}}
+    extents = {"pool-a": {"GPU": 0, "NVME-OF": 32}, "pool-b": {"GPU": 0, "CPU": 32}, "pool-c": {"GPU": 0}}
     assert name_of(pick([a, c, b], extents, SLACK)) == "b", "a known host load is cheaper"
     route = pick([c, a], extents, SLACK)
     assert name_of(route) == "a" and route.tier == "other", "any load beats recomputing; its label stays bounded"
+
+
+def test_the_shared_tier_costs_as_the_disk_and_counts_as_shared() -> None:
+    a, b, c = make_link("a"), make_link("b"), make_link("c")
+    extents = {"pool-a": {"GPU": 0, "SHARED": 32}, "pool-b": {"GPU": 0, "CPU": 32}, "pool-c": {"GPU": 0}}
+    assert name_of(pick([a, c, b], extents, SLACK)) == "b", "the host is nearer than the shared volume"
+    route = pick([c, a], extents, SLACK)
+    assert name_of(route) == "a" and route.tier == "shared", "loading from the volume beats recomputing"
+    assert routing.cost_of("SHARED") == routing.cost_of("DISK")
 
 
 def test_not_asking_blockd_counts_no_tier() -> None:
