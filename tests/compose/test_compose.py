@@ -49,6 +49,9 @@ SERVICE_SCRIPTS = ("blockd", "pagedkv-executor", "pagedkv-gateway")
 # Variables with these prefixes are meant for a pagedkv CLI: each must reach an option of the service's command.
 CLI_ENV_PREFIXES = ("PAGEDKV_EXECUTOR_", "PAGEDKV_GATEWAY_", "BLOCKD_")
 MODEL_MOUNT = "/models/model"
+# The shared KV tier: one named volume every executor mounts here, in use once SHARED_KV_SIZE is set.
+SHARED_KV_MOUNT = "/var/lib/pagedkv/shared-kv"
+SHARED_KV_VOLUME = "shared-kv"
 GPU = (COMPOSE_FILE,)
 CPU = (COMPOSE_FILE, CPU_FILE)
 CPU_PROFILES = ("executor-2",)  # the CPU file's on-demand third executor
@@ -176,10 +179,14 @@ def config_variables(files: Sequence[Path], profiles: Sequence[str] = ()) -> dic
     """Every variable the files read -> its default in them (None: required, no default), as compose lists them."""
     required = required_variables(files, profiles)
     out = docker_compose(files, ["config", "--variables"], required, profiles=profiles)
-    rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
+    header, *lines = out.splitlines()
+    # NAME REQUIRED DEFAULT ALTERNATE, aligned under the header: read by column, since an empty default leaves
+    # its column blank and a `${NAME:+VALUE}` fills ALTERNATE.
+    default_at, alternate_at = header.index("DEFAULT VALUE"), header.index("ALTERNATE VALUE")
     variables: dict[str, str | None] = {}
-    for row in rows:  # NAME REQUIRED [DEFAULT [ALTERNATE]]: an empty default leaves its column blank
-        variables[row[0]] = None if row[1] == "true" else (row[2] if len(row) > 2 else "")
+    for line in (line for line in lines if line.strip()):
+        name, required_column = line.split()[:2]
+        variables[name] = None if required_column == "true" else line[default_at:alternate_at].strip()
     # A ${NAME:?} in a long-syntax volume is not listed by every compose version: the probe above found it.
     for name in required:
         variables[name] = None
@@ -354,6 +361,9 @@ def _check_environment(name: str, service: Mapping[str, Any], ctx: click.Context
     for var, value in environment(service).items():
         if not var.startswith(CLI_ENV_PREFIXES):
             continue
+        if value == "":
+            problems += _check_empty_variable(name, script, var, ctx)
+            continue
         try:
             alone = parse_argv([script], {var: value})[0]
         except (click.ClickException, CheckError) as exc:
@@ -369,6 +379,22 @@ def _check_environment(name: str, service: Mapping[str, Any], ctx: click.Context
         for option in options:
             if ctx is not None and ctx.get_parameter_source(option) is not ParameterSource.ENVIRONMENT:
                 problems.append(f"{name}: {var} is overridden by a flag for {option!r} in the command")
+    return problems
+
+
+def _check_empty_variable(name: str, script: str, var: str, ctx: click.Context | None) -> list[str]:
+    """An empty variable (a `${NAME:+VALUE}` or `${NAME:-}` with NAME unset) is unset to click, so there is no
+    value to check: only that an option reads that name (click's own lookup, given a stand-in value) and that no
+    flag in the command sets the option, which would make the variable pointless once it has a value."""
+    command = load_script(script)
+    with mock.patch.dict(os.environ, {}, clear=True):
+        bare = command.make_context(script, [])
+    with mock.patch.dict(os.environ, {var: "stand-in"}, clear=True):
+        options = [p.name for p in command.params if p.name and p.resolve_envvar_value(bare) is not None]
+    problems = [] if options else [f"{name}: {var} is not read by any option of {script}"]
+    for option in options:
+        if ctx is not None and ctx.get_parameter_source(option) is ParameterSource.COMMANDLINE:
+            problems.append(f"{name}: {var} is overridden by a flag for {option!r} in the command")
     return problems
 
 
@@ -567,6 +593,45 @@ def check_gpus(compose: Compose) -> list[str]:
     return problems
 
 
+def check_shared_kv(compose: Compose) -> list[str]:
+    """The shared KV tier is on in every executor or in none; where on, its directory (--shared-kv-dir, as the
+    executor parses its environment) is a named volume the executor mounts read-write, the same one for all of
+    them, and --shared-kv-size goes with it (the executor's own check)."""
+    from executor.main import _shared_size
+
+    problems: list[str] = []
+    volumes = compose.get("volumes") or {}
+    shared: dict[str, str | None] = {}  # executor -> the volume its tier is on (None: off)
+    for name, service in services_running(compose, "pagedkv-executor").items():
+        try:
+            params = parse_service(name, service)[0].params
+            _shared_size(params["shared_kv_dir"], params["shared_kv_size"])
+        except (click.ClickException, CheckError) as exc:
+            problems.append(f"{name}: {_refusal(exc)}")
+            continue
+        directory = params["shared_kv_dir"]
+        shared[name] = None
+        if directory is None:
+            continue
+        mounts = [v for v in service.get("volumes") or [] if Path(v["target"]) == directory]
+        if len(mounts) != 1 or mounts[0]["type"] != "volume" or mounts[0].get("source") not in volumes:
+            problems.append(f"{name}: --shared-kv-dir {directory} is not a named volume it mounts: {mounts}")
+        elif mounts[0].get("read_only"):
+            problems.append(f"{name}: its shared KV volume is mounted read-only")
+        else:
+            shared[name] = mounts[0]["source"]
+    sources = set(shared.values())
+    if len(sources) > 1:
+        problems.append(f"the executors' shared KV tiers are not one volume: {shared}")
+    return problems
+
+
+def _shared_kv_config(files: Sequence[Path], profiles: Sequence[str] = (), size: str = "200GiB") -> Compose:
+    """The files as compose runs them with the shared tier on (SHARED_KV_SIZE=size)."""
+    env = {**required_variables(files, profiles), "SHARED_KV_SIZE": size}
+    return json.loads(docker_compose(files, ["config", "--format", "json"], env, profiles=profiles))
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 
@@ -749,6 +814,75 @@ def test_model_is_mounted_read_only_where_the_clis_look(compose: Compose, cpu_co
             )
 
 
+def test_shared_kv_tier_is_off_by_default_with_its_volume_mounted(compose: Compose, cpu_compose: Compose) -> None:
+    for config in (compose, cpu_compose):
+        assert check_shared_kv(config) == [], _report(check_shared_kv(config))
+        assert SHARED_KV_VOLUME in config["volumes"]
+        for name, service in services_running(config, "pagedkv-executor").items():
+            params = parse_service(name, service)[0].params
+            assert params["shared_kv_dir"] is None and params["shared_kv_size"] == "0", f"{name}: the tier is on"
+            mounts = [(v["type"], v.get("source"), v["target"]) for v in service["volumes"]]
+            assert ("volume", SHARED_KV_VOLUME, SHARED_KV_MOUNT) in mounts, f"{name}: {mounts}"
+
+
+@needs_compose
+@pytest.mark.parametrize(("files", "profiles"), [(GPU, ()), (CPU, CPU_PROFILES)], ids=["gpu", "cpu"])
+def test_shared_kv_size_turns_the_tier_on_in_every_executor_on_one_volume(
+    files: tuple[Path, ...], profiles: tuple[str, ...]
+) -> None:
+    """SHARED_KV_SIZE alone turns it on: every executor's --shared-kv-dir is the mount of the one shared-kv
+    volume, with the size given; the CLIs take the result as they take the default."""
+    from executor.main import _shared_size
+
+    config = _shared_kv_config(files, profiles)
+    assert check_shared_kv(config) == [], _report(check_shared_kv(config))
+    assert check_commands(config) == [], _report(check_commands(config))
+    executors = services_running(config, "pagedkv-executor")
+    assert len(executors) == (3 if profiles else 2)
+    for name, service in executors.items():
+        params = parse_service(name, service)[0].params
+        assert params["shared_kv_dir"] == Path(SHARED_KV_MOUNT), name
+        assert _shared_size(params["shared_kv_dir"], params["shared_kv_size"]) == 200 << 30, name
+        [mount] = [v for v in service["volumes"] if v["target"] == SHARED_KV_MOUNT]
+        assert mount["type"] == "volume" and mount["source"] == SHARED_KV_VOLUME and not mount.get("read_only")
+    # Only the executors read or write it.
+    for name, service in pagedkv_services(config).items():
+        if name not in executors:
+            assert all(v["target"] != SHARED_KV_MOUNT for v in service.get("volumes") or []), name
+    # The one setting changes nothing else.
+    assert _without_shared_kv(config) == _without_shared_kv(load_compose(files, profiles))
+
+
+def _without_shared_kv(config: Compose) -> Compose:
+    """The config less the two shared-tier variables of the executors (and the x- extensions they come from)."""
+    config = {key: value for key, value in copy.deepcopy(config).items() if not key.startswith("x-")}
+    for service in services_running(config, "pagedkv-executor").values():
+        for var in ("PAGEDKV_EXECUTOR_SHARED_KV_DIR", "PAGEDKV_EXECUTOR_SHARED_KV_SIZE"):
+            service["environment"].pop(var)
+    return config
+
+
+@needs_compose
+def test_shared_kv_check_catches_executors_apart() -> None:
+    config = _shared_kv_config(GPU)
+    assert check_shared_kv(config) == []
+    other = copy.deepcopy(config)
+    other["volumes"]["other-kv"] = {"name": "pagedkv_other-kv"}
+    [mount] = [v for v in other["services"]["executor-1"]["volumes"] if v["target"] == SHARED_KV_MOUNT]
+    mount["source"] = "other-kv"
+    assert "the executors' shared KV tiers are not one volume" in _report(check_shared_kv(other))
+    unmounted = copy.deepcopy(config)
+    unmounted["services"]["executor-0"]["environment"]["PAGEDKV_EXECUTOR_SHARED_KV_DIR"] = "/tmp/kv"
+    assert "executor-0: --shared-kv-dir /tmp/kv is not a named volume it mounts" in _report(check_shared_kv(unmounted))
+    sizeless = copy.deepcopy(config)
+    sizeless["services"]["executor-1"]["environment"]["PAGEDKV_EXECUTOR_SHARED_KV_SIZE"] = ""
+    assert "--shared-kv-dir and --shared-kv-size go together" in _report(check_shared_kv(sizeless))
+    read_only = copy.deepcopy(config)
+    [mount] = [v for v in read_only["services"]["executor-0"]["volumes"] if v["target"] == SHARED_KV_MOUNT]
+    mount["read_only"] = True
+    assert "executor-0: its shared KV volume is mounted read-only" in _report(check_shared_kv(read_only))
+
+
 def test_redis_persists_to_a_named_volume(compose: Compose) -> None:
     redis = compose["services"]["redis"]
     assert redis["image"] == EXAMPLE["REDIS_IMAGE"] and redis["image"].startswith("redis:"), "the Hub's redis"
@@ -786,6 +920,23 @@ def test_dockerfile_installs_every_package_from_a_variable_base(compose: Compose
     runs = " ".join(args for kind, args in instructions if kind == "RUN")
     assert 'pip install "torch==2.13.0+cpu"' in runs, "the CPU variant installs the CPU torch first"
     assert "pip install . " in runs, "the project is installed with `pip install .`"
+
+
+def test_dockerfile_makes_the_shared_kv_mount_point_the_executors_own() -> None:
+    """A new named volume takes the owner of the directory it is mounted on: the image's, made before USER and
+    given to that user, so the executors can write to a fresh shared-kv volume."""
+    instructions = _dockerfile_instructions()
+    users = [i for i, (kind, _) in enumerate(instructions) if kind == "USER"]
+    user = instructions[users[-1]][1]
+    made = [
+        i
+        for i, (kind, args) in enumerate(instructions)
+        if kind == "RUN"
+        and f"mkdir -p {SHARED_KV_MOUNT}" in args
+        and re.search(rf"chown -R {user}:{user} /var/lib", args)
+    ]
+    assert made and made[0] < users[-1], f"RUN mkdir -p {SHARED_KV_MOUNT} && chown -R {user}:{user} before USER"
+    assert any(kind == "RUN" and "useradd" in args and user in args for kind, args in instructions[: made[0]])
 
 
 def test_dockerignore_keeps_the_context_to_the_packages() -> None:
@@ -891,6 +1042,14 @@ def _dangling_dependency(compose: Compose) -> None:
     compose["services"]["gateway"]["depends_on"]["executor-7"] = {"condition": "service_started"}
 
 
+def _empty_unknown_env(compose: Compose) -> None:
+    compose["services"]["executor-0"]["environment"]["PAGEDKV_EXECUTOR_SHARED_KV_DIRECTORY"] = ""
+
+
+def _empty_env_and_flag(compose: Compose) -> None:
+    compose["services"]["executor-0"]["command"] += ["--shared-kv-dir", "/tmp/kv", "--shared-kv-size", "1GiB"]
+
+
 def _shared_gpu(compose: Compose) -> None:
     devices = compose["services"]["executor-1"]["deploy"]["resources"]["reservations"]["devices"]
     devices[0]["device_ids"] = ["0"]
@@ -909,6 +1068,9 @@ def _shared_gpu(compose: Compose) -> None:
         (check_endpoints, _blockd_port, "--blockd tcp://blockd:5557 is not tcp://blockd:5558"),
         (check_depends_on, _dangling_dependency, "depends on 'executor-7', which is not a service"),
         (check_gpus, _shared_gpu, "executor-1: GPU 0 is already reserved by executor-0"),
+        (check_commands, _empty_unknown_env, "PAGEDKV_EXECUTOR_SHARED_KV_DIRECTORY is not read by any option"),
+        (check_commands, _empty_env_and_flag, "PAGEDKV_EXECUTOR_SHARED_KV_DIR is overridden by a flag"),
+        (check_shared_kv, _empty_env_and_flag, "executor-0: --shared-kv-dir /tmp/kv is not a named volume"),
     ],
     ids=lambda v: v.__name__.strip("_") if callable(v) else None,
 )

@@ -41,7 +41,10 @@ from executor import protocol as ep
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 README = K8S / "README.md"
-OVERLAYS = ("gpu", "cpu", "gpu-tp")
+OVERLAYS = ("gpu", "cpu", "gpu-tp", "gpu-shared-kv")
+# The shared KV tier's component and the overlay made of gpu and it.
+SHARED_KV_COMPONENT = K8S / "components" / "shared-kv"
+SHARED_KV_OVERLAY = "gpu-shared-kv"
 NAMESPACE = "pagedkv"
 # The oldest Kubernetes the manifests are meant for (README says so); kubernetes-validate ships its schemas.
 KUBERNETES_VERSION = "1.32.0"
@@ -549,6 +552,178 @@ def test_executors_get_one_gpu_each_only_in_the_gpu_overlay(objs: list[Obj], ove
     for obj in workloads(objs):
         # Service links would put BLOCKD_PORT, BLOCKD_SERVICE_HOST, ... where blockd's own variables live.
         assert pod_spec(obj)["enableServiceLinks"] is False, obj["metadata"]["name"]
+
+
+# ------------------------------------------------------------------------------------------ the shared KV tier
+
+_QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def _quantity_bytes(quantity: str) -> int:
+    """Bytes of a binary-suffixed Kubernetes quantity such as 512Gi (the only form the claims here use)."""
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)", quantity)
+    assert match, f"{quantity!r}: write storage sizes as N plus Ki, Mi, Gi or Ti"
+    return int(match[1]) * _QUANTITY[match[2]]
+
+
+def check_shared_kv(objs: list[Obj]) -> list[str]:
+    """Where the executors run with the shared KV tier (--shared-kv-dir, as the executor parses its environment),
+    the directory is the mount of a ReadWriteMany claim of this render, read-write, with --shared-kv-size set
+    alongside (the executor's own check) and within the claim; only executors mount that claim."""
+    from executor.main import _shared_size
+
+    problems: list[str] = []
+    executor, container = container_of(objs, "executor")
+    params = parse(argv(container), resolve_env(container, "executor-0"))[0].params
+    try:
+        tier_bytes = _shared_size(params["shared_kv_dir"], params["shared_kv_size"])
+    except click.ClickException as exc:
+        return [f"executor: {exc.format_message()}"]
+    if params["shared_kv_dir"] is None:
+        return problems
+    claims = {
+        v["name"]: v["persistentVolumeClaim"] for v in pod_spec(executor)["volumes"] if "persistentVolumeClaim" in v
+    }
+    mounts = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == params["shared_kv_dir"]]
+    if len(mounts) != 1 or mounts[0]["name"] not in claims:
+        return [f"executor: --shared-kv-dir {params['shared_kv_dir']} is not the mount of a claim: {mounts}"]
+    if mounts[0].get("readOnly") or claims[mounts[0]["name"]].get("readOnly"):
+        problems.append("executor: the shared KV claim is mounted read-only")
+    name = claims[mounts[0]["name"]]["claimName"]
+    found = [o for o in objs if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == name]
+    if not found:
+        return [*problems, f"executor: mounts the claim {name!r}, which this render does not make"]
+    claim = found[0]["spec"]
+    if claim["accessModes"] != ["ReadWriteMany"]:
+        problems.append(f"claim {name}: {claim['accessModes']}; every executor pod mounts it: ReadWriteMany")
+    if tier_bytes > _quantity_bytes(claim["resources"]["requests"]["storage"]):
+        problems.append(
+            f"claim {name}: {claim['resources']['requests']['storage']} cannot hold the tier's {tier_bytes}"
+        )
+    if params["tensor_parallel_size"] != 1:
+        problems.append(
+            f"executor: tensor-parallel size {params['tensor_parallel_size']}; the executor refuses KV tiers with it"
+        )
+    for obj in workloads(objs):
+        users = [
+            v for v in pod_spec(obj).get("volumes", []) if v.get("persistentVolumeClaim", {}).get("claimName") == name
+        ]
+        if users and obj is not executor:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']} mounts the executors' shared KV claim {name}")
+    return problems
+
+
+def test_the_shared_kv_overlay_mounts_one_rwx_claim_where_the_tier_is(overlay: str, objs: list[Obj]) -> None:
+    assert check_shared_kv(objs) == [], _report(check_shared_kv(objs))
+    _, container = container_of(objs, "executor")
+    params = parse(argv(container), resolve_env(container, "executor-0"))[0].params
+    if overlay != SHARED_KV_OVERLAY:  # the others run without it
+        assert params["shared_kv_dir"] is None and params["shared_kv_size"] == "0", overlay
+        assert "shared-kv" not in yaml.safe_dump(objs), overlay
+        return
+    assert params["shared_kv_dir"] == Path("/var/lib/pagedkv/shared-kv")
+    claim = find(objs, "PersistentVolumeClaim", "shared-kv")["spec"]
+    assert claim["accessModes"] == ["ReadWriteMany"]
+    # The class is the operator's to set (README): the cluster's default rarely offers ReadWriteMany.
+    assert "storageClassName" not in claim
+    executor = find(objs, "StatefulSet", "executor")
+    # fsGroup's ownership change walks the whole volume on every start unless told to look at its root only.
+    assert pod_spec(executor)["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    # It is gpu and the component, nothing else.
+    assert _without_shared_kv(objs) == rendered("gpu")
+
+
+def _without_shared_kv(objs: list[Obj]) -> list[Obj]:
+    out = [
+        o for o in copy.deepcopy(objs) if (o["kind"], o["metadata"]["name"]) != ("PersistentVolumeClaim", "shared-kv")
+    ]
+    spec = pod_spec(find(out, "StatefulSet", "executor"))
+    spec["securityContext"].pop("fsGroupChangePolicy")
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "shared-kv"]
+    [container] = spec["containers"]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "shared-kv"]
+    container["env"] = [v for v in container["env"] if not v["name"].startswith("PAGEDKV_EXECUTOR_SHARED_KV_")]
+    return out
+
+
+def test_the_shared_kv_component_adds_to_the_cpu_overlay_too(tmp_path: Path) -> None:
+    """A component, so any overlay of single-rank executors takes it: here cpu, in an overlay of the operator's."""
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S / "overlays" / "cpu", tmp_path)],
+                "components": [os.path.relpath(SHARED_KV_COMPONENT, tmp_path)],
+            }
+        )
+    )
+    done = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    objs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert check_shared_kv(objs) == [], _report(check_shared_kv(objs))
+    _, container = container_of(objs, "executor")
+    assert parse(argv(container), resolve_env(container, "executor-0"))[0].params["shared_kv_dir"] is not None
+    assert check_cli(objs) == [], _report(check_cli(objs))
+
+
+def _shared_kv_env(objs: list[Obj], name: str, value: str) -> None:
+    [var] = [v for v in container_of(objs, "executor")[1]["env"] if v["name"] == name]
+    var["value"] = value
+
+
+def _shared_kv_claim(objs: list[Obj]) -> Obj:
+    return find(objs, "PersistentVolumeClaim", "shared-kv")["spec"]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "expected"),
+    [
+        (lambda o: _shared_kv_claim(o).update(accessModes=["ReadWriteOnce"]), "every executor pod mounts it"),
+        (lambda o: _shared_kv_claim(o)["resources"]["requests"].update(storage="100Gi"), "cannot hold the tier's"),
+        (lambda o: _shared_kv_env(o, "PAGEDKV_EXECUTOR_SHARED_KV_DIR", "/tmp/kv"), "is not the mount of a claim"),
+        (lambda o: _shared_kv_env(o, "PAGEDKV_EXECUTOR_SHARED_KV_SIZE", "0"), "go together"),
+        (
+            lambda o: container_of(o, "executor")[1]["env"].append(
+                {"name": "PAGEDKV_EXECUTOR_TENSOR_PARALLEL_SIZE", "value": "4"}
+            ),
+            "refuses KV tiers",
+        ),
+        (
+            lambda o: pod_spec(find(o, "Deployment", "gateway"))["volumes"].append(
+                {"name": "kv", "persistentVolumeClaim": {"claimName": "shared-kv"}}
+            ),
+            "Deployment/gateway mounts the executors' shared KV claim",
+        ),
+    ],
+)
+def test_the_shared_kv_check_catches_a_broken_manifest(breakage: Any, expected: str) -> None:
+    objs = rendered(SHARED_KV_OVERLAY)
+    breakage(objs)
+    problems = check_shared_kv(objs)
+    assert any(expected in p for p in problems), problems
+
+
+def test_the_readme_explains_the_shared_kv_tier_and_its_overlay_renders(tmp_path: Path) -> None:
+    """The README's overlay (the storage class and both sizes set) renders where the README puts it, and the
+    tier still checks out."""
+    readme = README.read_text()
+    for needed in ("components/shared-kv", "overlays/gpu-shared-kv", "ReadWriteMany", "storageClassName"):
+        assert needed in readme, f"README.md does not say {needed}"
+    [example] = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "../gpu-shared-kv" in b]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(
+        example.replace("../gpu-shared-kv", os.path.relpath(K8S / "overlays" / SHARED_KV_OVERLAY, mine))
+    )
+    done = subprocess.run([kubectl(), "kustomize", str(mine)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    objs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert check_shared_kv(objs) == [], _report(check_shared_kv(objs))
+    claim = find(objs, "PersistentVolumeClaim", "shared-kv")["spec"]
+    assert claim["storageClassName"] and claim["resources"]["requests"]["storage"] == "2Ti"
+    _, container = container_of(objs, "executor")
+    assert resolve_env(container, "executor-0")["PAGEDKV_EXECUTOR_SHARED_KV_SIZE"] == "1900GiB"
 
 
 # ------------------------------------------------------------------------------------------ network policies
