@@ -1,11 +1,10 @@
 """The executor's lower KV tiers: host memory (`--host-kv-memory`, pinned on CUDA), a local disk directory
-(`--disk-kv-dir`, `--disk-kv-size`) and the deployment's shared tier (executor.shared_tier).
-blockd directs (blockd.tiers: which hash goes where, when); this moves the
-bytes, in the order of blockd's ops, on the step's thread before the step's forward pass: a save copies a device
-block out before the step that reuses it writes there, a load completes before anything reads the block. Disk
-writes go behind, on a thread of their own; a disk load of a block still waiting for its write reads the copy
-waiting (the writer checksums and writes it), so nothing is ever read that was not written whole. The file format:
-executor.kv_tiers.
+(`--disk-kv-dir`, `--disk-kv-size`) and the deployment's shared tier (executor.shared_tier). blockd directs
+(blockd.tiers: which hash goes where, when); this moves the bytes, in the order of blockd's ops, on the step's
+thread before the step's forward pass: a save copies a device block out before the step that reuses it writes
+there, a load completes before anything reads the block. Disk writes go behind, on a thread of their own; a disk
+load of a block still waiting for its write reads the copy waiting (the writer checksums and writes it), so
+nothing is ever read that was not written whole. The file format: executor.kv_tiers.
 """
 
 from __future__ import annotations
