@@ -190,6 +190,14 @@ class Run:
     result: ConfigResult
     load_before: list[float]  # /proc/loadavg's 1, 5 and 15 minute figures just before the run
     machine_cpu_share: float | None  # of the machine's CPU, what all processes (the run's own too) used during it
+    others_cpu_share: float | None  # of it, what processes other than the bench and its reaped children used
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process (every thread) and of its children once reaped: the executors and blockds the
+    bench stops and waits for, and vLLM's server with what it reaped of its own."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def run_config(config: str, setup: Setup, logs: Path, progress: Callable[[str], None], note: str = "") -> ConfigResult:
@@ -236,11 +244,16 @@ MEDIAN_FIGURES = (
 )
 
 
+RUN_ONLY = ("round", "load_before", "machine_cpu_share", "others_cpu_share")  # a run's, not a median row's
+
+
 def run_figures(run: Run, reference: ConfigResult | None) -> dict[str, Any]:
     """One run's figures, its round and the machine's load, and how many of its turns answered as the reference's."""
     f = {"round": run.round} | run.result.figures()
     f["load_before"] = run.load_before
-    f["machine_cpu_share"] = round(run.machine_cpu_share, 3) if run.machine_cpu_share is not None else None
+    for key in ("machine_cpu_share", "others_cpu_share"):
+        share = getattr(run, key)
+        f[key] = round(share, 3) if share is not None else None
     if reference is not None:
         theirs, ours = run.result.outputs(), reference.outputs()
         f["turns_equal_to_reference"] = sum(theirs[k] == ours.get(k) for k in theirs)
@@ -250,7 +263,7 @@ def run_figures(run: Run, reference: ConfigResult | None) -> dict[str, Any]:
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A configuration's runs, one per round, as one row: the median of each figure over the rounds, the re-visited
     speedup the median of the rounds' own (each against the same round's off) with their range."""
-    row = {k: v for k, v in rows[0].items() if k not in ("round", "load_before", "machine_cpu_share")}
+    row = {k: v for k, v in rows[0].items() if k not in RUN_ONLY}
     for key in MEDIAN_FIGURES:
         if key in row:
             m = statistics.median(r[key] for r in rows)
@@ -347,7 +360,8 @@ def _speedup(f: dict[str, Any]) -> str:
 def round_lines(runs: list[dict[str, Any]], rounds: int) -> list[str]:
     """Each run in the order they ran: its round, the machine's load before it and its CPU during it, its figures
     and its speedup against the same round's off; then each tier's speedups over the rounds."""
-    columns = ["round", "config", "load", "machine CPU", "revisit p50", "revisit p99", "TTFT p50", "speedup"]
+    columns = ["round", "config", "load", "machine CPU", "others CPU", "revisit p50", "revisit p99", "TTFT p50"]
+    columns += ["speedup"]
     columns += ["out tok/s", "wall s"]
     rows = [
         [
@@ -355,6 +369,7 @@ def round_lines(runs: list[dict[str, Any]], rounds: int) -> list[str]:
             f["config"],
             f"{f['load_before'][0]:.2f}" if f["load_before"] else "-",
             f"{f['machine_cpu_share']:.0%}" if f["machine_cpu_share"] is not None else "-",
+            f"{f['others_cpu_share']:.0%}" if f["others_cpu_share"] is not None else "-",
             _ms(f["revisited_ttft_p50_s"]),
             _ms(f["revisited_ttft_p99_s"]),
             _ms(f["ttft_p50_s"]),
@@ -553,7 +568,7 @@ def bench_tiers(
                 continue
             logs = Path(scratch) / f"round{round_}"  # fresh disk tiers and logs each round
             logs.mkdir(exist_ok=True)
-            load, busy, started = read_loadavg(), machine_busy_s(), time.monotonic()
+            load, busy, own, started = read_loadavg(), machine_busy_s(), own_cpu_s(), time.monotonic()
             tag = f"[round {round_}/{rounds}] " if rounds > 1 else ""
             load_text = f"load {load[0]:.2f}" if load else ""
             try:
@@ -561,11 +576,14 @@ def bench_tiers(
             except (ServerFailed, BackendError) as exc:
                 why = exc.message if isinstance(exc, ServerFailed) else str(exc)
                 skipped[config] = f"failed{f' in round {round_}' if rounds > 1 else ''}: {why}"
-                progress(f"  {config} failed: {why}")
+                progress(f"  {tag}{config} failed: {why}")
                 continue
-            wall, busy_after = time.monotonic() - started, machine_busy_s()
-            share = (busy_after - busy) / (wall * cpus) if busy is not None and busy_after is not None else None
-            runs.append(Run(round_, result, load, share))
+            wall, busy_after, own_after = time.monotonic() - started, machine_busy_s(), own_cpu_s()
+            share = others = None
+            if busy is not None and busy_after is not None and wall > 0:
+                share = (busy_after - busy) / (wall * cpus)
+                others = max(0.0, (busy_after - busy) - (own_after - own)) / (wall * cpus)
+            runs.append(Run(round_, result, load, share, others))
             progress(f"  {tag}{config} done in {wall:.0f} s")
     # The model's own KV dtype sees the same tokens everywhere, every round; FP8 and vLLM are compared turn by turn
     # with the first round's first such configuration.
