@@ -465,7 +465,12 @@ def _choose(configs: str) -> list[str]:
     show_default=True,
     help="The device KV holds this fraction of the working set (every history at its end).",
 )
-@click.option("--configs", default=",".join(CONFIGS), show_default=True, help=f"Comma-separated: {', '.join(CONFIGS)}.")
+@click.option(
+    "--configs",
+    default=",".join(CONFIGS),
+    show_default=True,
+    help=f"Comma-separated: {', '.join(CONFIGS)} (without the vllm ones, no vLLM rows).",
+)
 @click.option(
     "--block-size",
     "block_size_choice",
