@@ -361,8 +361,7 @@ def round_lines(runs: list[dict[str, Any]], rounds: int) -> list[str]:
     """Each run in the order they ran: its round, the machine's load before it and its CPU during it, its figures
     and its speedup against the same round's off; then each tier's speedups over the rounds."""
     columns = ["round", "config", "load", "machine CPU", "others CPU", "revisit p50", "revisit p99", "TTFT p50"]
-    columns += ["speedup"]
-    columns += ["out tok/s", "wall s"]
+    columns += ["speedup", "out tok/s", "wall s"]
     rows = [
         [
             str(f["round"]),
