@@ -55,9 +55,15 @@ class RunRecord:
         }
 
 
-def schedule(systems: Sequence[str], runs: int) -> list[tuple[int, str]]:
-    """The order of the timed runs: round by round, every system once per round in the given order."""
-    return [(round_, name) for round_ in range(1, runs + 1) for name in systems]
+def schedule(systems: Sequence[str], runs: int, *, alternate: bool = False) -> list[tuple[int, str]]:
+    """The order of the timed runs: round by round, every system once per round in the given order; with
+    `alternate`, in the reverse order every second round (the 2nd, 4th, ...), so that over the rounds no system
+    is always the one run first, or always the one run right after another."""
+    return [
+        (round_, name)
+        for round_ in range(1, runs + 1)
+        for name in (list(reversed(systems)) if alternate and round_ % 2 == 0 else systems)
+    ]
 
 
 BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"

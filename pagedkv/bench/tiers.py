@@ -6,6 +6,8 @@ Each pagedkv configuration gets its own blockd and executor (a real process each
 configuration its own `vllm serve` (`tiers_vllm.py`). The workload, its infinite-cache reference and the driver
 are in `tiers_workload.py`. Figures: the prefix hit rate against an infinite cache's, time to first token (p50,
 p99) of the re-visited turns (the second on) and of all turns, throughput, the tiers' counters, and pagedkv ÷ vLLM.
+`--rounds N` runs every configuration once per round, the order reversed every second round (`peer_rounds.schedule`,
+as `bench peer` alternates its systems), and reports each figure's median over the rounds and each round's own.
 Greedy decoding: the configurations of the model's KV dtype see the same tokens (checked: `outputs_equal`). Method
 and figures: docs/benchmarks.md ("KV tiers"). The last stdout line is one JSON object of every figure.
 """
@@ -13,12 +15,14 @@ and figures: docs/benchmarks.md ("KV tiers"). The last stdout line is one JSON o
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +30,16 @@ import click
 
 from blockd.client import BlockdClient
 from common import processes
+from common.cpu import machine_busy_s
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.net import free_port
 from executor import protocol as ep
 from executor.client import ExecutorClient, ExecutorUnavailable
 from executor.params import SamplingParams
 from pagedkv.bench.common import blockd_daemon, log_tail, table_lines
+from pagedkv.bench.peer_rounds import schedule
 from pagedkv.bench.peer_serve import VLLM_CLI, ServerFailed
-from pagedkv.bench.peer_systems import default_vllm_python
+from pagedkv.bench.peer_systems import default_vllm_python, read_loadavg
 from pagedkv.bench.shapes import DEFAULT_SHAPE, SHAPES, ensure_shape
 from pagedkv.bench.tiers_vllm import VllmSettings, run_vllm
 from pagedkv.bench.tiers_workload import (
@@ -163,6 +169,112 @@ def run_pagedkv(
     return result
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every configuration's run shares: the model, the workload and the device KV it gets."""
+
+    model: Path
+    workload: Workload
+    block_size: int
+    one_block: int  # bytes of one block in the model's KV dtype
+    num_blocks: int  # the device KV, in those blocks
+    device: str
+    vllm: VllmSettings
+
+
+@dataclass
+class Run:
+    """One configuration's run in one round, and the machine around it."""
+
+    round: int  # 1-based
+    result: ConfigResult
+    load_before: list[float]  # /proc/loadavg's 1, 5 and 15 minute figures just before the run
+    machine_cpu_share: float | None  # of the machine's CPU, what all processes (the run's own too) used during it
+    others_cpu_share: float | None  # of it, what processes other than the bench and its reaped children used
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process (every thread) and of its children once reaped: the executors and blockds the
+    bench stops and waits for, and vLLM's server with what it reaped of its own."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def run_config(config: str, setup: Setup, logs: Path, progress: Callable[[str], None], note: str = "") -> ConfigResult:
+    """One configuration on fresh processes. A vLLM that fails raises ServerFailed or BackendError; a pagedkv
+    configuration that fails is the command's error."""
+    workload, model = setup.workload, setup.model
+    if config in VLLM_CONFIGS:
+        offload = workload.working_set_blocks() * setup.one_block if config == "vllm+offload" else None
+        kv_bytes = setup.num_blocks * setup.one_block
+        progress(f"running {config} (vllm serve, {kv_bytes:,} KV bytes{', ' + note if note else ''})")
+        return run_vllm(
+            config, model, setup.vllm, workload, kv_bytes, offload, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, logs, progress
+        )
+    flags = config_flags(config, workload, model, logs / f"disk-{config.replace('+', '-')}")
+    # The same device bytes: 8-bit blocks are 2x (16-bit models) or 4x (float32) as many.
+    blocks = setup.num_blocks
+    if config == "fp8":
+        blocks = setup.num_blocks * setup.one_block // block_bytes(model, setup.block_size, "fp8")
+    progress(" ".join(["running", config, "--num-blocks", str(blocks), *flags, *([f"({note})"] if note else [])]))
+    try:
+        return run_pagedkv(model, config, flags, blocks, workload, logs, setup.device, progress)
+    except BackendError as exc:
+        raise click.ClickException(f"{config}: {exc}") from None
+
+
+#: The figures a configuration's row gives as their median over the rounds; its flags and counters are its first
+#: round's, its speedup the median of each round's (`median_row`).
+MEDIAN_FIGURES = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "infinite_cache_tokens",
+    "prefix_hit_rate",
+    "infinite_cache_hit_rate",
+    "hit_rate_of_infinite",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "revisited_ttft_p50_s",
+    "revisited_ttft_p99_s",
+    "output_tokens_per_s",
+    "prompt_tokens_per_s",
+    "wall_s",
+    "turns_equal_to_reference",
+)
+
+
+RUN_ONLY = ("round", "load_before", "machine_cpu_share", "others_cpu_share")  # a run's, not a median row's
+
+
+def run_figures(run: Run, reference: ConfigResult | None) -> dict[str, Any]:
+    """One run's figures, its round and the machine's load, and how many of its turns answered as the reference's."""
+    f = {"round": run.round} | run.result.figures()
+    f["load_before"] = run.load_before
+    for key in ("machine_cpu_share", "others_cpu_share"):
+        share = getattr(run, key)
+        f[key] = round(share, 3) if share is not None else None
+    if reference is not None:
+        theirs, ours = run.result.outputs(), reference.outputs()
+        f["turns_equal_to_reference"] = sum(theirs[k] == ours.get(k) for k in theirs)
+    return f
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration's runs, one per round, as one row: the median of each figure over the rounds, the re-visited
+    speedup the median of the rounds' own (each against the same round's off) with their range."""
+    row = {k: v for k, v in rows[0].items() if k not in RUN_ONLY}
+    for key in MEDIAN_FIGURES:
+        if key in row:
+            m = statistics.median(r[key] for r in rows)
+            row[key] = int(m) if isinstance(rows[0][key], int) and float(m).is_integer() else round(m, 4)
+    speedups = [r["revisited_ttft_speedup"] for r in rows if r["revisited_ttft_speedup"] is not None]
+    row["revisited_ttft_speedup"] = round(statistics.median(speedups), 2) if speedups else None
+    row["revisited_ttft_speedup_range"] = [min(speedups), max(speedups)] if speedups else None
+    row["rounds"] = len(rows)
+    return row
+
+
 def _wait_ready(process: subprocess.Popen[bytes], endpoint: str, log: Path) -> None:
     def alive() -> None:
         if process.poll() is not None:
@@ -236,6 +348,53 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
+def _speedup(f: dict[str, Any]) -> str:
+    """The re-visited p50 speedup against off, with its range over the rounds where there were several."""
+    if not f["revisited_ttft_speedup"]:
+        return "-"
+    low, high = f.get("revisited_ttft_speedup_range") or (None, None)
+    spread = f" ({low}..{high})" if low != high else ""
+    return f"{f['revisited_ttft_speedup']}x{spread}"
+
+
+def round_lines(runs: list[dict[str, Any]], rounds: int) -> list[str]:
+    """Each run in the order they ran: its round, the machine's load before it and its CPU during it, its figures
+    and its speedup against the same round's off; then each tier's speedups over the rounds."""
+    columns = ["round", "config", "load", "machine CPU", "others CPU", "revisit p50", "revisit p99", "TTFT p50"]
+    columns += ["speedup", "out tok/s", "wall s"]
+    rows = [
+        [
+            str(f["round"]),
+            f["config"],
+            f"{f['load_before'][0]:.2f}" if f["load_before"] else "-",
+            f"{f['machine_cpu_share']:.0%}" if f["machine_cpu_share"] is not None else "-",
+            f"{f['others_cpu_share']:.0%}" if f["others_cpu_share"] is not None else "-",
+            _ms(f["revisited_ttft_p50_s"]),
+            _ms(f["revisited_ttft_p99_s"]),
+            _ms(f["ttft_p50_s"]),
+            f"{f['revisited_ttft_speedup']}x" if f["revisited_ttft_speedup"] else "-",
+            f"{f['output_tokens_per_s']:.1f}",
+            f"{f['wall_s']:.1f}",
+        ]
+        for f in runs
+    ]
+    lines = [f"each run, {rounds} rounds alternated (load: the 1-minute load average before it):"]
+    lines += table_lines(columns, rows)
+    tiers: dict[str, list[float]] = {}
+    for f in runs:
+        if f["revisited_ttft_speedup"] and f["config"] != "off":
+            tiers.setdefault(f["config"], []).append(f["revisited_ttft_speedup"])
+    if tiers:
+        lines.append(
+            "revisit p50 speedup against the same round's off, median (min..max) of the rounds: "
+            + ", ".join(
+                f"{name} {statistics.median(v):.2f}x ({min(v)}..{max(v)}; {', '.join(f'{x}x' for x in v)})"
+                for name, v in tiers.items()
+            )
+        )
+    return lines
+
+
 def report_lines(figures: list[dict[str, Any]], pairs: list[dict[str, Any]], aims: dict[str, bool | None]) -> list[str]:
     columns = ["config", "hit rate", "infinite", "of infinite", "revisit p50", "revisit p99", "TTFT p50", "TTFT p99"]
     columns += ["speedup", "out tok/s", "wall s"]
@@ -249,7 +408,7 @@ def report_lines(figures: list[dict[str, Any]], pairs: list[dict[str, Any]], aim
             _ms(f["revisited_ttft_p99_s"]),
             _ms(f["ttft_p50_s"]),
             _ms(f["ttft_p99_s"]),
-            f"{f['revisited_ttft_speedup']}x" if f["revisited_ttft_speedup"] else "-",
+            _speedup(f),
             f"{f['output_tokens_per_s']:.1f}",
             f"{f['wall_s']:.1f}",
         ]
@@ -305,7 +464,12 @@ def _choose(configs: str) -> list[str]:
     show_default=True,
     help="The device KV holds this fraction of the working set (every history at its end).",
 )
-@click.option("--configs", default=",".join(CONFIGS), show_default=True, help=f"Comma-separated: {', '.join(CONFIGS)}.")
+@click.option(
+    "--configs",
+    default=",".join(CONFIGS),
+    show_default=True,
+    help=f"Comma-separated: {', '.join(CONFIGS)} (without the vllm ones, no vLLM rows).",
+)
 @click.option(
     "--block-size",
     "block_size_choice",
@@ -331,6 +495,15 @@ def _choose(configs: str) -> list[str]:
     help="The script --vllm-python runs as vLLM's command line (tests give a fake).",
 )
 @click.option("--vllm-eager", is_flag=True, help="vLLM without torch.compile (enforce_eager).")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run every configuration (vLLM's too, a fresh vllm serve each time) once per round, the order reversed "
+    "every second round, so that the machine's load swings land on all alike; the table gives each figure's median "
+    "over the rounds and the speedup as the median (min..max) of each round's against that round's off.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench_tiers(
     model_dir: Path | None,
@@ -350,10 +523,12 @@ def bench_tiers(
     vllm_python: Path | None,
     vllm_cli: Path,
     vllm_eager: bool,
+    rounds: int,
     json_path: Path | None,
 ) -> None:
     """Multi-turn conversations over a device KV a fraction of their working set: tiers off, host, host + disk,
-    FP8; and vLLM with prefix caching and with its CPU offloading."""
+    FP8; and vLLM with prefix caching and with its CPU offloading. With --rounds, every configuration (vLLM's too)
+    runs once per round in alternated orders; the figures are medians over the rounds, each run's are listed."""
     chosen = _choose(configs)
     block_size = int(block_size_choice)
     if quick:
@@ -376,6 +551,9 @@ def bench_tiers(
         for c in [c for c in chosen if c in VLLM_CONFIGS]:
             skipped[c] = f"no vLLM environment: {python} does not exist (make peer-env, or --vllm-python)"
             chosen.remove(c)
+    setup = Setup(
+        model, workload, block_size, one_block, num_blocks, device, VllmSettings(python, vllm_cli, vllm_eager)
+    )
 
     def progress(line: str) -> None:
         click.echo(line, err=True)
@@ -383,66 +561,57 @@ def bench_tiers(
     progress(
         f"{conversations} conversations x {turns} turns over {history_tokens}-token histories, working set "
         f"{workload.working_set_blocks()} blocks of {block_size} tokens ({one_block:,} bytes each); device KV "
-        f"{num_blocks} blocks ({num_blocks * one_block:,} bytes; fp8: twice the blocks in the same bytes)"
+        f"{num_blocks} blocks ({num_blocks * one_block:,} bytes; fp8: twice the blocks in the same bytes); "
+        f"{rounds} round(s)"
     )
-    results: list[ConfigResult] = []
+    runs: list[Run] = []
+    cpus = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="pagedkv-bench-tiers-") as scratch:
-        logs = Path(scratch)
-        for config in chosen:
-            started = time.monotonic()
-            if config in VLLM_CONFIGS:
-                offload = workload.working_set_blocks() * one_block if config == "vllm+offload" else None
-                progress(f"running {config} (vllm serve, {num_blocks * one_block:,} KV bytes)")
-                try:
-                    results.append(
-                        run_vllm(
-                            config,
-                            model,
-                            VllmSettings(python, vllm_cli, vllm_eager),
-                            workload,
-                            num_blocks * one_block,
-                            offload,
-                            MAX_NUM_SEQS,
-                            MAX_NUM_BATCHED_TOKENS,
-                            logs,
-                            progress,
-                        )
-                    )
-                except (ServerFailed, BackendError) as exc:
-                    why = exc.message if isinstance(exc, ServerFailed) else str(exc)
-                    skipped[config] = f"failed: {why}"
-                    progress(f"  {config} failed: {why}")
-            else:
-                flags = config_flags(config, workload, model, logs / f"disk-{config.replace('+', '-')}")
-                # The same device bytes: 8-bit blocks are 2x (16-bit models) or 4x (float32) as many.
-                blocks = (
-                    num_blocks * one_block // block_bytes(model, block_size, "fp8") if config == "fp8" else num_blocks
-                )
-                progress(f"running {config} --num-blocks {blocks} {' '.join(flags)}")
-                try:
-                    results.append(run_pagedkv(model, config, flags, blocks, workload, logs, device, progress))
-                except BackendError as exc:
-                    raise click.ClickException(f"{config}: {exc}") from None
-            progress(f"  {config} done in {time.monotonic() - started:.0f} s")
-    figures = [r.figures() for r in results]
-    by_name = {f["config"]: f for f in figures}
-    # The model's own KV dtype sees the same tokens everywhere; FP8 and vLLM are compared turn by turn with it.
-    reference = next((r for r in results if r.system == "pagedkv" and r.config != "fp8"), None)
-    same = [r for r in results if r.system == "pagedkv" and r.config != "fp8"]
+        for round_, config in schedule(chosen, rounds, alternate=True):
+            if config in skipped:  # a vLLM that failed once is not started again
+                continue
+            logs = Path(scratch) / f"round{round_}"  # fresh disk tiers and logs each round
+            logs.mkdir(exist_ok=True)
+            load, busy, own, started = read_loadavg(), machine_busy_s(), own_cpu_s(), time.monotonic()
+            tag = f"[round {round_}/{rounds}] " if rounds > 1 else ""
+            load_text = f"load {load[0]:.2f}" if load else ""
+            try:
+                result = run_config(config, setup, logs, lambda line, tag=tag: progress(f"{tag}{line}"), load_text)
+            except (ServerFailed, BackendError) as exc:
+                why = exc.message if isinstance(exc, ServerFailed) else str(exc)
+                skipped[config] = f"failed{f' in round {round_}' if rounds > 1 else ''}: {why}"
+                progress(f"  {tag}{config} failed: {why}")
+                continue
+            wall, busy_after, own_after = time.monotonic() - started, machine_busy_s(), own_cpu_s()
+            share = others = None
+            if busy is not None and busy_after is not None and wall > 0:
+                share = (busy_after - busy) / (wall * cpus)
+                others = max(0.0, (busy_after - busy) - (own_after - own)) / (wall * cpus)
+            runs.append(Run(round_, result, load, share, others))
+            progress(f"  {tag}{config} done in {wall:.0f} s")
+    # The model's own KV dtype sees the same tokens everywhere, every round; FP8 and vLLM are compared turn by turn
+    # with the first round's first such configuration.
+    same = [r.result for r in runs if r.result.system == "pagedkv" and r.result.config != "fp8"]
+    reference = same[0] if same else None
     equal = all(r.outputs() == same[0].outputs() for r in same)
-    for r, f in zip(results, figures, strict=True):
-        if reference is not None:
-            theirs, ours = r.outputs(), reference.outputs()
-            f["turns_equal_to_reference"] = sum(theirs[k] == ours.get(k) for k in theirs)
-        base = by_name.get("off")
+    per_run = [run_figures(r, reference) for r in runs]
+    for f in per_run:
+        base = next((b for b in per_run if b["round"] == f["round"] and b["config"] == "off"), None)
         f["revisited_ttft_speedup"] = (
             round(base["revisited_ttft_p50_s"] / f["revisited_ttft_p50_s"], 2)
             if base and f["system"] == "pagedkv" and f["revisited_ttft_p50_s"]
             else None
         )
+    figures = [
+        median_row([f for f in per_run if f["config"] == c]) for c in chosen if any(f["config"] == c for f in per_run)
+    ]
+    by_name = {f["config"]: f for f in figures}
     pairs, aims = comparisons(by_name)
     for line in report_lines(figures, pairs, aims):
         click.echo(line)
+    if rounds > 1:
+        for line in round_lines(per_run, rounds):
+            click.echo(line)
     for config, why in skipped.items():
         click.echo(f"{config}: {why}")
     click.echo(
@@ -459,8 +628,11 @@ def bench_tiers(
         "device_blocks": num_blocks,
         "device_kv_bytes": num_blocks * one_block,
         "working_set_blocks": workload.working_set_blocks(),
+        "rounds": rounds,
+        "cpus": cpus,
         "outputs_equal": equal,
         "configs": figures,
+        "runs": per_run,
         "skipped": skipped,
         "pagedkv_over_vllm": pairs,
         "aims": aims,

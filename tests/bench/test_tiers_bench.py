@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from pagedkv.bench.peer_rounds import schedule
 from pagedkv.bench.tiers import bench_tiers
 from pagedkv.bench.tiers_workload import BLOCK_SIZE, InfiniteCache, Workload, percentile
 from pagedkv.tools.model_gen import write_model
@@ -116,3 +117,53 @@ def test_a_vllm_that_fails_or_is_missing_is_reported_not_measured(tmp_path: Path
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["configs"] == [] and "fake vLLM asked to fail in serve" in summary["skipped"]["vllm"]
     assert "vllm: failed:" in result.output
+
+
+def test_rounds_alternate_the_configurations_order():
+    configs = ["off", "host", "vllm"]
+    assert schedule(configs, 3, alternate=True) == [
+        *[(1, c) for c in configs],
+        *[(2, c) for c in reversed(configs)],
+        *[(3, c) for c in configs],
+    ]
+    result = CliRunner().invoke(bench_tiers, ["--quick", "--configs", "off", "--rounds", "0"])
+    assert result.exit_code == 2 and "--rounds" in result.output
+
+
+@pytest.mark.timeout(240)
+def test_rounds_report_medians_and_each_rounds_speedup_against_its_own_off(tmp_path: Path):
+    model = write_model(tmp_path / "model", arch="llama", quiet=True, **TINY)
+    args = ["--model", str(model), "--quick", "--configs", "off,host,vllm", "--rounds", "2"]
+    args += ["--vllm-python", sys.executable, "--vllm-cli", str(FAKE_CLI)]
+    result = CliRunner().invoke(bench_tiers, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["rounds"] == 2 and summary["outputs_equal"] is True and summary["skipped"] == {}
+    runs = summary["runs"]
+    # Every configuration once per round, vLLM too, the second round in the reverse order.
+    assert [(r["round"], r["config"]) for r in runs] == schedule(["off", "host", "vllm"], 2, alternate=True)
+    for run in runs:
+        _consistent(run)
+        assert len(run["load_before"]) == 3 and run["machine_cpu_share"] > 0 and run["others_cpu_share"] >= 0
+    by = {(r["round"], r["config"]): r for r in runs}
+    for round_ in (1, 2):
+        off, host = by[round_, "off"], by[round_, "host"]
+        assert host["revisited_ttft_speedup"] == round(off["revisited_ttft_p50_s"] / host["revisited_ttft_p50_s"], 2)
+        assert off["revisited_ttft_speedup"] == 1.0 and by[round_, "vllm"]["revisited_ttft_speedup"] is None
+        assert host["turns_equal_to_reference"] == 18  # every round answers as the first round's off
+    rows = {row["config"]: row for row in summary["configs"]}
+    assert list(rows) == ["off", "host", "vllm"] and all(row["rounds"] == 2 for row in rows.values())
+    speedups = [by[r, "host"]["revisited_ttft_speedup"] for r in (1, 2)]
+    host = rows["host"]
+    assert host["revisited_ttft_speedup"] == round(sum(speedups) / 2, 2)  # the median of two: their mean
+    assert host["revisited_ttft_speedup_range"] == [min(speedups), max(speedups)]
+    p50s = [by[r, "host"]["revisited_ttft_p50_s"] for r in (1, 2)]
+    assert host["revisited_ttft_p50_s"] == pytest.approx(sum(p50s) / 2, abs=1e-4)
+    assert host["requests"] == 18 and host["hit_rate_of_infinite"] == 1.0
+    assert not host.keys() & {"round", "load_before", "machine_cpu_share", "others_cpu_share"}
+    assert {(p["pagedkv"], p["vllm"]) for p in summary["pagedkv_over_vllm"]} == {("off", "vllm"), ("host", "vllm")}
+    text = result.output
+    assert "each run, 2 rounds alternated" in text and "median (min..max) of the rounds: host" in text
+    low, high = host["revisited_ttft_speedup_range"]
+    if low != high:
+        assert f"{host['revisited_ttft_speedup']}x ({low}..{high})" in text
