@@ -88,8 +88,10 @@ class ExecutorLink:
         self.work: dict[str, _Work] = {}  # by request id, while in flight
         # A load report counts the work of every gateway as it was when it was asked for; this gateway's own part
         # of it is what `work` held then (replies come in the order of the asks), the rest is other gateways'.
-        self._own_at_ask: deque[int] = deque(maxlen=64)
+        # (this gateway's queued tokens, its requests in flight) at each load ask, matched to the reports in order
+        self._own_at_ask: deque[tuple[int, int]] = deque(maxlen=64)
         self._others_queued = 0
+        self._in_flight_at_report = 0  # this gateway's requests in flight when the last report was asked for
         self.tokens_per_s: float | None = None  # measured: tokens the executor computes per second of steps
         self._mark: ep.LoadReport | None = None  # the load report the throughput is measured from
         self._long_step_logged: int | None = None  # the step count of the long step logged last
@@ -131,9 +133,11 @@ class ExecutorLink:
         return self.queued_tokens() / self.tokens_per_s
 
     def queue_depth(self) -> int:
-        """Requests this executor has to work through: what it reports, or what we sent it, if more."""
+        """Requests this executor has to work through: the other gateways' part of its last report, plus this
+        gateway's own counted now (a report taken while one of ours ran would otherwise make an idle executor look
+        busy until the next one, and a run of requests in between all go elsewhere)."""
         reported = self.load.running + self.load.waiting if self.load else 0
-        return max(reported, self.in_flight)
+        return max(0, reported - self._in_flight_at_report) + self.in_flight
 
     def describe(self) -> dict[str, object]:
         return {
@@ -276,7 +280,7 @@ class ExecutorLink:
             with contextlib.suppress(zmq.Again):
                 self._sync.send(ep.encode(message), zmq.NOBLOCK)
                 if type(message) is ep.GetLoad:
-                    self._own_at_ask.append(self._own_queued())
+                    self._own_at_ask.append((self._own_queued(), self.in_flight))
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
@@ -310,8 +314,9 @@ class ExecutorLink:
         elif kind is ep.LoadReport:
             self._measure(message)
             self.load = message
-            own_then = self._own_at_ask.popleft() if self._own_at_ask else 0
+            own_then, in_flight_then = self._own_at_ask.popleft() if self._own_at_ask else (0, 0)
             self._others_queued = max(0, message.queued_tokens - own_then)
+            self._in_flight_at_report = in_flight_then
         elif kind is ep.Info:
             if self.info is not None and self.info.pool_id != message.pool_id:
                 log.info("executor_replaced", executor=self.endpoint, pool_id=message.pool_id)
@@ -384,5 +389,6 @@ class ExecutorLink:
         self.work = {}
         self._own_at_ask.clear()
         self._others_queued = 0
+        self._in_flight_at_report = 0
         for request_id, stream in streams.items():
             stream.put_nowait(ExecutorLost(self.endpoint, reason, request_id))

@@ -188,8 +188,11 @@ class Router:
 def load_of(link: ExecutorLink, load_slack: int) -> float:
     """Requests to work through, plus KV pressure: a cache full of live sequences counts as `load_slack` more
     requests (a new one there would wait for blocks or preempt)."""
-    utilization = link.load.kv_utilization if link.load else 0.0
-    return link.queue_depth() + utilization * load_slack
+    depth = link.queue_depth()
+    # Live sequences are requests' (an executor with none to work through holds none, whatever a report taken while
+    # one ran said).
+    utilization = link.load.kv_utilization if link.load and depth else 0.0
+    return depth + utilization * load_slack
 
 
 def pick(ordered: list[ExecutorLink], cached: Extents, load_slack: int) -> Route:

@@ -91,9 +91,17 @@ def name_of(route: Route | None) -> str | None:
 # ------------------------------------------------------------------------------------------------ load
 
 
-def test_queue_depth_is_the_larger_of_reported_and_in_flight() -> None:
+def test_queue_depth_is_the_others_part_of_the_report_plus_our_requests_now() -> None:
     assert make_link("a", running=2, waiting=3).queue_depth() == 5
-    assert make_link("a", running=1, in_flight=4).queue_depth() == 4, "requests we sent count before it reports"
+    assert make_link("a", running=1, in_flight=4).queue_depth() == 5, "requests we sent count before it reports"
+    # A report asked for while one of ours ran: once ours is done, the executor is idle, whatever it said then.
+    link = make_link("a", running=1)
+    link._in_flight_at_report = 1
+    assert link.queue_depth() == 0
+    link.streams.update({"r1": asyncio.Queue(), "r2": asyncio.Queue()})  # two of ours now, one counted in the report
+    assert link.queue_depth() == 2
+    link.load = make_link("a", running=3, waiting=1).load  # another gateway's three besides ours
+    assert link.queue_depth() == 3 + 2
     bare = ExecutorLink("tcp://x:1", zmq.asyncio.Context.instance())
     assert bare.queue_depth() == 0 and load_of(bare, SLACK) == 0.0 and bare.pool_id is None
 
@@ -147,7 +155,7 @@ def test_kv_pressure_counts_against_a_prefix_holder() -> None:
     a, b = make_link("a", running=1, kv=1.0), make_link("b")
     router = Router([a, b], "prefix", FakeLookup({"pool-a": 64}), load_slack=SLACK)
     assert [name_of(choose(router)) for _ in range(4)] == ["b"] * 4
-    # With nothing in flight its load is exactly SLACK: still within the slack, so the warm cache wins.
+    # With nothing to work through its sequences are gone (the report was taken while they ran): the warm cache wins.
     a.load = make_link("a", running=0, kv=1.0).load
     assert [name_of(choose(router)) for _ in range(4)] == ["a"] * 4
 
@@ -208,9 +216,19 @@ def test_least_loaded_counts_requests_sent_but_not_yet_reported() -> None:
 
 def test_least_loaded_counts_kv_pressure() -> None:
     """A cache full of live sequences is as busy as load_slack more requests: one request elsewhere is lighter."""
-    a, b = make_link("a", running=0, kv=1.0), make_link("b", running=1, kv=0.0)
+    a, b = make_link("a", running=1, kv=1.0), make_link("b", running=2, kv=0.0)
     router = Router([a, b], "least-loaded", None, load_slack=SLACK)
     assert [name_of(choose(router)) for _ in range(4)] == ["b"] * 4
+
+
+def test_a_report_taken_while_our_request_ran_does_not_make_an_idle_executor_busy() -> None:
+    """Reports come every half second; requests of a few tens of milliseconds finish in between. A report that
+    counted one of ours, its sequence's blocks live, must not send every request meanwhile elsewhere."""
+    a, b = make_link("a", running=1, kv=0.4), make_link("b")
+    a._in_flight_at_report = 1  # the report was asked for while our request ran there; it has finished since
+    assert load_of(a, SLACK) == 0.0
+    router = Router([a, b], "least-loaded", None, load_slack=SLACK)
+    assert sorted(name_of(choose(router)) for _ in range(4)) == ["a", "a", "b", "b"], "idle equals idle: rotation"
 
 
 def test_round_robin_cycles() -> None:
