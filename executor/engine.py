@@ -79,6 +79,7 @@ class Engine:
         # On the CPU, torch's thread team shrinks while other processes keep cores busy (executor.threads).
         cpu = runner.device.type == "cpu"
         threads = ThreadGovernor(torch.get_num_threads()) if cpu and adapt_threads else None
+        self._threads = threads
         # ... and its worker threads stay each on one core (kernels.cpu_native.pin_workers).
         lib = cpu_native.library() if cpu and pin_threads else None
         if lib is not None:
@@ -293,7 +294,10 @@ class Engine:
         request = self.requests.get(request_id)
         if request is not None and (index is None or request.params.n == 1):
             self._compiling.pop(request_id, None)  # (a choice of a request still compiling was never forked)
-        return self.loop.abort(request_id, index)
+        deltas = self.loop.abort(request_id, index)
+        if self._threads is not None and not self.has_work():
+            self._threads.idle()
+        return deltas
 
     def has_work(self) -> bool:
         return self.loop.has_work() or bool(self._compiling) or bool(self._beam_queue)
@@ -335,6 +339,8 @@ class Engine:
         report = self.loop.step()
         if self._beam_queue:
             self._start_next_beam()
+        if self._threads is not None and not self.has_work():
+            self._threads.idle()  # what others do until the next request is not what the next steps meet
         if self._compiling:  # admitted here, after the step's blockd call: a rejection is never lost to its failure
             if not report.chunks:  # nothing else to do: wait a little for a grammar rather than spin
                 futures.wait(
