@@ -89,7 +89,7 @@ def test_work_other_gateways_queued_counts_as_the_executor_reports_it(context) -
     door = Door(lambda: [made], max_queue_delay_s=10.0)
     queue(made, "mine", prompt=100, max_tokens=0)
     assert door.check() is None  # 1 s of this gateway's own
-    made._own_at_ask.append(made._own_queued())  # the load asked for with "mine" in flight
+    made._own_at_ask.append((made._own_queued(), made.in_flight))  # the load asked for with "mine" in flight
     made._on_frame(load("a", 10.0, 1000, queued=2500))  # the executor's whole queue, "mine" in it: 25 s
     refusal = door.check()
     assert refusal is not None and refusal.retry_after_s == 15
@@ -98,7 +98,8 @@ def test_work_other_gateways_queued_counts_as_the_executor_reports_it(context) -
 def test_a_report_counts_other_gateways_work_and_not_this_ones_since_finished(context) -> None:
     made = link(context, "a", 100.0)
     queue(made, "r", prompt=300, max_tokens=100)
-    made._own_at_ask.append(made._own_queued())  # a load asked for while r (400 tokens) was in flight here
+    # a load asked for while r (400 tokens) was in flight here
+    made._own_at_ask.append((made._own_queued(), made.in_flight))
     made.release("r")  # r ends before the report comes back
     made._on_frame(load("a", 10.0, 1000, queued=400 + 250))  # r's 400 and 250 of another gateway's
     assert made.queued_tokens() == 250  # not r's: finished since; the other gateway's stay until reported gone
