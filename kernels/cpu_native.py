@@ -36,7 +36,7 @@ from common.home import pagedkv_home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-ABI = 6
+ABI = 7
 CHOICE_ENV = "PAGEDKV_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -110,7 +110,18 @@ def _load() -> ctypes.CDLL:
     lib.pagedkv_rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i64, i64, i32]
     lib.pagedkv_pin_workers.argtypes = [ptr, i32]
     lib.pagedkv_argmax.argtypes = [ptr, i64, i64, ptr, i32]
-    for name in ("decode_attention", "add_rms_norm", "silu_mul", "rope_write_kv", "pin_workers", "argmax"):
+    fn = lib.pagedkv_prefill_attention
+    fn.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, i32, i32, ctypes.c_float, ptr]
+    for name in (
+        "decode_attention",
+        "prefill_attention",
+        "add_rms_norm",
+        "silu_mul",
+        "rope_write_kv",
+        "pin_workers",
+        "argmax",
+    ):
         getattr(lib, f"pagedkv_{name}").restype = i32
     return lib
 
@@ -185,21 +196,11 @@ def decode_attention(
     q [T, h, d] and out [T, h, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] contiguous, of one
     dtype in `_DTYPES`; block_tables [S, W] and seq_lens [S] int32; tokens and seqs [R] int64. The options are
     `kernels.dispatch.paged_attention`'s; sinks float32 contiguous [h]."""
-    num_blocks, block_size, kv_heads, head_dim = key_cache.shape
-    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
-    _require(q.dtype == out.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous(), "q, out")
-    _require(q.dim() == 3 and q.shape == out.shape and q.shape[2] == head_dim, "q, out shape")
-    _require(key_cache.is_contiguous() and value_cache.is_contiguous(), "caches not contiguous")
-    _require(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, "caches differ")
-    _require(
-        tables.dtype == lens.dtype == torch.int32 and tables.dim() == 2 and lens.shape == tables.shape[:1], "tables"
+    tables, lens = _check_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, out, sliding_window, softcap, sinks
     )
     _require(tokens.dtype == seqs.dtype == torch.int64 and tokens.shape == seqs.shape, "rows")
     _require(tokens.is_contiguous() and seqs.is_contiguous(), "rows not contiguous")
-    _require(sliding_window is None or sliding_window >= 1, "sliding_window")
-    _require(softcap is None or 0 < softcap < float("inf"), "softcap")
-    if sinks is not None:
-        _require(sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == q.shape[1:2], "sinks")
     status = lib.pagedkv_decode_attention(
         q.data_ptr(),
         key_cache.data_ptr(),
@@ -211,6 +212,88 @@ def decode_attention(
         seqs.data_ptr(),
         out.data_ptr(),
         tokens.numel(),
+        *_attention_shape(q, key_cache, tables, scale),
+        *_attention_options(sliding_window, softcap, sinks),
+    )
+    _raise_on(status, "decode attention")
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seqs: torch.Tensor,
+    begins: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Causal attention of the chunks of several query tokens: chunk i's tokens q[begins[i] : begins[i] +
+    q_lens[i]] are the last q_lens[i] of sequence seqs[i]'s seq_lens[seqs[i]] cached positions, each seeing the
+    positions up to its own. seqs, begins and q_lens [C] int64; the rest as `decode_attention`."""
+    tables, lens = _check_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, out, sliding_window, softcap, sinks
+    )
+    _require(seqs.dtype == begins.dtype == q_lens.dtype == torch.int64, "chunks")
+    _require(seqs.shape == begins.shape == q_lens.shape and seqs.dim() == 1, "chunks shape")
+    _require(seqs.is_contiguous() and begins.is_contiguous() and q_lens.is_contiguous(), "chunks not contiguous")
+    status = lib.pagedkv_prefill_attention(
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        _DTYPES[key_cache.dtype],
+        tables.data_ptr(),
+        lens.data_ptr(),
+        seqs.data_ptr(),
+        begins.data_ptr(),
+        q_lens.data_ptr(),
+        out.data_ptr(),
+        seqs.numel(),
+        *_attention_shape(q, key_cache, tables, scale),
+        *_attention_options(sliding_window, softcap, sinks),
+    )
+    _raise_on(status, "prefill attention")
+
+
+def _check_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks both attention calls make of what they share; the tables and lengths, contiguous."""
+    head_dim = key_cache.shape[3]
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    _require(q.dtype == out.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous(), "q, out")
+    _require(q.dim() == 3 and q.shape == out.shape and q.shape[2] == head_dim, "q, out shape")
+    _require(key_cache.is_contiguous() and value_cache.is_contiguous(), "caches not contiguous")
+    _require(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, "caches differ")
+    _require(
+        tables.dtype == lens.dtype == torch.int32 and tables.dim() == 2 and lens.shape == tables.shape[:1], "tables"
+    )
+    _require(sliding_window is None or sliding_window >= 1, "sliding_window")
+    _require(softcap is None or 0 < softcap < float("inf"), "softcap")
+    if sinks is not None:
+        _require(sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == q.shape[1:2], "sinks")
+    return tables, lens
+
+
+def _attention_shape(q: torch.Tensor, key_cache: torch.Tensor, tables: torch.Tensor, scale: float) -> tuple:
+    """num_tokens, num_seqs, width, num_blocks, block_size, heads, kv_heads, head_dim, scale, threads."""
+    num_blocks, block_size, kv_heads, head_dim = key_cache.shape
+    return (
         q.shape[0],
         tables.shape[0],
         tables.shape[1],
@@ -221,11 +304,12 @@ def decode_attention(
         head_dim,
         scale,
         torch.get_num_threads(),
-        min(sliding_window or 0, 2**31 - 1),  # a window past any int32 length is no window
-        softcap or 0.0,
-        None if sinks is None else sinks.data_ptr(),
     )
-    _raise_on(status, "decode attention")
+
+
+def _attention_options(sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> tuple:
+    # A window past any int32 length is no window.
+    return min(sliding_window or 0, 2**31 - 1), softcap or 0.0, None if sinks is None else sinks.data_ptr()
 
 
 def add_rms_norm(
@@ -338,4 +422,4 @@ def _raise_on(status: int, what: str) -> None:
 
 def _require(ok: bool, what: str) -> None:
     if not ok:
-        raise NativeKernelError(f"decode attention refused its input: {what}")
+        raise NativeKernelError(f"native kernel refused its input: {what}")

@@ -1,4 +1,7 @@
-"""Paged attention and KV write in batched torch: the CPU serving backend.
+"""Paged attention and KV write on the CPU: the CPU serving backend.
+
+Where the native kernels build (`kernels.cpu_native`, the default), decode rows and prefill chunks alike go to them,
+which read K/V blocks where they lie. The rest of this module is the batched-torch path used without them.
 
 The reference (`kernels.reference`) loops over sequences in plain einsum, which is clear and right but spends a
 CPU step in Python and temporaries once dozens of sequences decode together. Here the decode rows (one query
@@ -14,6 +17,7 @@ cannot express, take explicit scores instead. Tested against the float64 referen
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,22 +77,86 @@ def paged_attention(
     options = None
     if sliding_window is not None or softcap is not None or sinks is not None:
         options = Options(sliding_window, softcap, sinks)
+    rows = step_rows(block_tables, query_start_loc, seq_lens)
+    starts, lens, decode, prefill = rows.starts, rows.lens, rows.decode, rows.prefill
+    lib = cpu_native.library() if lens and cpu_native.supports(key_cache, q.shape[1]) else None
+    if lib is not None:
+        _native(lib, q, key_cache, value_cache, rows, scale, out, options)
+        return out
+    block_size = key_cache.shape[1]
+    spans = lens if options is None else [n - options.first_block(n, 1, block_size) * block_size for n in lens]
+    for group in _length_groups(decode, spans):
+        _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, group, scale, out, options)
+    for i in prefill:
+        q_len = starts[i + 1] - starts[i]
+        _prefill_chunk(q, key_cache, value_cache, block_tables[i], starts[i], q_len, lens[i], scale, out, options)
+    return out
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A step's sequences as this backend splits them, and the index tensors the native kernels take: the same
+    for every layer of the step, so `step_rows` builds them once a step, not once a layer."""
+
+    starts: list[int]
+    lens: list[int]
+    decode: list[int]  # sequences of one query token
+    prefill: list[int]  # sequences of more
+    tables: torch.Tensor  # int32
+    seq_lens: torch.Tensor  # int32
+    decode_seqs: torch.Tensor  # the decode rows in order of their first block (see `_native`), int64
+    decode_tokens: torch.Tensor
+    chunk_seqs: torch.Tensor  # the prefill chunks: sequence, first token, query tokens, int64
+    chunk_begins: torch.Tensor
+    chunk_lens: torch.Tensor
+
+
+#: The last few steps' rows, keyed by weak references to the metadata tensors and their version counters: a hit
+#: is the very same tensors, unmodified since (a freed tensor's reference is dead, an in-place write bumps the
+#: version shared by all its views), so a stale entry can never answer. A few, for models whose layer groups
+#: take different tables (sliding-window and global layers).
+_STEP_ROWS: list[tuple[tuple[weakref.ref, ...], tuple[int, ...], StepRows]] = []
+_STEP_ROWS_KEPT = 4
+
+
+def step_rows(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> StepRows:
+    key = (block_tables, query_start_loc, seq_lens)
+    versions = tuple(t._version for t in key)
+    for refs, seen, rows in list(_STEP_ROWS):
+        if seen == versions and all(ref() is t for ref, t in zip(refs, key, strict=True)):
+            return rows
+    rows = _split_rows(block_tables, query_start_loc, seq_lens)
+    _STEP_ROWS.insert(0, (tuple(weakref.ref(t) for t in key), versions, rows))
+    del _STEP_ROWS[_STEP_ROWS_KEPT:]
+    return rows
+
+
+def _split_rows(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> StepRows:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    lib = cpu_native.library() if decode and cpu_native.supports(key_cache, q.shape[1]) else None
-    if lib is not None:
-        _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, decode, scale, out, options)
-    else:
-        block_size = key_cache.shape[1]
-        spans = lens if options is None else [n - options.first_block(n, 1, block_size) * block_size for n in lens]
-        for rows in _length_groups(decode, spans):
-            _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out, options)
-    for i in range(len(lens)):
-        q_len = starts[i + 1] - starts[i]
-        if q_len > 1:
-            _prefill_chunk(q, key_cache, value_cache, block_tables[i], starts[i], q_len, lens[i], scale, out, options)
-    return out
+    prefill = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > 1]
+    first_token = torch.tensor(starts, dtype=torch.int64)
+    seqs = torch.tensor(decode, dtype=torch.int64)
+    if decode:
+        # Rows in order of their first block: rows sharing a cached prefix run back to back (work items are taken
+        # in order), so its blocks are read from memory once and from cache by the rest.
+        seqs = seqs[torch.argsort(block_tables[seqs, 0], stable=True)]
+    chunks = torch.tensor(prefill, dtype=torch.int64)
+    begins = first_token[chunks]
+    return StepRows(
+        starts,
+        lens,
+        decode,
+        prefill,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        seqs,
+        first_token[seqs],
+        chunks,
+        begins,
+        first_token[chunks + 1] - begins,
+    )
 
 
 #: Padded positions (rows x longest context) per decode call. Measured on a 2-core CPU: one call over 40 rows of
@@ -111,13 +179,9 @@ def _length_groups(rows: list[int], spans: list[int]) -> list[list[int]]:
     return groups
 
 
-def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_lens, rows, scale, out, options) -> None:
-    """The decode rows by the native kernel, which reads blocks in place (`kernels.cpu_native`)."""
-    seqs = torch.tensor(rows, dtype=torch.int64)
-    # Rows in order of their first block: rows sharing a cached prefix run back to back (work items are taken in
-    # order), so its blocks are read from memory once and from cache by the rest.
-    seqs = seqs[torch.argsort(block_tables[seqs, 0], stable=True)]
-    tokens = torch.tensor(starts, dtype=torch.int64)[seqs]
+def _native(lib, q, key_cache, value_cache, rows: StepRows, scale, out, options) -> None:
+    """Every row by the native kernels, which read blocks in place (`kernels.cpu_native`): the decode rows in one
+    call, the prefill chunks in another."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     q32 = q.to(torch.float32).contiguous()
     target = out if direct else torch.empty_like(q32)
@@ -125,21 +189,15 @@ def _native_decode(lib, q, key_cache, value_cache, block_tables, starts, seq_len
     if options is not None:
         sinks = None if options.sinks is None else options.sinks.to(torch.float32).contiguous()
         extra = dict(sliding_window=options.sliding_window, softcap=options.softcap, sinks=sinks)
-    cpu_native.decode_attention(
-        lib,
-        q32,
-        key_cache,
-        value_cache,
-        block_tables.to(torch.int32),
-        seq_lens.to(torch.int32),
-        tokens,
-        seqs,
-        scale,
-        target,
-        **extra,
-    )
-    if not direct:
-        out[tokens] = target[tokens].to(out.dtype)
+    caches = (q32, key_cache, value_cache, rows.tables, rows.seq_lens)
+    if rows.decode:
+        cpu_native.decode_attention(lib, *caches, rows.decode_tokens, rows.decode_seqs, scale, target, **extra)
+    if rows.prefill:
+        chunks = (rows.chunk_seqs, rows.chunk_begins, rows.chunk_lens)
+        cpu_native.prefill_attention(lib, *caches, *chunks, scale, target, **extra)
+    if not direct:  # the tokens of the call's sequences; any past them are not this call's to write
+        first, end = rows.starts[0], rows.starts[-1]
+        out[first:end] = target[first:end].to(out.dtype)
 
 
 def _decode_rows(q, key_cache, value_cache, block_tables, starts, lens, rows, scale, out, options) -> None:

@@ -303,18 +303,25 @@ int attend_row(const Problem& p, int64_t row, int kv_first, int kv_last, int sta
   const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> && D % 16 == 0) {
-    // KV head by KV head, its query heads two at a time (one at a time past D 128, where two heads' accumulators
-    // would not fit the registers), each walking all the row's blocks.
-    constexpr int kPair = D <= 128 ? 2 : 1;
+    // KV head by KV head, its query heads four at a time where four share one (two, or one past D 128, where
+    // more heads' accumulators would not fit the registers), each walking all the row's blocks. Every walk reads
+    // the blocks from memory again (a row's K/V outgrows the cache), so fewer walks is less traffic: four heads a
+    // walk were 27 % faster than two on 48 rows of 700 tokens with mid's heads, though their 32 accumulators
+    // spill.
     for (int h = 0; h < heads;) {
       const int64_t kv = int64_t(kv_first + h / group) * D;
-      const int take = (kPair == 2 && h % group + 1 < group) ? 2 : 1;
-      if (take == 2)
-        walk_heads<D, kPair>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride, block_stride, acc[h],
-                             running_max + h, running_sum + h, first, p.softcap);
+      const int left = group - h % group;  // heads of this KV head from h on
+      const int take = D > 128 ? 1 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const auto walk = [&](auto nh) {
+        walk_heads<D, decltype(nh)::value>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride,
+                                           block_stride, acc[h], running_max + h, running_sum + h, first, p.softcap);
+      };
+      if (take == 4)
+        walk(std::integral_constant<int, 4>{});
+      else if (take == 2)
+        walk(std::integral_constant<int, 2>{});
       else
-        walk_heads<D, 1>(qs[h], kc + kv, vc + kv, table, start, len, bs, slot_stride, block_stride, acc[h],
-                         running_max + h, running_sum + h, first, p.softcap);
+        walk(std::integral_constant<int, 1>{});
       h += take;
     }
   } else
@@ -530,37 +537,48 @@ inline void group_values(const float* const* sh, const float* v, int64_t stride,
 }
 #endif
 
-// One shared block for NH lane sets of one KV head: scores, the online-softmax update, the weighted values.
-// q, acc, m (running max), l (running sum) and s (scores) point at each set's own arrays.
-template <int D, int NH>
-inline void group_block(const float* const* q, const float* k, const float* v, int64_t stride, int bs,
-                        float* const* acc, float* const* m, float* const* l, float* const* s, float softcap) {
+// No mask: every slot of the block is visible to every lane (a decode group's shared, full blocks).
+struct NoMask {
+  void operator()(float*, int) const {}
+};
+
+// Slots [0, n) of one block for NH lane sets of one KV head: scores, the softcap, `mask` (which sets a set's
+// scores [slot][lane] of slots a lane must not see to -inf), the online-softmax update, the weighted values.
+// q, acc, m (running max), l (running sum) and s (scores) point at each set's own arrays. A lane whose scores are
+// all masked keeps its state only if its running max is finite (callers that mask start it at lowest(), not -inf:
+// -inf - -inf would be NaN).
+template <int D, int NH, typename Mask = NoMask>
+inline void group_block(const float* const* q, const float* k, const float* v, int64_t stride, int n,
+                        float* const* acc, float* const* m, float* const* l, float* const* s, float softcap,
+                        const Mask& mask = Mask{}) {
   constexpr int kRun = 8;  // slots whose scores one pass keeps in registers
   int t = 0;
-  for (; t + kRun <= bs; t += kRun) {
+  for (; t + kRun <= n; t += kRun) {
     float* st[NH];
     for (int h = 0; h < NH; ++h) st[h] = s[h] + t * kGroupRows;
     group_scores<D, NH, kRun>(q, k + t * stride, stride, st);
   }
-  for (; t < bs; ++t) {
+  for (; t < n; ++t) {
     float* st[NH];
     for (int h = 0; h < NH; ++h) st[h] = s[h] + t * kGroupRows;
     group_scores<D, NH, 1>(q, k + t * stride, stride, st);
   }
-  if (softcap != 0.f)
-    for (int h = 0; h < NH; ++h) adjust_scores(s[h], bs * kGroupRows, 0, 0, softcap);
+  for (int h = 0; h < NH; ++h) {
+    if (softcap != 0.f) adjust_scores(s[h], n * kGroupRows, 0, 0, softcap);
+    mask(s[h], n);
+  }
   float rescale[NH][kGroupRows];
   const float* rescale_of[NH];
   for (int h = 0; h < NH; ++h) {
     float block_max[kGroupRows];
 #pragma omp simd
     for (int r = 0; r < kGroupRows; ++r) block_max[r] = m[h][r];
-    for (int u = 0; u < bs; ++u) {
+    for (int u = 0; u < n; ++u) {
 #pragma omp simd
       for (int r = 0; r < kGroupRows; ++r) block_max[r] = std::max(block_max[r], s[h][u * kGroupRows + r]);
     }
     float block_sum[kGroupRows] = {};
-    for (int u = 0; u < bs; ++u) {
+    for (int u = 0; u < n; ++u) {
       float* su = s[h] + u * kGroupRows;
 #pragma omp simd
       for (int r = 0; r < kGroupRows; ++r) {
@@ -576,7 +594,7 @@ inline void group_block(const float* const* q, const float* k, const float* v, i
     }
     rescale_of[h] = rescale[h];
   }
-  group_values<D, NH>(s, v, stride, bs, rescale_of, acc);
+  group_values<D, NH>(s, v, stride, n, rescale_of, acc);
 }
 
 template <int D>
@@ -687,6 +705,192 @@ int by_head_dim(const Problem& p, int head_dim) {
   }
 }
 
+// Prefill attention: chunks of several query tokens (a prompt, or its next part over a cached prefix), each query
+// at position len - q_len + i seeing cached positions [0 or its window's first, itself]. Work items are (chunk,
+// tile of query tokens, KV head): a tile's query heads of that KV head are lane sets as in attend_group, one lane
+// per (packed head, query token), so each K/V block is read once for the tile's tokens and heads and every score is
+// a broadcast FMA. Blocks are walked from the tile's first visible one to the one holding its last query; slots
+// past that query are never read (nor, so, a partial last block's unwritten slots), and only the blocks that cross
+// the causal diagonal or the window's edge are masked. Caches of other dtypes are upcast a block at a time.
+struct Prefill {
+  const float* q;         // [tokens, heads, D]
+  const void* key_cache;  // [blocks, block_size, kv_heads, D]
+  const void* value_cache;
+  const int32_t* tables;  // [seqs, width]
+  const int32_t* lens;    // [seqs]: cached positions, the chunk's own included
+  const int64_t* seqs;    // [chunks]: the chunk's sequence (table row, length)
+  const int64_t* begins;  // [chunks]: its first query token
+  const int64_t* q_lens;  // [chunks]: its query tokens
+  float* out;             // [tokens, heads, D]
+  int64_t chunks, num_tokens, num_seqs, width, num_blocks;
+  int block_size, heads, kv_heads;
+  float scale;
+  int threads;
+  int window;
+  float softcap;
+  const float* sinks;
+};
+
+// Query heads of a KV head packed side by side in one lane set: short chunks (speculative verification, the last
+// few tokens of a prompt) fill the 16 lanes with several heads rather than leave most of them idle.
+int prefill_packing(int group, int64_t q_len) {
+  int packed = 1;
+  while (packed * 2 <= group && group % (packed * 2) == 0 && q_len <= kGroupRows / (packed * 2)) packed *= 2;
+  return packed;
+}
+
+struct PrefillTile {
+  int64_t chunk;
+  int first;  // its first query token, counted in the chunk
+};
+
+// A chunk's sequence, tokens, length and every table entry its queries see, checked before any work is done, so a
+// refused call writes nothing.
+int check_chunk(const Prefill& p, int64_t c) {
+  const int64_t seq = p.seqs[c], begin = p.begins[c], q_len = p.q_lens[c];
+  if (seq < 0 || seq >= p.num_seqs) return kBadToken;
+  if (begin < 0 || q_len < 1 || begin > p.num_tokens - q_len) return kBadToken;
+  const int64_t len = p.lens[seq];
+  if (len < q_len || len > p.width * p.block_size) return kBadLength;
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, len - q_len - p.window + 1) : 0;
+  const int32_t* table = p.tables + seq * p.width;
+  for (int64_t b = first / p.block_size; b <= (len - 1) / p.block_size; ++b)
+    if (table[b] < 0 || table[b] >= p.num_blocks) return kBadBlock;
+  return kOk;
+}
+
+// One tile of a checked chunk (check_chunk).
+template <typename T, int D>
+void prefill_tile(const Prefill& p, const PrefillTile& tile, int kv) {
+  const int64_t c = tile.chunk, seq = p.seqs[c], begin = p.begins[c], q_len = p.q_lens[c], len = p.lens[seq];
+  const int bs = p.block_size, group = p.heads / p.kv_heads;
+  const int packed = prefill_packing(group, q_len), width = kGroupRows / packed, sets = group / packed;
+  const int count = int(std::min<int64_t>(width, q_len - tile.first));  // the tile's query tokens
+  const int pos0 = int(len - q_len) + tile.first, last = pos0 + count - 1;
+  const int first = p.window > 0 ? std::max(0, pos0 - p.window + 1) : 0;
+  const int32_t* table = p.tables + seq * p.width;
+  const int b0 = first / bs, b1 = last / bs + 1;
+
+  // Per lane set: queries and accumulators [dim][lane], running max and sum [lane], scores [slot][lane]. Lanes
+  // past the tile's tokens repeat its last token's position (so their masks are sane) with zero queries; they are
+  // computed and never written.
+  const size_t per_set = size_t(D) * kGroupRows;
+  std::vector<float> qt(sets * per_set, 0.f), acc(sets * per_set, 0.f);
+  std::vector<float> mx(size_t(sets) * kGroupRows, std::numeric_limits<float>::lowest());
+  std::vector<float> sum(size_t(sets) * kGroupRows, 0.f), s(size_t(sets) * bs * kGroupRows);
+  int lane_pos[kGroupRows];
+  for (int lane = 0; lane < kGroupRows; ++lane) lane_pos[lane] = pos0 + std::min(lane % width, count - 1);
+  for (int r = 0; r < count; ++r) {
+    const float* q = p.q + ((begin + tile.first + r) * p.heads + int64_t(kv) * group) * D;
+    for (int h = 0; h < group; ++h)
+      for (int d = 0; d < D; ++d)
+        qt[size_t(h / packed) * per_set + size_t(d) * kGroupRows + (h % packed) * width + r] = q[h * D + d] * p.scale;
+  }
+  const int64_t slot_stride = int64_t(p.kv_heads) * D, block_stride = int64_t(bs) * slot_stride;
+  std::vector<float> upcast(std::is_same_v<T, float> ? 0 : size_t(2) * bs * D);
+  for (int b = b0; b < b1; ++b) {
+    const int at = b * bs, n = std::min(bs, last + 1 - at);
+    const float *k, *v;
+    int64_t stride;
+    const T* kb = static_cast<const T*>(p.key_cache) + table[b] * block_stride + int64_t(kv) * D;
+    const T* vb = static_cast<const T*>(p.value_cache) + table[b] * block_stride + int64_t(kv) * D;
+    if constexpr (std::is_same_v<T, float>) {
+      k = kb, v = vb, stride = slot_stride;
+    } else {
+      float* ku = upcast.data();
+      float* vu = ku + size_t(bs) * D;
+      for (int t = 0; t < n; ++t)
+        for (int d = 0; d < D; ++d) {
+          ku[t * D + d] = load(kb + t * slot_stride, d);
+          vu[t * D + d] = load(vb + t * slot_stride, d);
+        }
+      k = ku, v = vu, stride = D;
+    }
+    const bool causal_edge = at + n - 1 > pos0, window_edge = p.window > 0 && at < last - p.window + 1;
+    const auto mask = [&](float* sc, int slots) {
+      if (!causal_edge && !window_edge) return;
+      for (int u = 0; u < slots; ++u)
+        for (int lane = 0; lane < kGroupRows; ++lane) {
+          const int ahead = lane_pos[lane] - (at + u);  // how far the key is behind the query
+          if (ahead < 0 || (p.window > 0 && ahead >= p.window)) sc[u * kGroupRows + lane] = kNegInf;
+        }
+    };
+    for (int i = 0; i < sets;) {
+      const int pair = i + 1 < sets ? 2 : 1;
+      const float* qs[2];
+      float *a[2], *m[2], *l[2], *sc[2];
+      for (int j = 0; j < pair; ++j) {
+        qs[j] = &qt[(i + j) * per_set];
+        a[j] = &acc[(i + j) * per_set];
+        m[j] = &mx[size_t(i + j) * kGroupRows];
+        l[j] = &sum[size_t(i + j) * kGroupRows];
+        sc[j] = &s[size_t(i + j) * bs * kGroupRows];
+      }
+      if (pair == 2)
+        group_block<D, 2>(qs, k, v, stride, n, a, m, l, sc, p.softcap, mask);
+      else
+        group_block<D, 1>(qs, k, v, stride, n, a, m, l, sc, p.softcap, mask);
+      i += pair;
+    }
+  }
+  for (int h = 0; h < group; ++h) {
+    const int head = kv * group + h;
+    for (int r = 0; r < count; ++r) {
+      const size_t lane = size_t(h / packed) * kGroupRows + (h % packed) * width + r;
+      float l = sum[lane], rescale = 1.f;
+      if (p.sinks != nullptr) {  // the sink joins the denominator, the sum and accumulator rescaled to a new max
+        const float m = std::max(mx[lane], p.sinks[head]);
+        rescale = std::exp(mx[lane] - m);
+        l = l * rescale + std::exp(p.sinks[head] - m);
+      }
+      const float inv = rescale / l;
+      const float* a = &acc[size_t(h / packed) * per_set + (h % packed) * width + r];
+      float* out = p.out + ((begin + tile.first + r) * p.heads + head) * D;
+      for (int d = 0; d < D; ++d) out[d] = a[size_t(d) * kGroupRows] * inv;
+    }
+  }
+}
+
+// Every chunk checked, then its tiles, those with the most blocks to read first, so that the last ones left for
+// the threads are short.
+template <typename T, int D>
+int prefill_all(const Prefill& p) {
+  std::vector<PrefillTile> tiles;
+  std::vector<int64_t> work;
+  const int group = p.heads / p.kv_heads;
+  for (int64_t c = 0; c < p.chunks; ++c) {
+    const int rc = check_chunk(p, c);
+    if (rc != kOk) return rc;
+    const int64_t q_len = p.q_lens[c], seq = p.seqs[c];
+    const int width = kGroupRows / prefill_packing(group, q_len);
+    for (int64_t f = 0; f < q_len; f += width) {
+      tiles.push_back(PrefillTile{c, int(f)});
+      work.push_back(int64_t(p.lens[seq]) - q_len + std::min<int64_t>(f + width, q_len));
+    }
+  }
+  std::vector<int64_t> order(tiles.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  const int64_t items = int64_t(tiles.size()) * p.kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t item = 0; item < items; ++item)
+    prefill_tile<T, D>(p, tiles[order[item / p.kv_heads]], int(item % p.kv_heads));
+  return kOk;
+}
+
+template <typename T>
+int prefill_by_head_dim(const Prefill& p, int head_dim) {
+  switch (head_dim) {
+    case 32: return prefill_all<T, 32>(p);
+    case 64: return prefill_all<T, 64>(p);
+    case 80: return prefill_all<T, 80>(p);
+    case 96: return prefill_all<T, 96>(p);
+    case 128: return prefill_all<T, 128>(p);
+    case 256: return prefill_all<T, 256>(p);
+    default: return kBadShape;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -711,6 +915,31 @@ int pagedkv_decode_attention(const float* q, const void* key_cache, const void* 
     case 2: return by_head_dim<_Float16>(p, head_dim);
     case 3: return by_head_dim<e4m3>(p, head_dim);
     case 4: return by_head_dim<e5m2>(p, head_dim);
+    default: return kBadShape;
+  }
+}
+
+// Prefill attention (see Prefill): chunk i's q_lens[i] query tokens from begins[i] over sequence seqs[i]'s first
+// lens[seqs[i]] cached positions, causal. Arguments as pagedkv_decode_attention's.
+int pagedkv_prefill_attention(const float* q, const void* key_cache, const void* value_cache, int dtype,
+                              const int32_t* tables, const int32_t* lens, const int64_t* seqs, const int64_t* begins,
+                              const int64_t* q_lens, float* out, int64_t chunks, int64_t num_tokens,
+                              int64_t num_seqs, int64_t width, int64_t num_blocks, int block_size, int heads,
+                              int kv_heads, int head_dim, float scale, int threads, int window, float softcap,
+                              const float* sinks) {
+  if (block_size < 1 || block_size > kMaxBlock || kv_heads < 1 || heads % kv_heads != 0 ||
+      heads / kv_heads > kMaxGroup || width < 1 || chunks < 0 || threads < 1 || window < 0 || !(softcap >= 0.f) ||
+      std::isinf(softcap))
+    return kBadShape;
+  const Prefill p{q,          key_cache,  value_cache, tables, lens,  seqs,     begins, q_lens,  out,
+                  chunks,     num_tokens, num_seqs,    width,  num_blocks, block_size, heads, kv_heads, scale,
+                  threads,    window,     softcap,     sinks};
+  switch (dtype) {
+    case 0: return prefill_by_head_dim<float>(p, head_dim);
+    case 1: return prefill_by_head_dim<bf16>(p, head_dim);
+    case 2: return prefill_by_head_dim<_Float16>(p, head_dim);
+    case 3: return prefill_by_head_dim<e4m3>(p, head_dim);
+    case 4: return prefill_by_head_dim<e5m2>(p, head_dim);
     default: return kBadShape;
   }
 }
@@ -835,5 +1064,5 @@ int pagedkv_pin_workers(const int* cpus, int count) {
 }
 
 // The ABI version this source implements; the loader refuses a library that answers another.
-int pagedkv_native_abi() { return 6; }
+int pagedkv_native_abi() { return 7; }
 }

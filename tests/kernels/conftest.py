@@ -13,5 +13,18 @@ on CUDA tensors with compiled kernels (and adds bfloat16, which the interpreter 
 
 import os
 
+import pytest
+
 if os.environ.get("PAGEDKV_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """The native CPU kernels' library, chosen for the test (a build failure fails it)."""
+    from kernels import cpu_native
+
+    monkeypatch.setenv(cpu_native.CHOICE_ENV, "native")
+    lib = cpu_native.library()
+    assert lib is not None
+    return lib

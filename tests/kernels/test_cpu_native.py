@@ -14,14 +14,6 @@ from tests.kernels.paged_case import float64_oracle, make_batch
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@pytest.fixture
-def native(monkeypatch):
-    monkeypatch.setenv(cpu_native.CHOICE_ENV, "native")
-    lib = cpu_native.library()
-    assert lib is not None
-    return lib
-
-
 def decode_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
     starts = batch.query_start_loc.tolist()
     rows = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
