@@ -17,7 +17,6 @@ cannot express, take explicit scores instead. Tested against the float64 referen
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -111,22 +110,23 @@ class StepRows:
     chunk_lens: torch.Tensor
 
 
-#: The last few steps' rows, keyed by weak references to the metadata tensors and their version counters: a hit
-#: is the very same tensors, unmodified since (a freed tensor's reference is dead, an in-place write bumps the
-#: version shared by all its views), so a stale entry can never answer. A few, for models whose layer groups
-#: take different tables (sliding-window and global layers).
-_STEP_ROWS: list[tuple[tuple[weakref.ref, ...], tuple[int, ...], StepRows]] = []
+#: The last few steps' rows with the metadata they were split from, as copies this module owns: a hit is metadata
+#: of equal values, whatever tensors carry it and whatever was written to them since, so a stale entry can never
+#: answer (identity and version counters cannot tell: inference-mode tensors have no version counter, and a freed
+#: tensor's address is reused). Comparing ~3 small tensors costs a few microseconds a layer, splitting them ~100.
+#: A few entries, for models whose layer groups take different tables (sliding-window and global layers).
+_STEP_ROWS: list[tuple[tuple[torch.Tensor, ...], StepRows]] = []
 _STEP_ROWS_KEPT = 4
 
 
 def step_rows(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> StepRows:
     key = (block_tables, query_start_loc, seq_lens)
-    versions = tuple(t._version for t in key)
-    for refs, seen, rows in list(_STEP_ROWS):
-        if seen == versions and all(ref() is t for ref, t in zip(refs, key, strict=True)):
+    for seen, rows in _STEP_ROWS:
+        if all(torch.equal(t, s) for t, s in zip(key, seen, strict=True)):
             return rows
-    rows = _split_rows(block_tables, query_start_loc, seq_lens)
-    _STEP_ROWS.insert(0, (tuple(weakref.ref(t) for t in key), versions, rows))
+    owned = tuple(t.clone() for t in key)
+    rows = _split_rows(*owned)
+    _STEP_ROWS.insert(0, (owned, rows))
     del _STEP_ROWS[_STEP_ROWS_KEPT:]
     return rows
 

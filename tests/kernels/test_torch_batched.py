@@ -108,23 +108,30 @@ def test_many_decode_rows_of_random_lengths(block_size):
     torch.testing.assert_close(got.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5, msg=f"seed {seed}")
 
 
-def test_step_rows_are_built_once_a_step_and_never_answer_for_changed_metadata(monkeypatch):
-    """Every layer of a step passes the same metadata tensors: their rows are split once. New tensors (a new step,
-    perhaps at the old one's address) or a tensor written in place since (its version moved) get fresh rows, and
-    the attention follows the new tables."""
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_step_rows_are_built_once_a_step_and_never_answer_for_changed_metadata(monkeypatch, inference_mode):
+    """Every layer of a step passes the same metadata: its rows are split once. Metadata written in place since
+    gets fresh rows, and the attention follows the new tables, also for inference-mode tensors (which keep no
+    version counter)."""
     monkeypatch.setenv("PAGEDKV_CPU_KERNELS", "native")
     batch = make_batch(
         [(1, 40), (5, 30), (1, 17)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32
     )
+    if inference_mode:
+        with torch.inference_mode():
+            batch.block_tables, batch.query_start_loc, batch.seq_lens = (
+                t.clone() for t in (batch.block_tables, batch.query_start_loc, batch.seq_lens)
+            )
     meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
     first = torch_batched.step_rows(*meta)
     assert torch_batched.step_rows(*meta) is first
-    assert torch_batched.step_rows(*(t.clone() for t in meta)) is not first  # equal values, other tensors
+    assert torch_batched.step_rows(*(t.clone() for t in meta)) is first  # equal values in other tensors
     before = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
     torch.testing.assert_close(before.double(), float64_oracle(batch), atol=1e-5, rtol=1e-5)
     # The decode rows 0 and 2 swap their tables and lengths in place: each must now read the other's K/V.
-    batch.block_tables[[0, 2]] = batch.block_tables[[2, 0]].clone()
-    batch.seq_lens[[0, 2]] = batch.seq_lens[[2, 0]].clone()
+    with torch.inference_mode(inference_mode):
+        batch.block_tables[[0, 2]] = batch.block_tables[[2, 0]].clone()
+        batch.seq_lens[[0, 2]] = batch.seq_lens[[2, 0]].clone()
     rows = torch_batched.step_rows(*meta)
     assert rows is not first and rows.lens == [17, 30, 40]
     after = dispatch.paged_attention(*batch.args(), batch.scale, backend="torch")
