@@ -92,7 +92,7 @@ class KvEventSink(Protocol):
         """Every entry left the index."""
 
     def tier_stored(self, spec: PoolSpec, block_hash: bytes, medium: str) -> None:
-        """A lower tier (blockd.tiers: CPU or DISK) now holds the block."""
+        """A lower tier (blockd.tiers: CPU, DISK or SHARED) now holds the block."""
 
     def tier_removed(self, spec: PoolSpec, block_hash: bytes, medium: str) -> None:
         """A lower tier no longer holds the block."""

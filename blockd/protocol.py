@@ -159,8 +159,8 @@ class Register(Request, tag="register"):
     groups: Annotated[list[bool], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)] | None = None
     sequences: list[LiveSequence] = []
     generations: list[Count] | None = None  # the executor's generation of every block (for re-sync)
-    # Its lower KV tiers and what they hold (blockd.tiers). Optional, so version 1 stands: without it no reply
-    # carries tier ops or loads, byte for byte as before.
+    # Its lower KV tiers and what they hold (blockd.tiers). Optional, so the protocol version stands: without it
+    # no reply carries tier ops or loads, byte for byte as before.
     tiers: TierSpec | None = None
 
 

@@ -561,7 +561,8 @@ def bench_tiers(
     progress(
         f"{conversations} conversations x {turns} turns over {history_tokens}-token histories, working set "
         f"{workload.working_set_blocks()} blocks of {block_size} tokens ({one_block:,} bytes each); device KV "
-        f"{num_blocks} blocks ({num_blocks * one_block:,} bytes; fp8: twice the blocks in the same bytes); "
+        f"{num_blocks} blocks ({num_blocks * one_block:,} bytes; fp8: "
+        f"{num_blocks * one_block // block_bytes(model, block_size, 'fp8')} blocks in the same bytes); "
         f"{rounds} round(s)"
     )
     runs: list[Run] = []
