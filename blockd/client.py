@@ -487,7 +487,8 @@ class PoolClient:
             self.seqs[op.seq_id] = MirroredSequence(
                 bytearray(op.tokens[: registered * TOKEN_BYTES]),
                 list(outcome.blocks),
-                outcome.num_cached_tokens,
+                # Committed: the device's prefix (blocks loaded from a lower tier are committed once they landed).
+                outcome.num_cached_tokens - outcome.loaded_tokens,
                 op.cache_salt,
                 holes=holes,
                 group=group,

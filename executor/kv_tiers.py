@@ -4,8 +4,10 @@ A stored block is addressed by its chained hash (blockd.hashing) plus the layout
 with its fp8 scales, block size, layers, KV heads, head dim): a block file carries both, and a checksum of the
 bytes, so that a corrupt, partial (torn), foreign or stale file is recognised and dropped, never read.
 
-File: `MAGIC | format u16 | layout length u16 | payload length u64 | block hash 16 | BLAKE2b-128(payload) 16 |
-layout JSON | payload`, named `<hash hex>.kvb`, written to a temporary name and renamed into place.
+File: `MAGIC | format u16 | layout length u16 | payload length u64 | block hash 16 | checksum 16 | layout JSON |
+payload`, named `<hash hex>.kvb`, written to a temporary name and renamed into place. The checksum is SHA-256 (its
+first 16 bytes) over the block hash, the layout and the payload: every load checks it, and SHA-256 runs about twice
+as fast as BLAKE2b where the CPU has SHA instructions (x86 SHA-NI, Arm's SHA2), which is most servers'.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
 MAGIC: Final = b"PKVB"
-FORMAT: Final = 2  # 2: the checksum covers the block hash and the layout too
+FORMAT: Final = 3  # 2: the checksum covers the block hash and the layout too; 3: SHA-256, not BLAKE2b
 SUFFIX: Final = ".kvb"
 TEMP_SUFFIX: Final = ".tmp"
 _HEADER = struct.Struct("<4sHHQ16s16s")
+# A block file claiming more bytes than this (and than four of the reader's own) is not read to be classified.
+MAX_READ_BYTES: Final = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,10 @@ class BadBlock(Exception):
 
 
 def checksum(block_hash: bytes, encoded_layout: bytes, payload: bytes | bytearray | memoryview) -> bytes:
-    digest = hashlib.blake2b(block_hash, digest_size=16)
+    digest = hashlib.sha256(block_hash)
     digest.update(len(encoded_layout).to_bytes(2, "little") + encoded_layout)
     digest.update(payload)
-    return digest.digest()
+    return digest.digest()[:16]
 
 
 def encode_block(layout: KvLayout, block_hash: bytes, payload: bytes | bytearray | memoryview) -> bytes:
@@ -101,7 +105,41 @@ def write_block_file(path: Path, layout: KvLayout, block_hash: bytes, payload: b
         raise
 
 
-def decode_block(layout: KvLayout, block_hash: bytes, data: bytes) -> memoryview:
+def read_block_file(layout: KvLayout, block_hash: bytes, file: BinaryIO) -> memoryview:
+    """The checked payload of an open block file (closed after), writable, so a tensor can wrap it without a copy.
+    Raises BadBlock (why it must not be read) or OSError (it cannot be read). Called off the step's thread: a
+    file opened there is read here even if it has been deleted or replaced since (its open descriptor keeps it).
+    It reads the header first and then only what the header says, plus a byte: a file that claims more than
+    `MAX_READ_BYTES` (or four of this layout's) is another layout's, whatever else it holds, and is not read."""
+    with file:
+        head = _read_into(file, bytearray(_HEADER.size))
+        if len(head) == _HEADER.size:
+            magic, fmt, layout_len, payload_len, stored_hash, _ = _HEADER.unpack_from(head)
+            total = _HEADER.size + layout_len + payload_len
+            if magic == MAGIC and fmt == FORMAT and total > max(MAX_READ_BYTES, 4 * layout.file_bytes):
+                raise BadBlock(
+                    Dropped.FOREIGN,
+                    f"another KV layout ({payload_len:,} bytes a block): not read",
+                    theirs=stored_hash == block_hash,
+                )
+            if magic == MAGIC and fmt == FORMAT:
+                data = bytearray(total + 1)
+                data[: _HEADER.size] = head
+                head = _read_into(file, data, _HEADER.size)
+    return decode_block(layout, block_hash, head)
+
+
+def _read_into(file: BinaryIO, data: bytearray, start: int = 0) -> bytearray:
+    """Fill `data` from `start` as far as the file goes; returns it cut to what was read."""
+    got = start
+    with memoryview(data) as view:
+        while got < len(data) and (n := file.readinto(view[got:])):
+            got += n
+    del data[got:]
+    return data
+
+
+def decode_block(layout: KvLayout, block_hash: bytes, data: bytes | bytearray) -> memoryview:
     """The payload of a block file, or BadBlock saying why it must not be read."""
     if len(data) < _HEADER.size:
         raise BadBlock(Dropped.TRUNCATED, f"{len(data)} bytes, less than a header")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -18,7 +18,7 @@ from executor.speculative import Speculator
 from executor.step_loop import Draw
 from executor.structured import new_matcher
 from executor.threads import ThreadGovernor
-from executor.tier_store import TierStore
+from executor.tier_store import Landed, Moved, TierStore
 
 
 class ModelStep:
@@ -37,10 +37,14 @@ class ModelStep:
         self.speculator = speculator  # speculative decoding: proposes drafts, counts what verification accepts
         self.tiers: TierStore | None = None  # the lower KV tiers (--host-kv-memory, --disk-kv-dir), if any
 
-    def move_tiers(self, ops: list[TierOp]) -> list[int]:
+    def move_tiers(self, ops: list[TierOp]) -> Moved:
         if self.tiers is None:
             raise RuntimeError("blockd sent tier moves to an executor without tiers")
         return self.tiers.run(ops)
+
+    def land_loads(self, keep: Collection[int], wait_s: float = 0.0) -> Landed:
+        assert self.tiers is not None  # (only a store's `run` hands out tickets)
+        return self.tiers.land(keep, wait_s=wait_s)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)

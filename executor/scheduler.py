@@ -217,6 +217,7 @@ class Scheduler:
         """Mark a sequence done; its blocks go back at the next step (after its last commit)."""
         if seq.status is Status.FINISHED:
             return
+        self._stop_loading(seq)
         if seq.status is Status.WAITING:
             if seq in self.waiting:
                 self.waiting.remove(seq)
@@ -231,6 +232,15 @@ class Scheduler:
                 self.to_free.append(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    @staticmethod
+    def _stop_loading(seq: Sequence) -> None:
+        """Its blocks go back while loads are landing in them: those loads are abandoned (their tickets are no
+        longer any running sequence's: executor.tier_store.TierStore.land throws their bytes away), and it counts
+        as computed only what it had from the device, so no registration or commit covers the rest."""
+        if seq.loading:
+            seq.loading.clear()
+            seq.num_computed = seq.committed_tokens
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A choice sampled from its parent's prompt logits: it shares the parent's blocks from the next step."""
@@ -249,7 +259,10 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- planning
 
     def _commit_due(self, seq: Sequence, registered: int | None = None) -> int | None:
-        """The tokens a commit would cover, if that fills a block past the last commit; else None."""
+        """The tokens a commit would cover, if that fills a block past the last commit; else None (always while
+        lower-tier loads are landing in its blocks: the prefix index must not offer them before they are there)."""
+        if seq.loading:
+            return None
         # Tokens computed into reserved slots are not registered yet: blockd can hash only registered tokens.
         done = min(seq.num_computed, self.registered(seq) if registered is None else registered)
         return done if done // self.block_size > seq.committed_tokens // self.block_size else None
@@ -610,6 +623,7 @@ class Scheduler:
 
     def _preempt(self, plan: StepPlan, seq: Sequence) -> None:
         """Recompute later: release the blocks now, keep the tokens, queue it first."""
+        self._stop_loading(seq)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.to_fork:  # never reached blockd
@@ -704,6 +718,8 @@ class Scheduler:
         for seq in ordered + admitted:
             if budget <= 0:
                 break
+            if seq.loading:
+                continue  # its loads land first (StepLoop._land_loads)
             remaining = len(seq.tokens) - seq.num_computed
             if self.sliding_window is not None:  # a prompt may be held in part (`_hold_end`)
                 remaining = min(remaining, self._held(seq) - seq.num_computed)

@@ -69,6 +69,10 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     matcher: Any = None  # its xgrammar GrammarMatcher (structured output), advanced with each token
+    # Lower-tier loads still reading (ticket -> device block: executor.tier_store): `num_computed` counts their
+    # tokens, but until every one has landed the sequence is not scheduled and nothing past `committed_tokens` is
+    # committed, so neither it nor another sequence reads those blocks.
+    loading: dict[int, int] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

@@ -21,11 +21,12 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 
 from blockd.tiers import TierHeld
-from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, decode_block, write_block_file
+from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, write_block_file
 
 log = structlog.get_logger("executor")
 
@@ -105,22 +106,32 @@ class SharedStore:
             self._pending[block_hash] = data
         self._queue.put(("write", block_hash))
 
-    def read(self, block_hash: bytes) -> memoryview | None:
-        """A block's payload, checked; None (dropped and counted, blockd told) when it cannot be used."""
+    def open(self, block_hash: bytes) -> bytes | BinaryIO | None:
+        """A load's first half, on the step's thread in the order of blockd's ops: the bytes of a write of this
+        executor's still queued, or the block file opened (read and checked off the step's thread,
+        `executor.kv_tiers.read_block_file`: a discard meanwhile does not take the open file away); None when it
+        cannot be opened (dropped and counted, blockd told)."""
         with self._lock:
             queued = self._pending.get(block_hash)
         if queued is not None:
-            return memoryview(queued)
+            return queued
         try:
-            payload = decode_block(self.layout, block_hash, self._path(block_hash).read_bytes())
+            return self._path(block_hash).open("rb")
         except OSError as exc:  # gone (discarded by another executor, or deleted by hand)
             self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}", delete=False)
             return None
-        except BadBlock as exc:
-            self._drop(block_hash, exc.reason, str(exc), delete=not exc.theirs)
-            return None
-        self.counters["loads"] += 1
-        return payload
+
+    def loaded(self, block_hash: bytes, error: BadBlock | OSError | None) -> bool:
+        """A load's second half: it read (None) or failed with `error` (the file dropped and counted, blockd
+        told). Returns whether the block may be used."""
+        if error is None:
+            self.counters["loads"] += 1
+            return True
+        if isinstance(error, BadBlock):
+            self._drop(block_hash, error.reason, str(error), delete=not error.theirs)
+        else:
+            self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {error.strerror or error}", delete=False)
+        return False
 
     def discard(self, block_hash: bytes) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ design of a step is in docs/architecture.md ("A step").
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -21,11 +21,16 @@ from executor import protocol as ep
 from executor.scheduler import Chunk, Scheduler, StepOutcome, StepPlan, longest_sequence
 from executor.sequence import Request, Sequence, Status
 from executor.speculative import Speculator
+from executor.tier_store import Landed, Moved
 
 if TYPE_CHECKING:
     import torch
 
 log = structlog.get_logger("executor")
+
+#: When a step has nothing to run but sequences whose lower-tier loads are reading, how long it waits for them
+#: before it returns (and the server loop calls it again).
+LOAD_WAIT_S = 0.25
 
 #: Per sampled token: None, or (its logprob, [(token, logprob) of the top alternatives]).
 Logprob = tuple[float, list[tuple[int, float]]] | None
@@ -49,10 +54,15 @@ class StepModel(Protocol):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, for each (src, dst), before the step's forward pass."""
 
-    def move_tiers(self, ops: list[TierOp]) -> list[int]:
+    def move_tiers(self, ops: list[TierOp]) -> Moved:
         """The lower KV tiers' moves (blockd.tiers), in order, before the step's copies and forward pass; returns
-        the device blocks whose load failed (a block file found corrupt: dropped, its tokens to be recomputed).
-        Only a pool registered with tiers gets any."""
+        the device blocks whose load failed (a block file found corrupt: dropped, its tokens to be recomputed)
+        and the loads still reading (their tickets). Only a pool registered with tiers gets any."""
+        ...
+
+    def land_loads(self, keep: Collection[int], wait_s: float = 0.0) -> Landed:
+        """Copy in the reads finished of the loads whose ticket is in `keep` (waiting up to `wait_s` for them);
+        the others' bytes are thrown away."""
         ...
 
     def new_choice(self, request: Request, index: int) -> Sequence:
@@ -119,6 +129,7 @@ class StepLoop:
         self._pending_ahead = False  # it was planned while the step before ran (sent or not: it may have no ops)
         self._resync_first = False  # a round trip failed for good: re-sync before the next one is sent
         self._deferred_aborts: list[tuple[str, int | None]] = []  # came while a plan was pending: once it is in
+        self._reads_out = False  # lower-tier loads may still be reading (StepLoop._land_loads)
 
     @property
     def pending(self) -> StepPlan | None:
@@ -198,7 +209,10 @@ class StepLoop:
             self._move_tiers(late)
             outcome.admitted += late.admitted
             deltas += self._failed(late)
+        self._land_loads()
         chunks = scheduler.schedule(outcome)
+        if not chunks and self._land_loads(wait_s=LOAD_WAIT_S):  # nothing else to run: wait for them, not spin
+            chunks = scheduler.schedule(outcome)
         if chunks:
             self.steps += 1
             if self.speculator is not None:
@@ -212,25 +226,63 @@ class StepLoop:
         return StepReport(plan, outcome, chunks, deltas)
 
     def _move_tiers(self, outcome: StepOutcome) -> None:
-        """Run the tier moves before anything writes or reads a block; a sequence whose load failed computes its
-        tokens from that block on instead (the blocks are its own: nothing else reads them before they are
-        committed)."""
+        """Run the tier moves before anything writes or reads a block. A disk or shared load reads on while the
+        step runs the other sequences: its sequence waits (`Sequence.loading`) until `_land_loads` has copied
+        it in. A sequence whose load failed computes its tokens from that block on instead (the blocks are its
+        own: nothing else reads them before they are committed)."""
         if not outcome.tier_ops:
             return
-        failed = set(self.model.move_tiers(outcome.tier_ops))
-        if not failed:
+        moved = self.model.move_tiers(outcome.tier_ops)
+        if not (moved.failed or moved.reading):
             return
-        bs = self.scheduler.block_size
+        self._reads_out = self._reads_out or bool(moved.reading)
+        failed = set(moved.failed)
         for seq in outcome.admitted:
             mirrored = self.pool.seqs.get(seq.seq_id)
             if mirrored is None:
                 continue
+            seq.loading.update((moved.reading[b], b) for b in mirrored.blocks if b in moved.reading)
             first = next((i for i, b in enumerate(mirrored.blocks) if b in failed), None)
-            if first is not None and first * bs < seq.num_computed:
-                seq.num_computed = mirrored.num_computed_tokens = first * bs
-                seq.committed_tokens = min(seq.committed_tokens, first * bs)
-                if seq.preemptions == 0 and seq.index == 0:
-                    seq.request.num_cached_tokens = first * bs
+            if first is not None:
+                self._recompute_from(seq, first)
+
+    def _land_loads(self, wait_s: float = 0.0) -> bool:
+        """Copy in the disk and shared loads read since the last look (those of sequences no longer running are
+        thrown away), waiting up to `wait_s` for the running ones'. A failed one makes its sequence compute from
+        that block on; a sequence whose loads have all landed is scheduled again. Returns whether any has."""
+        loading = [s for s in self.scheduler.running if s.loading]
+        if not loading and not self._reads_out:
+            return False
+        keep = {t for s in loading for t in s.loading}
+        landed = self.model.land_loads(keep, wait_s if loading else 0.0)
+        self._reads_out = landed.in_flight > 0
+        failed = set(landed.failed)
+        ready = False
+        for seq in loading:
+            bad = [b for t, b in seq.loading.items() if t in failed]
+            if bad:
+                blocks = self.pool.seqs[seq.seq_id].blocks
+                self._recompute_from(seq, min(blocks.index(b) for b in bad))
+            for ticket in (*landed.loaded, *landed.failed):
+                seq.loading.pop(ticket, None)
+            ready = ready or not seq.loading
+        return ready
+
+    def _recompute_from(self, seq: Sequence, first: int) -> None:
+        """A load into the sequence's block `first` (of its table) failed: it computes from there, and its loads
+        past there are abandoned."""
+        bs = self.scheduler.block_size
+        mirrored = self.pool.seqs[seq.seq_id]
+        if first * bs < seq.num_computed:
+            seq.num_computed = first * bs
+            mirrored.num_computed_tokens = min(mirrored.num_computed_tokens, first * bs)
+            seq.committed_tokens = min(seq.committed_tokens, first * bs)
+            if seq.preemptions == 0 and seq.index == 0:
+                seq.request.num_cached_tokens = first * bs
+        past = set(mirrored.blocks[first:])
+        for ticket, block in list(seq.loading.items()):
+            if block in past:
+                del seq.loading[ticket]
 
     def _admit_arrivals(self) -> StepOutcome:
         """Requests that arrived after this step was planned (ahead) get one more round trip, admits alone, so

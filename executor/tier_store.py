@@ -2,30 +2,86 @@
 (`--disk-kv-dir`, `--disk-kv-size`) and the deployment's shared tier (executor.shared_tier). blockd directs
 (blockd.tiers: which hash goes where, when); this moves the bytes, in the order of blockd's ops, on the step's
 thread before the step's forward pass: a save copies a device block out before the step that reuses it writes
-there, a load completes before anything reads the block. Disk writes go behind, on a thread of their own; a disk
-load of a block still waiting for its write reads the copy waiting (the writer checksums and writes it), so
-nothing is ever read that was not written whole. The file format: executor.kv_tiers.
+there. A host load is a copy (on CUDA queued on the stream, from pinned memory). A disk or shared load opens its
+file there and then, in order with the other ops, and a reader thread reads it and checks its checksum while the
+step's forward pass runs for other sequences; a later step copies its bytes in (`land`), and until then the
+sequence it belongs to is not scheduled and its blocks are not committed, so nothing reads them. Disk writes go
+behind, on a thread of their own; a disk load of a block still waiting for its write takes the copy waiting (the
+writer checksums and writes it), so nothing is ever read that was not written whole. The file format:
+executor.kv_tiers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import queue
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Collection
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 import torch
 
 from blockd.tiers import MEDIUM_CPU, MEDIUM_SHARED, TierHeld, TierOp, TierSpec
-from executor.kv_tiers import SUFFIX, TEMP_SUFFIX, BadBlock, Dropped, KvLayout, decode_block, write_block_file
+from executor.kv_tiers import (
+    SUFFIX,
+    TEMP_SUFFIX,
+    BadBlock,
+    Dropped,
+    KvLayout,
+    decode_block,
+    read_block_file,
+    write_block_file,
+)
 from executor.shared_tier import SharedStore
 
 log = structlog.get_logger("executor")
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
-COUNTERS = ("saves_cpu", "saves_disk", "spills", "loads_cpu", "loads_disk", "written", "write_failures")
+COUNTERS = (
+    "saves_cpu",
+    "saves_disk",
+    "spills",
+    "loads_cpu",
+    "loads_disk",
+    "loads_abandoned",
+    "written",
+    "write_failures",
+)
+# Threads that read and check block files (file reads and SHA-256 let go of the GIL: they run side by side, and
+# beside the step's forward pass).
+READERS = max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass
+class Moved:
+    """What `TierStore.run` did to the loads: device blocks whose load failed at once, and the loads reading
+    (device block -> ticket, for `land`)."""
+
+    failed: list[int] = field(default_factory=list)
+    reading: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class Landed:
+    """The tickets of the reads `TierStore.land` copied in, and of those that failed (their blocks to recompute)."""
+
+    loaded: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    in_flight: int = 0  # reads still going on after it (of any ticket)
+
+
+@dataclass
+class _Read:
+    op: TierOp
+    future: futures.Future[memoryview]
 
 
 class TierStore:
@@ -63,6 +119,9 @@ class TierStore:
         self._d2h = False  # device-to-host copies queued on the stream, not yet waited for
         self._lost: list[bytes] = []  # disk entries dropped since blockd last heard (`take_drops`)
         self._unwritten: list[bytes] = []  # hashes whose write failed, for the step's thread (under _lock)
+        self._readers: ThreadPoolExecutor | None = None  # made at the first file load
+        self._reads: dict[int, _Read] = {}  # ticket -> a disk or shared load still to land
+        self._tickets = itertools.count()
         if disk_dir is not None and self.disk_blocks:
             disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -86,13 +145,15 @@ class TierStore:
 
     # ------------------------------------------------------------------------------------ blockd's ops
 
-    def run(self, ops: list[TierOp]) -> list[int]:
-        """Every op in order; returns the device blocks whose load failed (their file dropped and counted)."""
-        failed: list[int] = []
+    def run(self, ops: list[TierOp]) -> Moved:
+        """Every op in order. A save, spill, discard and host load is done when this returns; a disk or shared load
+        is begun (its file opened here, in order with the rest) and read and checked on a reader thread, its
+        bytes copied in by a later `land` (until then the block must not be read). Returns the device blocks whose
+        load failed now and the loads still reading."""
+        moved = Moved()
         for op in ops:
             if op.medium == MEDIUM_SHARED:
-                if not self._run_shared(op):
-                    failed.append(op.block)
+                self._run_shared(op, moved)
             elif op.kind == "save":
                 payload = self._device_block(op.block)
                 if op.medium == MEDIUM_CPU:
@@ -105,30 +166,90 @@ class TierStore:
                 self._to_disk(op.block_hash, self.host[op.slot].clone())
                 self.host_hash[op.slot] = None
                 self.counters["spills"] += 1
+            elif op.kind == "load" and op.medium == MEDIUM_CPU:
+                # (now: a later op of this step may give the slot to another block; on CUDA a stream-ordered copy)
+                self._copy_in(op.block, self.host[op.slot])
+                self.counters["loads_cpu"] += 1
             elif op.kind == "load":
-                if not self._load(op):
-                    failed.append(op.block)
+                self._begin_load(op, self._open_disk(op.block_hash), moved)
             else:
                 self.disk.pop(op.block_hash, None)
                 with self._lock:
                     self._pending.pop(op.block_hash, None)
                 self._queue.put(("delete", op.block_hash))
-        return failed
+        return moved
 
-    def _run_shared(self, op: TierOp) -> bool:
-        """One shared-tier op; False: a load that failed."""
+    def _run_shared(self, op: TierOp, moved: Moved) -> None:
         if self.shared is None:
             raise RuntimeError("blockd sent a shared-tier move to an executor without --shared-kv-dir")
         if op.kind == "save":
             self.shared.write(op.block_hash, self._device_block(op.block).cpu().numpy().tobytes())
         elif op.kind == "load":
-            payload = self.shared.read(op.block_hash)
-            if payload is None:
-                return False
-            self._copy_in(op.block, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self._begin_load(op, self.shared.open(op.block_hash), moved)
         elif op.kind == "discard":
             self.shared.discard(op.block_hash)
-        return True
+
+    def _begin_load(self, op: TierOp, source: bytes | BinaryIO | None, moved: Moved) -> None:
+        """A disk or shared load: failed (None: not there), done now (the bytes of a write still queued), or its
+        opened file handed to a reader."""
+        if source is None:
+            moved.failed.append(op.block)
+        elif isinstance(source, bytes):
+            self._copy_in(op.block, torch.frombuffer(bytearray(source), dtype=torch.uint8))
+            self._loaded(op, None)
+        else:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kv-tier-reader")
+            ticket = next(self._tickets)
+            future = self._readers.submit(read_block_file, self.layout, op.block_hash, source)
+            self._reads[ticket] = _Read(op, future)
+            moved.reading[op.block] = ticket
+
+    def land(self, keep: Collection[int], *, wait_s: float = 0.0) -> Landed:
+        """Copy in the loads whose read has finished, of those whose ticket is in `keep` (the others' blocks were
+        given back meanwhile: their bytes are thrown away), waiting up to `wait_s` for `keep`'s. A read that
+        failed drops its file (counted); its ticket is in `failed`."""
+        landed = Landed()
+        waiting = [r.future for t, r in self._reads.items() if t in keep]
+        if wait_s > 0 and waiting:
+            futures.wait(waiting, timeout=wait_s)
+        for ticket, read in list(self._reads.items()):
+            if not read.future.done():
+                continue
+            del self._reads[ticket]
+            error = read.future.exception()
+            if error is not None and not isinstance(error, BadBlock | OSError):
+                raise error  # (a bug, not a bad file)
+            if ticket not in keep:
+                if error is not None:
+                    self._failed_read(read.op, error)  # bad all the same: dropped, not kept for the next to ask
+                else:
+                    self.counters["loads_abandoned"] += 1
+                continue
+            if error is None:
+                self._copy_in(read.op.block, torch.frombuffer(read.future.result(), dtype=torch.uint8))
+                self._loaded(read.op, None)
+                landed.loaded.append(ticket)
+            else:
+                self._failed_read(read.op, error)
+                landed.failed.append(ticket)
+        landed.in_flight = len(self._reads)
+        return landed
+
+    def _loaded(self, op: TierOp, error: BadBlock | OSError | None) -> None:
+        if op.medium == MEDIUM_SHARED:
+            assert self.shared is not None
+            self.shared.loaded(op.block_hash, error)
+        elif error is None:
+            self.counters["loads_disk"] += 1
+
+    def _failed_read(self, op: TierOp, error: BadBlock | OSError) -> None:
+        if op.medium == MEDIUM_SHARED:
+            self._loaded(op, error)
+        elif isinstance(error, BadBlock):
+            self._drop(op.block_hash, error.reason, str(error))
+        else:
+            self._drop(op.block_hash, Dropped.TRUNCATED, f"cannot read it: {error.strerror or error}")
 
     def _device_block(self, block: int) -> torch.Tensor:
         """Block `block` of every layer, K then V, as one uint8 tensor on the device."""
@@ -153,18 +274,6 @@ class TierStore:
         self.disk.move_to_end(block_hash)
         self._queue.put(("write", block_hash))
 
-    def _load(self, op: TierOp) -> bool:
-        if op.medium == MEDIUM_CPU:
-            source = self.host[op.slot]
-        else:
-            payload = self._read_disk(op.block_hash)
-            if payload is None:
-                return False
-            source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        self._copy_in(op.block, source)
-        self.counters[f"loads_{op.medium.lower()}"] += 1
-        return True
-
     def _copy_in(self, block: int, source: torch.Tensor) -> None:
         """A stored block's bytes (every layer, K then V) into device `block`."""
         source = source.to(self.device, non_blocking=True)
@@ -173,13 +282,16 @@ class TierStore:
             k[block].reshape(-1).view(torch.uint8).copy_(source[2 * i * n : (2 * i + 1) * n])
             v[block].reshape(-1).view(torch.uint8).copy_(source[(2 * i + 1) * n : (2 * i + 2) * n])
 
-    def _read_disk(self, block_hash: bytes) -> memoryview | None:
+    def _open_disk(self, block_hash: bytes) -> bytes | BinaryIO | None:
+        """A disk load's first half (executor.shared_tier.SharedStore.open is the shared tier's)."""
+        if self.disk_dir is None:
+            raise RuntimeError("blockd sent a disk move to an executor without --disk-kv-dir")
         with self._lock:
             queued = self._pending.get(block_hash)
         if queued is not None:  # not written yet: the bytes themselves
-            return memoryview(queued)
+            return queued
         try:
-            return decode_block(self.layout, block_hash, self._path(block_hash).read_bytes())
+            return self._path(block_hash).open("rb")
         except OSError as exc:  # gone, or unreadable
             with self._lock:
                 unwritten = block_hash in self._unwritten
@@ -187,8 +299,6 @@ class TierStore:
                 self._forget(block_hash)
             else:
                 self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}")
-        except BadBlock as exc:
-            self._drop(block_hash, exc.reason, str(exc))
         return None
 
     def _forget(self, block_hash: bytes) -> None:
@@ -316,7 +426,10 @@ class TierStore:
                     )
 
     def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every queued write is on disk, then stop the writer (shutdown; tests)."""
+        """Wait until every queued write is on disk, then stop the writer and the readers (shutdown; tests)."""
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join(timeout_s)

@@ -16,6 +16,7 @@ from blockd.tiers import MEDIUM_SHARED, TierOp
 from executor.kv_tiers import TEMP_SUFFIX, KvLayout
 from executor.shared_tier import STALE_TEMP_S, SharedStore
 from executor.tier_store import TierStore
+from tests.support.tiers import run_landed
 from tests.support.waiting import wait_for
 
 LAYOUT = KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)
@@ -53,14 +54,14 @@ def test_a_block_written_by_one_executor_loads_byte_for_byte_on_another(tmp_path
     a, b = _store(tmp_path, 1), _store(tmp_path, 2)
     assert a.shared is not None and b.shared is not None
     assert a.shared.shared_id == b.shared.shared_id  # one volume, one layout: one tier
-    assert a.run([TierOp("save", MEDIUM_SHARED, H1, block=3)]) == []
+    assert run_landed(a, [TierOp("save", MEDIUM_SHARED, H1, block=3)]) == []
     assert _written(a, 1) == [H1]
     assert [h.block_hash for h in b.spec().shared] == [H1]  # what b reports when it registers
-    assert b.run([TierOp("load", MEDIUM_SHARED, H1, block=0)]) == []
+    assert run_landed(b, [TierOp("load", MEDIUM_SHARED, H1, block=0)]) == []
     for got, want in zip(_block(b, 0), _block(a, 3), strict=True):
         assert torch.equal(got, want)
     assert b.report()["shared_loads"] == 1 and a.report()["shared_written"] == 1
-    a.run([TierOp("discard", MEDIUM_SHARED, H1)])
+    run_landed(a, [TierOp("discard", MEDIUM_SHARED, H1)])
     a.flush()
     assert b.spec().shared == []
 
@@ -69,7 +70,7 @@ def test_another_layout_gets_its_own_tier_and_never_meets_the_same_file_name(tmp
     a, fp8 = _store(tmp_path, 1), _store(tmp_path, 2, FP8)
     assert a.shared is not None and fp8.shared is not None
     assert a.shared.shared_id != fp8.shared.shared_id and a.shared.dir != fp8.shared.dir
-    a.run([TierOp("save", MEDIUM_SHARED, H1, block=0)])
+    run_landed(a, [TierOp("save", MEDIUM_SHARED, H1, block=0)])
     _written(a, 1)
     assert fp8.spec().shared == []
     # Another volume: another tier id, whatever the layout.
@@ -81,7 +82,7 @@ def test_another_layout_gets_its_own_tier_and_never_meets_the_same_file_name(tmp
 def test_a_bad_file_is_dropped_counted_and_reported_never_read(tmp_path: Path, damage: str) -> None:
     a, b = _store(tmp_path, 1), _store(tmp_path, 2)
     assert a.shared is not None and b.shared is not None
-    a.run([TierOp("save", MEDIUM_SHARED, H1, block=1), TierOp("save", MEDIUM_SHARED, H2, block=2)])
+    run_landed(a, [TierOp("save", MEDIUM_SHARED, H1, block=1), TierOp("save", MEDIUM_SHARED, H2, block=2)])
     _written(a, 2)
     path = a.shared.dir / f"{H1.hex()}.kvb"
     data = path.read_bytes()
@@ -94,13 +95,13 @@ def test_a_bad_file_is_dropped_counted_and_reported_never_read(tmp_path: Path, d
     else:  # another block's file under H1's name
         path.write_bytes((a.shared.dir / f"{H2.hex()}.kvb").read_bytes())
     before = _block(b, 0)
-    assert b.run([TierOp("load", MEDIUM_SHARED, H1, block=0)]) == [0]
+    assert run_landed(b, [TierOp("load", MEDIUM_SHARED, H1, block=0)]) == [0]
     assert all(torch.equal(x, y) for x, y in zip(_block(b, 0), before, strict=True))  # nothing read into it
     reason = {"gone": "truncated", "truncated": "truncated", "corrupt": "corrupt", "renamed": "foreign"}[damage]
     assert b.report()[f"shared_dropped_{reason}"] == 1
     assert b.take_shared_reports() == ([], [H1])  # blockd forgets it
     assert not path.exists()  # dropped files go (another layout's live in their own directory)
-    assert b.run([TierOp("load", MEDIUM_SHARED, H2, block=0)]) == []  # the good one still loads
+    assert run_landed(b, [TierOp("load", MEDIUM_SHARED, H2, block=0)]) == []  # the good one still loads
 
 
 def test_a_scan_removes_a_dead_writers_temporary_file_and_keeps_a_live_ones(tmp_path: Path) -> None:
@@ -122,7 +123,7 @@ def test_the_report_keeps_the_newest_files_within_the_budget(tmp_path: Path) -> 
     assert a.shared is not None and a.shared.blocks == 2
     hashes = [bytes([i]) * 16 for i in range(3)]
     for i, h in enumerate(hashes):
-        a.run([TierOp("save", MEDIUM_SHARED, h, block=i)])
+        run_landed(a, [TierOp("save", MEDIUM_SHARED, h, block=i)])
         _written(a, 1)
         stamp = time.time() - 100 + i
         os.utime(a.shared.dir / f"{h.hex()}.kvb", (stamp, stamp))

@@ -5,6 +5,7 @@ not as another layout; a whole block file of another model, in a directory two d
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch
 
 from blockd.tiers import MEDIUM_DISK, TierOp
 from common import processes
-from executor.kv_tiers import BadBlock, Dropped, KvLayout, decode_block, encode_block
+from executor.kv_tiers import MAX_READ_BYTES, BadBlock, Dropped, KvLayout, decode_block, encode_block, read_block_file
 from executor.tier_store import TierStore
+from tests.support.tiers import run_landed
 
 LAYOUT = KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)  # 16 KiB a block
 OTHER = KvLayout("tiny-other", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)
@@ -34,7 +36,7 @@ store = TierStore(KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4), cach
 block_hash = bytes(range(16))
 store.run([TierOp("save", MEDIUM_DISK, block_hash, block=1)])
 store.flush()
-failed = store.run([TierOp("load", MEDIUM_DISK, block_hash, block=2)])  # sent before blockd heard
+failed = store.run([TierOp("load", MEDIUM_DISK, block_hash, block=2)]).failed  # sent before blockd heard
 lost = store.take_drops()
 files = sorted(p.name for p in disk.iterdir())
 print(json.dumps({"report": store.report(), "failed": failed, "lost": [h.hex() for h in lost], "files": files}))
@@ -83,7 +85,35 @@ def test_a_directory_shared_with_another_model_keeps_its_files(tmp_path: Path) -
         assert store.report()["dropped_foreign"] == 2
         assert (disk / f"{theirs.hex()}.kvb").exists()  # whole and the other's: it still reads it
         assert not (disk / f"{copied.hex()}.kvb").exists()  # nobody's: gone
-        assert store.run([TierOp("load", MEDIUM_DISK, ours, block=0)]) == []
+        assert run_landed(store, [TierOp("load", MEDIUM_DISK, ours, block=0)]) == []
         assert caches[0][0][0].reshape(-1).view(torch.uint8).numpy().tobytes() == payload[: LAYOUT.layer_bytes]
     finally:
         store.flush()
+
+
+@pytest.mark.parametrize("model_id", ["m", "another-model-whose-id-is-much-longer-than-ours"])
+def test_a_file_of_another_layout_reads_as_foreign_whatever_its_size(tmp_path: Path, model_id: str) -> None:
+    """The reader reads what the header claims (plus a byte), not a size of its own layout: another model's file
+    under our block's name is foreign, not truncated, however long its layout; one whose header claims more than
+    the read bound is foreign unread."""
+    block_hash = bytes([7]) * 16
+    theirs = KvLayout(model_id, "float32", 1.0, 1.0, 16, 3, 2, 32, 4)
+    path = tmp_path / "block.kvb"
+    path.write_bytes(encode_block(theirs, block_hash, bytes(theirs.block_bytes)))
+    with pytest.raises(BadBlock) as raised:
+        read_block_file(LAYOUT, block_hash, path.open("rb"))
+    assert raised.value.reason is Dropped.FOREIGN and raised.value.theirs
+    huge = bytearray(encode_block(LAYOUT, block_hash, bytes(LAYOUT.block_bytes)))
+    huge[8:16] = (MAX_READ_BYTES + 1).to_bytes(8, "little")  # the payload length field
+
+    class Counted(io.BytesIO):
+        read_bytes = 0
+
+        def readinto(self, buffer) -> int:  # type: ignore[override]
+            n = super().readinto(buffer)
+            Counted.read_bytes += n
+            return n
+
+    with pytest.raises(BadBlock) as raised:
+        read_block_file(LAYOUT, block_hash, Counted(bytes(huge)))
+    assert raised.value.reason is Dropped.FOREIGN and Counted.read_bytes == 48  # the header alone
