@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("executor")
 
+#: Lower-tier loads still reading when a step is scheduled: it waits for them up to this long (helping with local
+#: files: executor.tier_store.TierStore._wait), so that reads that finish soon (the page cache, a fast disk) join
+#: their sequences to this step as if read in it, and slow ones (a busy disk, a network volume) let the others go.
+JOIN_WAIT_S = 0.05
 #: When a step has nothing to run but sequences whose lower-tier loads are reading, how long it waits for them
 #: before it returns (and the server loop calls it again).
 LOAD_WAIT_S = 0.25
@@ -209,7 +213,7 @@ class StepLoop:
             self._move_tiers(late)
             outcome.admitted += late.admitted
             deltas += self._failed(late)
-        self._land_loads()
+        self._land_loads(wait_s=JOIN_WAIT_S)
         chunks = scheduler.schedule(outcome)
         if not chunks and self._land_loads(wait_s=LOAD_WAIT_S):  # nothing else to run: wait for them, not spin
             chunks = scheduler.schedule(outcome)

@@ -3,9 +3,10 @@
 (blockd.tiers: which hash goes where, when); this moves the bytes, in the order of blockd's ops, on the step's
 thread before the step's forward pass: a save copies a device block out before the step that reuses it writes
 there. A host load is a copy (on CUDA queued on the stream, from pinned memory). A disk or shared load opens its
-file there and then, in order with the other ops, and a reader thread reads it and checks its checksum while the
-step's forward pass runs for other sequences; a later step copies its bytes in (`land`), and until then the
-sequence it belongs to is not scheduled and its blocks are not committed, so nothing reads them. Disk writes go
+file there and then, in order with the other ops, and a reader thread reads it and checks its checksum (the
+step's thread helps with local files while it waits for them: `_wait`), beside the step's forward pass for other
+sequences when it takes longer than the step waits; `land` copies its bytes in, and until then the sequence it
+belongs to is not scheduled and its blocks are not committed, so nothing reads them. Disk writes go
 behind, on a thread of their own; a disk load of a block still waiting for its write takes the copy waiting (the
 writer checksums and writes it), so nothing is ever read that was not written whole. The file format:
 executor.kv_tiers.
@@ -18,9 +19,9 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Collection
-from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,10 +79,16 @@ class Landed:
     in_flight: int = 0  # reads still going on after it (of any ticket)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Read:
+    """One disk or shared load's read: taken by one thread (a reader, or the step's while it waits), done once."""
+
     op: TierOp
-    future: futures.Future[memoryview]
+    file: BinaryIO
+    done: threading.Event = field(default_factory=threading.Event)
+    taken: bool = False  # (under TierStore._claims)
+    payload: memoryview | None = None
+    error: BaseException | None = None
 
 
 class TierStore:
@@ -122,6 +129,8 @@ class TierStore:
         self._readers: ThreadPoolExecutor | None = None  # made at the first file load
         self._reads: dict[int, _Read] = {}  # ticket -> a disk or shared load still to land
         self._tickets = itertools.count()
+        self._claims = threading.Lock()  # guards each read's `taken`
+        self.help_with_reads = True  # the step's thread reads local disk files while it waits for them (`_wait`)
         if disk_dir is not None and self.disk_blocks:
             disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -201,23 +210,36 @@ class TierStore:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kv-tier-reader")
             ticket = next(self._tickets)
-            future = self._readers.submit(read_block_file, self.layout, op.block_hash, source)
-            self._reads[ticket] = _Read(op, future)
+            read = _Read(op, source)
+            self._reads[ticket] = read
+            self._readers.submit(self._perform, read)
             moved.reading[op.block] = ticket
+
+    def _perform(self, read: _Read) -> None:
+        """Read and check one file, unless another thread has taken it."""
+        with self._claims:
+            if read.taken:
+                return
+            read.taken = True
+        try:
+            read.payload = read_block_file(self.layout, read.op.block_hash, read.file)
+        except BaseException as exc:  # (handed to the step's thread, which tells a bad file from a bug)
+            read.error = exc
+        finally:
+            read.done.set()
 
     def land(self, keep: Collection[int], *, wait_s: float = 0.0) -> Landed:
         """Copy in the loads whose read has finished, of those whose ticket is in `keep` (the others' blocks were
         given back meanwhile: their bytes are thrown away), waiting up to `wait_s` for `keep`'s. A read that
         failed drops its file (counted); its ticket is in `failed`."""
         landed = Landed()
-        waiting = [r.future for t, r in self._reads.items() if t in keep]
-        if wait_s > 0 and waiting:
-            futures.wait(waiting, timeout=wait_s)
+        if wait_s > 0:
+            self._wait(keep, wait_s)
         for ticket, read in list(self._reads.items()):
-            if not read.future.done():
+            if not read.done.is_set():
                 continue
             del self._reads[ticket]
-            error = read.future.exception()
+            error = read.error
             if error is not None and not isinstance(error, BadBlock | OSError):
                 raise error  # (a bug, not a bad file)
             if ticket not in keep:
@@ -227,7 +249,8 @@ class TierStore:
                     self.counters["loads_abandoned"] += 1
                 continue
             if error is None:
-                self._copy_in(read.op.block, torch.frombuffer(read.future.result(), dtype=torch.uint8))
+                assert read.payload is not None
+                self._copy_in(read.op.block, torch.frombuffer(read.payload, dtype=torch.uint8))
                 self._loaded(read.op, None)
                 landed.loaded.append(ticket)
             else:
@@ -235,6 +258,25 @@ class TierStore:
                 landed.failed.append(ticket)
         landed.in_flight = len(self._reads)
         return landed
+
+    def _wait(self, keep: Collection[int], wait_s: float) -> None:
+        """Wait up to `wait_s` for `keep`'s reads. The step's thread reads local disk files itself meanwhile
+        (with `help_with_reads`), taking them from the readers, so a wait is never slower than reading them all
+        on the step's thread; a shared volume's (a network's: it may hang) it leaves to the readers. A read once
+        begun runs to its end: a disk that hangs in one can hold the step past `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        wanted = [r for t, r in self._reads.items() if t in keep]
+        if self.help_with_reads:
+            for read in wanted:
+                if time.monotonic() >= deadline:
+                    break
+                if read.op.medium != MEDIUM_SHARED:
+                    self._perform(read)
+        for read in wanted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            read.done.wait(left)
 
     def _loaded(self, op: TierOp, error: BadBlock | OSError | None) -> None:
         if op.medium == MEDIUM_SHARED:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from blockd.tiers import TierOp
 from executor import protocol as ep
 from executor.engine import Engine, EngineLimits
 from executor.model import ForwardBatch
@@ -19,6 +20,7 @@ from executor.params import SamplingParams
 from executor.runner import LoadedModel, load_model
 from executor.sequence import Status
 from executor.speculative import SpeculativeConfig
+from executor.tier_store import TierStore
 
 
 def make_engine(
@@ -246,3 +248,13 @@ def assert_forward_matches(model_dir: Path, reference: transformers.PreTrainedMo
     rows = torch.arange(tokens)
     ours_lp, expected_lp = torch.log_softmax(ours, -1)[rows, chosen], torch.log_softmax(expected, -1)[rows, chosen]
     assert (ours_lp - expected_lp).abs().max().item() < 2e-3  # the greedy tokens' logprobs
+
+
+def run_landed(store: TierStore, ops: list[TierOp], timeout_s: float = 30.0) -> list[int]:
+    """Run `ops`, then wait for and land every disk or shared load they began; returns the device blocks whose
+    load failed, at once (no file to open) or once read (a bad file)."""
+    moved = store.run(ops)
+    landed = store.land(set(moved.reading.values()), wait_s=timeout_s)
+    assert landed.in_flight == 0, f"{landed.in_flight} reads still going after {timeout_s} s"
+    failed = set(landed.failed)
+    return [*moved.failed, *(block for block, ticket in moved.reading.items() if ticket in failed)]

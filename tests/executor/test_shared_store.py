@@ -16,7 +16,7 @@ from blockd.tiers import MEDIUM_SHARED, TierOp
 from executor.kv_tiers import TEMP_SUFFIX, KvLayout
 from executor.shared_tier import STALE_TEMP_S, SharedStore
 from executor.tier_store import TierStore
-from tests.support.tiers import run_landed
+from tests.executor.harness import run_landed
 from tests.support.waiting import wait_for
 
 LAYOUT = KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)

@@ -1,5 +1,6 @@
 """Disk loads run beside the step, not in it: an in-process engine on a real blockd, with a disk tier whose file
-reads are held at a gate. While a revisited prompt's blocks are still reading, the other sequences keep decoding,
+reads are held at a gate (and the step's thread kept from reading them itself while it waits, as it does by
+default: executor.tier_store.TierStore._wait). While a revisited prompt's blocks are still reading, the other sequences keep decoding,
 the loading one is not scheduled, and blockd's index does not offer its blocks; once the reads land, its greedy
 output equals transformers'. A sequence aborted mid-load has its late reads thrown away (its blocks serve another
 request, whose output stays right), and a file found bad when read makes its sequence compute from that block.
@@ -115,6 +116,7 @@ def _loading(engine: Engine, request_id: str) -> dict[int, int]:
 def test_other_sequences_decode_while_a_revisited_prompt_reads_from_disk(tiny_models, blockd, tmp_path, gated):
     model = tiny_models["llama"]
     engine, store = _engine(model, blockd.endpoint, tmp_path / "disk", "overlap")
+    store.help_with_reads = False  # (the step's thread would wait inside a held read: a hung disk)
     prompt = random_prompts([96], vocab=VOCAB, seed=1)[0]
     _demote_to_disk(engine, store, prompt, seed=2)
     revisit = prompt + random_prompts([20], vocab=VOCAB, seed=3)[0]
@@ -160,6 +162,7 @@ def test_a_sequence_aborted_mid_load_never_gets_its_late_bytes_into_blocks_that_
 ):
     model = tiny_models["llama"]
     engine, store = _engine(model, blockd.endpoint, tmp_path / "disk", "abort")
+    store.help_with_reads = False  # (the step's thread would wait inside a held read: a hung disk)
     prompt = random_prompts([96], vocab=VOCAB, seed=5)[0]
     _demote_to_disk(engine, store, prompt, seed=6)
     revisit = prompt + random_prompts([8], vocab=VOCAB, seed=7)[0]

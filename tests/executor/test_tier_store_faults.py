@@ -17,7 +17,7 @@ from blockd.tiers import MEDIUM_DISK, TierOp
 from common import processes
 from executor.kv_tiers import MAX_READ_BYTES, BadBlock, Dropped, KvLayout, decode_block, encode_block, read_block_file
 from executor.tier_store import TierStore
-from tests.support.tiers import run_landed
+from tests.executor.harness import run_landed
 
 LAYOUT = KvLayout("tiny-m", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)  # 16 KiB a block
 OTHER = KvLayout("tiny-other", "float32", 1.0, 1.0, 16, 2, 2, 32, 4)
