@@ -1,9 +1,10 @@
 """Disk loads run beside the step, not in it: an in-process engine on a real blockd, with a disk tier whose file
 reads are held at a gate (and the step's thread kept from reading them itself while it waits, as it does by
-default: executor.tier_store.TierStore._wait). While a revisited prompt's blocks are still reading, the other sequences keep decoding,
-the loading one is not scheduled, and blockd's index does not offer its blocks; once the reads land, its greedy
-output equals transformers'. A sequence aborted mid-load has its late reads thrown away (its blocks serve another
-request, whose output stays right), and a file found bad when read makes its sequence compute from that block.
+default: executor.tier_store.TierStore._wait). While a revisited prompt's blocks are still reading, the other
+sequences keep decoding, the loading one is not scheduled, and blockd's index does not offer its blocks; once the
+reads land, its greedy output equals transformers'. A sequence aborted mid-load has its late reads thrown away
+(its blocks serve another request, whose output stays right), and a file found bad when read makes its sequence
+compute from that block. The store alone, under hypothesis: a read lands only while its ticket is kept.
 """
 
 from __future__ import annotations
