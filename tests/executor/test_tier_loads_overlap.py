@@ -143,7 +143,8 @@ def test_other_sequences_decode_while_a_revisited_prompt_reads_from_disk(tiny_mo
     assert len(results["other"].tokens) == decoded + 5
     # ... and the loading one did not run, nor did blockd's index offer its blocks to anyone.
     assert "revisit" not in results or not results["revisit"].tokens
-    assert gated.entered >= 1 and store.counters["loads_disk"] == 0
+    wait_for(lambda: gated.entered >= 1, timeout_s=30, what="a reader at the gate")
+    assert store.counters["loads_disk"] == 0
     with blockd.client() as client:
         assert client.lookup_tiers(revisit).cached_tokens.get("overlap", 0) == 0
 
@@ -188,12 +189,12 @@ def test_a_sequence_aborted_mid_load_never_gets_its_late_bytes_into_blocks_that_
     _run_all(engine, results)
     assert results["fresh"].tokens == hf_greedy(model, fresh, GREEDY.max_tokens)
     assert store.counters["loads_disk"] == 0
-    for _ in range(50):  # (the reader threads finish the six reads; a step throws each away)
-        if store.counters["loads_abandoned"] == 6:
-            break
-        gated.gate.wait(0.05)
+
+    def thrown_away() -> bool:  # (the reader threads finish the six reads; a step throws each away)
         engine.step()
-    assert store.counters["loads_abandoned"] == 6
+        return store.counters["loads_abandoned"] == 6
+
+    wait_for(thrown_away, timeout_s=30, what="the six abandoned reads thrown away")
     store.flush()
 
 
