@@ -39,6 +39,9 @@ DEVICES = ("cpu", "cuda")
 _PROBE_TIMEOUT_S = 0.3
 
 
+GATEWAY_BIND_TRIES = 3  # a chosen port another process took first: tries with fresh ports
+
+
 class StackFailed(RuntimeError):
     """The stack could not start, or a child died. `component` names the child (None: not one child's fault)."""
 
@@ -105,6 +108,7 @@ class LocalStack:
         self.device = device
         self.host = host
         self.port = port
+        self._port_chosen = False  # port 0 asked: start() chose one (and may choose again: GATEWAY_BIND_TRIES)
         self.routing = routing
         self.kv_cache_memory = kv_cache_memory
         self._given_state_dir = Path(state_dir).expanduser().resolve() if state_dir is not None else None
@@ -219,8 +223,9 @@ class LocalStack:
         if self._started:
             raise RuntimeError("a LocalStack starts once; make a new one")
         self._started = True
+        self._port_chosen = self.port == 0
         if self.port == 0:
-            self.port = net.free_ports(1, self.host if self.host not in ("", "::") else "127.0.0.1")[0]
+            self.port = self._free_port()
         else:
             try:
                 net.check_port_free(self.host, self.port)
@@ -282,6 +287,24 @@ class LocalStack:
             probes[f"executor-{i}"] = lambda endpoint=endpoint: self._probe_executor(endpoint)
         self._wait_ready(probes, deadline)
 
+        # A port chosen free here can be taken by another process before the gateway binds it: then it tries
+        # another (never a port the caller gave).
+        for attempt in range(GATEWAY_BIND_TRIES):
+            try:
+                self._start_gateway(model_dir, warming, deadline)
+                return
+            except StackFailed as exc:
+                taken = exc.component == "gateway" and "Address already in use" in exc.log_tail
+                if not (taken and self._port_chosen) or attempt == GATEWAY_BIND_TRIES - 1:
+                    raise
+                self._progress(f"port {self.port} was taken before the gateway bound it: trying another")
+                self._processes.pop("gateway", None)
+                self.port = self._free_port()
+
+    def _free_port(self) -> int:
+        return net.free_ports(1, self.host if self.host not in ("", "::") else "127.0.0.1")[0]
+
+    def _start_gateway(self, model_dir: Path, warming: threading.Thread, deadline: float) -> None:
         gateway = [
             "--model",
             str(model_dir),

@@ -1480,6 +1480,10 @@ class TiersPhase:
         for name in self.fresh:  # their blocks again: on the device, on the host or computed, never from a file
             self.ask(name)
         report = self.report()
+        deadline = time.monotonic() + 20
+        while report["pending_writes"] and time.monotonic() < deadline:  # a write still trying has its temp file
+            time.sleep(0.2)
+            report = self.report()
         partial = len(ct.temp_files(self.disk))
         dropped = [f"dropped_{r.value}" for r in Dropped]
         scenario.counts |= {

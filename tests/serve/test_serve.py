@@ -192,6 +192,26 @@ def test_a_child_failing_at_startup_is_named_with_its_log_and_nothing_stays_runn
     assert any(line.startswith("blockd ready") for line in progress), progress
 
 
+def test_a_chosen_port_taken_before_the_gateway_binds_it_is_chosen_again(
+    tiny_model: Path, tmp_path: Path, busy_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Port 0 asked: the port the stack picks can be taken by another process before the gateway binds it (CI runs
+    stacks side by side). The gateway then exits with "Address already in use", and the stack tries a fresh port;
+    a port the caller gave is never swapped (test_busy_port_is_a_clear_error_before_anything_starts)."""
+    picks = iter([busy_port])
+    real = LocalStack._free_port
+    monkeypatch.setattr(LocalStack, "_free_port", lambda self: next(picks, None) or real(self))
+    progress: list[str] = []
+    stack = LocalStack(model_dir=tiny_model, state_dir=tmp_path / "state", port=0, progress=progress.append)
+    try:
+        stack.start()
+        assert stack.port != busy_port
+        assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
+        assert any(f"port {busy_port} was taken" in line for line in progress), progress
+    finally:
+        stack.stop()
+
+
 # ---------------------------------------------------------------------------------- end to end (needs gateway)
 
 
