@@ -114,13 +114,28 @@ def _loading(engine: Engine, request_id: str) -> dict[int, int]:
     return engine.requests[request_id].sequences[0].loading
 
 
+def _demoted_with_held_reads(model: Path, blockd, tmp_path: Path, pool: str, seed: int, extra: int):
+    """An engine whose disk reads the gate holds (the step's thread kept out of them: it would wait inside a held
+    read, as on a hung disk), a prompt of six blocks demoted to its disk, and that prompt revisited with `extra`
+    more tokens."""
+    engine, store = _engine(model, blockd.endpoint, tmp_path / "disk", pool)
+    store.help_with_reads = False
+    prompt = random_prompts([96], vocab=VOCAB, seed=seed)[0]
+    _demote_to_disk(engine, store, prompt, seed=seed + 1)
+    return engine, store, prompt + random_prompts([extra], vocab=VOCAB, seed=seed + 2)[0]
+
+
+def _step_until_loading(engine: Engine, results: dict[str, Choice], request_id: str) -> dict[int, int]:
+    for _ in range(10):
+        _step(engine, results)
+        if _loading(engine, request_id):
+            break
+    return _loading(engine, request_id)
+
+
 def test_other_sequences_decode_while_a_revisited_prompt_reads_from_disk(tiny_models, blockd, tmp_path, gated):
     model = tiny_models["llama"]
-    engine, store = _engine(model, blockd.endpoint, tmp_path / "disk", "overlap")
-    store.help_with_reads = False  # (the step's thread would wait inside a held read: a hung disk)
-    prompt = random_prompts([96], vocab=VOCAB, seed=1)[0]
-    _demote_to_disk(engine, store, prompt, seed=2)
-    revisit = prompt + random_prompts([20], vocab=VOCAB, seed=3)[0]
+    engine, store, revisit = _demoted_with_held_reads(model, blockd, tmp_path, "overlap", seed=1, extra=20)
     with blockd.client() as client:
         before = client.lookup_tiers(revisit)
     assert before.cached_tokens.get("overlap", 0) == 0 and before.tier_tokens["overlap"]["DISK"] == 96
@@ -131,11 +146,7 @@ def test_other_sequences_decode_while_a_revisited_prompt_reads_from_disk(tiny_mo
     engine.add_request("other", other, long)
     _step(engine, results)
     engine.add_request("revisit", revisit, GREEDY)
-    for _ in range(10):
-        _step(engine, results)
-        if _loading(engine, "revisit"):
-            break
-    assert len(_loading(engine, "revisit")) == 6  # its six blocks are reading, behind the gate
+    assert len(_step_until_loading(engine, results, "revisit")) == 6  # its six blocks are reading, behind the gate
     decoded = len(results["other"].tokens)
     for _ in range(5):
         _step(engine, results)
@@ -163,18 +174,10 @@ def test_a_sequence_aborted_mid_load_never_gets_its_late_bytes_into_blocks_that_
     tiny_models, blockd, tmp_path, gated
 ):
     model = tiny_models["llama"]
-    engine, store = _engine(model, blockd.endpoint, tmp_path / "disk", "abort")
-    store.help_with_reads = False  # (the step's thread would wait inside a held read: a hung disk)
-    prompt = random_prompts([96], vocab=VOCAB, seed=5)[0]
-    _demote_to_disk(engine, store, prompt, seed=6)
-    revisit = prompt + random_prompts([8], vocab=VOCAB, seed=7)[0]
+    engine, store, revisit = _demoted_with_held_reads(model, blockd, tmp_path, "abort", seed=5, extra=8)
     results: dict[str, Choice] = {}
     engine.add_request("revisit", revisit, GREEDY)
-    for _ in range(10):
-        _step(engine, results)
-        if _loading(engine, "revisit"):
-            break
-    loading_blocks = set(_loading(engine, "revisit").values())
+    loading_blocks = set(_step_until_loading(engine, results, "revisit").values())
     assert len(loading_blocks) == 6
     engine.abort("revisit")
     # Its blocks go back; a new request, long enough to need most of the cache, is granted them.
