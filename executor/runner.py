@@ -9,6 +9,7 @@ blockd calls block b of this executor's pool.
 from __future__ import annotations
 
 import array
+import contextlib
 import math
 import mmap
 import time
@@ -79,10 +80,8 @@ def _populated_mapping(nbytes: int) -> mmap.mmap:
     if huge is None:
         return mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_POPULATE)
     memory = mmap.mmap(-1, nbytes, flags=flags)
-    try:
+    with contextlib.suppress(OSError):  # THP compiled out, or disabled ("never"): 4 KiB pages
         memory.madvise(huge)
-    except OSError:  # THP compiled out, or disabled ("never"): 4 KiB pages
-        pass
     try:
         memory.madvise(MADV_POPULATE_WRITE)
     except OSError:  # a kernel before 5.14: fault the pages in ourselves, with the mapping still all zero pages
