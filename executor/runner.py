@@ -84,7 +84,7 @@ def _populated_mapping(nbytes: int) -> mmap.mmap:
         memory.madvise(huge)
     try:
         memory.madvise(MADV_POPULATE_WRITE)
-    except OSError:  # a kernel before 5.14: fault the pages in ourselves, with the mapping still all zero pages
+    except OSError:  # a kernel before 5.14: MAP_POPULATE on 4 KiB pages, as before (no advice can precede it)
         memory.close()
         return mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_POPULATE)
     return memory
