@@ -23,7 +23,7 @@ from executor.runner import ModelRunner, load_model
 from executor.scheduler import Chunk
 from executor.sequence import Sequence
 from executor.speculative import SpeculativeConfigError
-from kernels.pointwise import argmax_rows
+from pagedkv_kernels.pointwise import argmax_rows
 
 
 @dataclass

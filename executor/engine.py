@@ -33,8 +33,8 @@ from executor.speculative import NgramProposer, Proposer, SpeculativeConfig, Spe
 from executor.step_loop import StepLoop
 from executor.structured import GrammarRejected, Grammars, new_matcher
 from executor.threads import ThreadGovernor
-from kernels import cpu_native
-from kernels.dispatch import Backend
+from pagedkv_kernels import cpu_native
+from pagedkv_kernels.dispatch import Backend
 
 log = structlog.get_logger("executor")
 
@@ -80,7 +80,7 @@ class Engine:
         cpu = runner.device.type == "cpu"
         threads = ThreadGovernor(torch.get_num_threads()) if cpu and adapt_threads else None
         self._threads = threads
-        # ... and its worker threads stay each on one core (kernels.cpu_native.pin_workers).
+        # ... and its worker threads stay each on one core (pagedkv_kernels.cpu_native.pin_workers).
         lib = cpu_native.library() if cpu and pin_threads else None
         if lib is not None:
             log.info("worker_threads_pinned", cpus=cpu_native.pin_workers(lib, torch.get_num_threads()))

@@ -45,7 +45,7 @@ from executor.shared_tier import SharedStore
 from executor.speculative import SpeculativeConfig, SpeculativeConfigError
 from executor.step_budget import DEFAULT_MAX_STEP_MS
 from executor.tier_store import TierStore
-from kernels.quant import KV_CACHE_DTYPES
+from pagedkv_kernels.quant import KV_CACHE_DTYPES
 
 log = structlog.get_logger("executor")
 

@@ -28,7 +28,7 @@ from executor.models.blocks import (
     VocabParallelEmbedding,
 )
 from executor.models.rotary import Rotary
-from kernels import dispatch
+from pagedkv_kernels import dispatch
 
 if TYPE_CHECKING:
     from executor.parallel import Collectives

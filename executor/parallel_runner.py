@@ -21,7 +21,7 @@ from executor.model import ForwardBatch
 from executor.parallel import all_reduce, broadcast
 from executor.runner import LoadedModel, ModelRunner
 from executor.scheduler import Chunk
-from kernels import dispatch
+from pagedkv_kernels import dispatch
 
 log = structlog.get_logger("executor")
 

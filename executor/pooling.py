@@ -18,7 +18,7 @@ import torch
 from executor.model import ForwardBatch, PagedCausalLM
 from executor.model_config import ModelConfig
 from executor.runner import zeroed_tensors
-from kernels import dispatch
+from pagedkv_kernels import dispatch
 
 MAX_PROMPTS_ROUNDED = 64
 

@@ -29,8 +29,8 @@ from executor.model_config import ModelConfig, UnsupportedModel
 from executor.parallel import Collectives, Shard, local_config
 from executor.parallel_load import iter_shard_weights
 from executor.scheduler import Chunk
-from kernels import SUPPORTED_HEAD_DIMS, dispatch
-from kernels.quant import kv_cache_dtype
+from pagedkv_kernels import SUPPORTED_HEAD_DIMS, dispatch
+from pagedkv_kernels.quant import kv_cache_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

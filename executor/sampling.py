@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from executor.params import SamplingParams
-from kernels.pointwise import argmax_rows
+from pagedkv_kernels.pointwise import argmax_rows
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n choices apart
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grimp
 
-ROOTS = ("pagedkv", "gateway", "executor", "blockd", "kernels", "common")
+ROOTS = ("pagedkv", "gateway", "executor", "blockd", "pagedkv_kernels", "common")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from executor.model_config import ModelConfig
 from executor.models.rotary import Rotary, partial_rotary_order
-from kernels import dispatch, moe, pointwise
-from kernels import linear as cpu_linear
+from pagedkv_kernels import dispatch, moe, pointwise
+from pagedkv_kernels import linear as cpu_linear
 
 if TYPE_CHECKING:
     from executor.parallel import Collectives
@@ -49,7 +49,7 @@ class ForwardBatch:
 
 class Linear(nn.Linear):
     """`nn.Linear` without its random initialisation: every parameter is loaded from the checkpoint. On the CPU
-    its weight is packed for oneDNN once loaded (`prepare`; `kernels.linear`), and the product runs on that."""
+    its weight is packed for oneDNN once loaded (`prepare`; `pagedkv_kernels.linear`), and the product runs on that."""
 
     packed: torch.Tensor | None = None
 
@@ -262,7 +262,7 @@ class SparseMoE(nn.Module):
         self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
     def prepare(self) -> None:
-        """Each expert's two weights packed for the CPU's matmuls (`kernels.linear`), where they pack."""
+        """Each expert's two weights packed for the CPU's matmuls (`pagedkv_kernels.linear`), where they pack."""
         pairs = [
             (cpu_linear.pack(gate_up), cpu_linear.pack(down))
             for gate_up, down in zip(self.experts_gate_up.detach(), self.experts_down.detach(), strict=True)

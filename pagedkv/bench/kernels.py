@@ -20,10 +20,10 @@ import click
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import paged_attention
-from kernels.heuristics import choose_num_splits, device_num_sms
-from kernels.validate import SUPPORTED_BLOCK_SIZES
 from pagedkv.bench.common import table_lines
+from pagedkv_kernels.dispatch import paged_attention
+from pagedkv_kernels.heuristics import choose_num_splits, device_num_sms
+from pagedkv_kernels.validate import SUPPORTED_BLOCK_SIZES
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 128
 DECODE_BATCHES, DECODE_CONTEXTS = (1, 8, 64, 256), (512, 2048, 8192, 32768)

@@ -1,4 +1,4 @@
-"""`pagedkv bench moe`: the mixture-of-experts feed-forward (`kernels.moe.experts`) against every expert on every token.
+"""`pagedkv bench moe`: the mixture-of-experts feed-forward (`pagedkv_kernels.moe`) against every expert on every token.
 
 For each token count: the grouped CPU path ("torch"), on CUDA also the fused Triton kernel, and the dense form that
 runs all E experts on all T tokens and masks by the routing weights (what a model without grouping does). Reports
@@ -20,8 +20,8 @@ import click
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import experts
 from pagedkv.bench.common import table_lines
+from pagedkv_kernels.moe import experts
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENS, QUICK_TOKENS = (1, 8, 64, 256, 2048), (1, 64)

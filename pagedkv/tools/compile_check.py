@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from kernels.heuristics import next_power_of_two
+from pagedkv_kernels.heuristics import next_power_of_two
 
 _PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -26,7 +26,7 @@ _FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
 def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
-    from kernels import triton_attention as ta
+    from pagedkv_kernels import triton_attention as ta
 
     # (dtype, head_dim, group, block_size, num_tokens, num_seqs, options): decode, prefill, mixed; GQA/MQA/MHA;
     # options: "" none, or w (sliding window), c (softcap), s (sinks, the given dtype).
@@ -127,7 +127,7 @@ def _attention_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any
 
 
 def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
-    from kernels import triton_cache as tc
+    from pagedkv_kernels import triton_cache as tc
 
     for dtype, head_dim, heads, block_size, slot in (
         ("bfloat16", 128, 8, 16, "i64"),
@@ -172,7 +172,7 @@ def _cache_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], i
 
 
 def _moe_cases() -> Iterator[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
-    from kernels import triton_moe as tm
+    from pagedkv_kernels import triton_moe as tm
 
     # (dtype, pairs, experts, hidden, inter, biased, activation): decode and prefill of Mixtral/Qwen3-MoE/gpt-oss.
     for dtype, pairs, experts, hidden, inter, biased, activation in (

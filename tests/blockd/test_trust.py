@@ -16,7 +16,7 @@ from blockd.errors import BlockdError, ErrorCode
 from blockd.manager import Limits
 from common.limits import SUPPORTED_BLOCK_SIZES
 from common.tokens import pack_tokens
-from kernels import validate
+from pagedkv_kernels import validate
 from tests.support.waiting import holds_throughout, wait_for
 
 BS = 4

@@ -116,7 +116,9 @@ def test_the_disk_tier_survives_a_kill_and_drops_every_bad_file(tiny_models, dae
     assert cached == BS  # the first block loaded; the rest computed from the corrupt one on
     executor.stop()  # kill -9
     good = next(f for f in disk.iterdir() if f.suffix == ".kvb")
-    layout = json.loads(good.read_bytes()[48 : good.read_bytes().index(b"}") + 1])  # (after the 48-byte header)
+    # The layout JSON follows the 48-byte header, its length in bytes 6-8 (a "}" can fall in the hash or checksum).
+    layout_length = int.from_bytes(good.read_bytes()[6:8], "little")
+    layout = json.loads(good.read_bytes()[48 : 48 + layout_length])
     other = KvLayout(**{**layout, "model_id": "another-model"})
     planted = {
         "foreign-layout": encode_block(other, b"\x01" * 16, b"\x00" * other.block_bytes),

@@ -18,7 +18,7 @@ import gateway
 names = [f"gateway.{m.name}" for m in pkgutil.iter_modules(gateway.__path__)]
 for name in names:
     importlib.import_module(name)
-    heavy = sorted(m for m in ("torch", "transformers", "kernels", "triton") if m in sys.modules)
+    heavy = sorted(m for m in ("torch", "transformers", "pagedkv_kernels", "triton") if m in sys.modules)
     assert not heavy, f"importing {name} loaded {heavy}"
 print(len(names))
 """

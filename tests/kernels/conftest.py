@@ -22,7 +22,7 @@ if os.environ.get("PAGEDKV_TEST_DEVICE", "cpu") == "cpu":
 @pytest.fixture
 def native(monkeypatch):
     """The native CPU kernels' library, chosen for the test (a build failure fails it)."""
-    from kernels import cpu_native
+    from pagedkv_kernels import cpu_native
 
     monkeypatch.setenv(cpu_native.CHOICE_ENV, "native")
     lib = cpu_native.library()

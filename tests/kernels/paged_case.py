@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import reference
+from pagedkv_kernels import reference
 
 DEVICE = torch.device(os.environ.get("PAGEDKV_TEST_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import dispatch, reference
+from pagedkv_kernels import dispatch, reference
 from tests.kernels.attention_options import COMBINATIONS, dense_attention, fresh_seed, random_case
 from tests.kernels.paged_case import DEVICE, TOLERANCES, float64_oracle, make_batch, poisoned_like
 
@@ -218,7 +218,7 @@ def test_a_window_past_any_length_is_no_window(backend):
 
 
 def test_a_long_chunk_with_softcap_goes_in_query_slices_and_stays_exact(monkeypatch):
-    from kernels import torch_batched
+    from pagedkv_kernels import torch_batched
 
     monkeypatch.setattr(torch_batched, "EXPLICIT_SCORES", 4 * 100 * 7)  # 7 queries a slice over 100 keys, 4 heads
     batch = make_batch(

@@ -1,4 +1,4 @@
-"""The native CPU decode-attention kernel (`kernels.cpu_native`): against the float64 reference on fresh random
+"""The native CPU decode-attention kernel (`pagedkv_kernels.cpu_native`): against the float64 reference on fresh random
 paged batches, its refusals of bad metadata, and how it is built, cached and chosen."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from kernels import cpu_native, dispatch
+from pagedkv_kernels import cpu_native, dispatch
 from tests.kernels.paged_case import float64_oracle, make_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -216,7 +216,7 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_native_fails(tmp_
     cpu_native._warn_once.cache_clear()
     try:
         monkeypatch.setenv(cpu_native.CHOICE_ENV, "auto")
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="pagedkv_kernels.cpu_native"):
             assert cpu_native.library() is None
         assert "fall back to torch" in caplog.text and "no-such-compiler" in caplog.text
         batch = _one_row()  # and the torch backend still answers, by gathering

@@ -1,4 +1,4 @@
-"""The native CPU prefill-attention kernel (`kernels.cpu_native.prefill_attention`): chunks of several query
+"""The native CPU prefill-attention kernel (`pagedkv_kernels.cpu_native.prefill_attention`): chunks of several query
 tokens over their cached prefix, against the float64 reference on fresh random paged batches swept over head
 sizes, GQA ratios, block sizes, cache dtypes and chunk shapes (tiles of 16, 8 and 4 tokens, partial last blocks,
 shared prefixes); and its refusals of bad metadata, before anything is written."""
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_native, dispatch
+from pagedkv_kernels import cpu_native, dispatch
 from tests.kernels.attention_options import fresh_seed
 from tests.kernels.paged_case import float64_oracle, make_batch
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import dispatch, reference, torch_batched
+import pagedkv_kernels
+from pagedkv_kernels import dispatch, reference, torch_batched
 from tests.kernels.paged_case import make_batch, needs_interpreter
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -84,7 +84,7 @@ def test_calls_reach_the_chosen_implementation(monkeypatch, how):
     backend = "triton" if how == "argument" else "auto"
     if how == "env":
         monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
-    kernels.paged_attention(*batch.args(), backend=backend)
+    pagedkv_kernels.paged_attention(*batch.args(), backend=backend)
     assert (torch_calls, tri_calls) == (([], ["paged_attention"]) if how != "auto" else (["paged_attention"], []))
 
 
@@ -96,9 +96,9 @@ def test_cache_ops_dispatch_too(monkeypatch):
     tri_calls = _spy(monkeypatch, triton_cache, "write_kv")
     cache = torch.zeros(2, 8, 1, 64)
     kv = torch.ones(1, 1, 64)
-    kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]))
-    kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]), backend="reference")
-    kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]), backend="triton")
+    pagedkv_kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]))
+    pagedkv_kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]), backend="reference")
+    pagedkv_kernels.write_kv(kv, kv, cache, cache.clone(), torch.tensor([3]), backend="triton")
     assert ref_calls == ["write_kv"] and torch_calls == ["write_kv"] and tri_calls == ["write_kv"]
 
 

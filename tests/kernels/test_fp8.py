@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks, paged_attention, pointwise, quant, reference, write_kv
+from pagedkv_kernels import copy_blocks, paged_attention, pointwise, quant, reference, write_kv
 from tests.kernels.paged_case import DEVICE, ON_GPU, TOLERANCES, make_batch, poisoned_like
 
 FP8 = quant.FP8_DTYPES

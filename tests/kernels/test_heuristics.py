@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.heuristics import DEFAULT_NUM_SMS, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, choose_num_splits, next_power_of_two
+from pagedkv_kernels.heuristics import (
+    DEFAULT_NUM_SMS,
+    MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT,
+    choose_num_splits,
+    next_power_of_two,
+)
 
 
 def test_full_gpu_is_never_split():

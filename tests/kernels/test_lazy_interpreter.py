@@ -13,7 +13,7 @@ import sys
 SCRIPT = r"""
 import os, torch, triton, triton.language  # Triton first, in compiled mode
 assert not os.environ.get("TRITON_INTERPRET")
-from kernels import dispatch
+from pagedkv_kernels import dispatch
 torch.manual_seed(0)
 blocks, bs, hkv, d = 6, 16, 2, 32
 k_cache, v_cache = torch.randn(blocks, bs, hkv, d), torch.randn(blocks, bs, hkv, d)

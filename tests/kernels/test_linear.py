@@ -1,4 +1,4 @@
-"""`kernels.linear`: the product on oneDNN-packed weights against a float64 reference on random shapes (decode
+"""`pagedkv_kernels.linear`: the product on oneDNN-packed weights against a float64 reference on random shapes (decode
 rows, prefill chunks, sizes off any tile), with and without bias; the choices PAGEDKV_CPU_LINEAR gives; and the
 fallback where a weight does not pack."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import linear as cpu_linear
+from pagedkv_kernels import linear as cpu_linear
 
 
 def _random(seed: int, rows: int, inp: int, out: int, dtype: torch.dtype, bias: bool):

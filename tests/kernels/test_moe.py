@@ -1,6 +1,6 @@
-"""`kernels.moe.experts`: the grouped torch path and the Triton kernel (interpreted on the CPU) against the float64
-per-token reference on fresh random shapes; the reference against transformers' own expert modules; the grouped
-path never touching an expert no token chose; and the checks that refuse bad calls."""
+"""`pagedkv_kernels.moe.experts`: the grouped torch path and the Triton kernel (interpreted on the CPU)
+against the float64 per-token reference on fresh random shapes; the reference against transformers' own expert
+modules; the grouped path never touching an expert no token chose; and the checks that refuse bad calls."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from kernels import linear as cpu_linear
-from kernels import moe
+from pagedkv_kernels import linear as cpu_linear
+from pagedkv_kernels import moe
 
 DEVICE = torch.device(os.environ.get("PAGEDKV_TEST_DEVICE", "cpu"))
 
@@ -134,7 +134,7 @@ def test_triton_reads_strided_weights():
 
 
 def test_triton_plan_tiles_hold_one_expert_each():
-    from kernels import dispatch
+    from pagedkv_kernels import dispatch
 
     plan = dispatch.triton_module("triton_moe", DEVICE)._plan
     ids = torch.tensor([[3, 0], [3, 5], [0, 3], [3, 7], [9, 3]])  # 7 and 9 out of range for 6 experts: dropped

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_attention, triton_cache
-from kernels.triton_offsets import paged_token_offsets, slot_offset
+from pagedkv_kernels import triton_attention, triton_cache
+from pagedkv_kernels.triton_offsets import paged_token_offsets, slot_offset
 from tests.kernels.paged_case import DEVICE
 
 BLOCK_SIZE = 16

@@ -1,4 +1,4 @@
-"""The fused per-token steps (`kernels.pointwise`): the native CPU form against the torch form and a float64
+"""The fused per-token steps (`pagedkv_kernels.pointwise`): the native CPU form against the torch form and a float64
 computation of the same formula, on fresh random inputs; and the checks that keep a bad slot or position out."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native, pointwise
+from pagedkv_kernels import cpu_native, pointwise
 
 
 @pytest.fixture(params=["native", "torch"])

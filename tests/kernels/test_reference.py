@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from pagedkv_kernels import reference
 from tests.kernels.paged_case import float64_oracle, make_batch
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch, torch_batched
+from pagedkv_kernels import dispatch, torch_batched
 from tests.kernels.paged_case import float64_oracle, make_batch
 
 CASES = [
@@ -72,7 +72,7 @@ def test_write_kv_matches_the_reference_with_and_without_padding():
 
 
 def test_many_decode_rows_are_split_into_length_groups_and_stay_exact(monkeypatch):
-    from kernels import torch_batched
+    from pagedkv_kernels import torch_batched
 
     monkeypatch.setattr(torch_batched, "GROUP_POSITIONS", 200)  # forces several groups of one to a few rows
     seqs = [(1, n) for n in (3, 150, 40, 41, 199, 7, 64, 120)] + [(4, 30)]

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import paged_attention
+from pagedkv_kernels import paged_attention
 from tests.kernels.paged_case import TEST_DTYPES, TOLERANCES, float64_oracle, make_batch, poisoned_like
 
 # A mixed scheduler step: a fresh prefill, a decode token, a chunk starting mid-block (22 cached

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks, write_kv
+from pagedkv_kernels import copy_blocks, write_kv
 from tests.kernels.paged_case import DEVICE
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks, paged_attention, write_kv
+from pagedkv_kernels import copy_blocks, paged_attention, write_kv
 from tests.kernels.paged_case import TOLERANCES, float64_oracle, make_batch, needs_interpreter
 
 BACKENDS = ["reference", "torch", "triton"]

@@ -173,7 +173,7 @@ class ModelSpec:
             raise ModelSpecError("--kv-heads", f"{self.kv_heads} kv heads do not divide {self.heads} heads")
         if self.resolved_head_dim < 2 or self.resolved_head_dim % 2:
             raise ModelSpecError("--head-dim", f"head dim {self.resolved_head_dim} must be even (rotary pairs)")
-        from kernels.validate import SUPPORTED_HEAD_DIMS  # imports torch: not at module level (fast --help)
+        from pagedkv_kernels.validate import SUPPORTED_HEAD_DIMS  # imports torch: not at module level (fast --help)
 
         if self.resolved_head_dim not in SUPPORTED_HEAD_DIMS:  # what the paged-attention kernels are built for
             raise ModelSpecError(

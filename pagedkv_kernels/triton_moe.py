@@ -1,7 +1,7 @@
-"""The fused mixture-of-experts kernel: every token's top-k experts in one launch (`kernels.moe` calls it).
+"""The fused mixture-of-experts kernel: every token's top-k experts in one launch (`pagedkv_kernels.moe` calls it).
 
 The tile plan, the fused program and its atomic float32 sum are told in docs/kernels.md ("Mixture of experts").
-Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
+Import after TRITON_INTERPRET is settled (see pagedkv_kernels.dispatch): `@triton.jit` reads it at decoration.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.heuristics import next_power_of_two
-from kernels.triton_offsets import INTERPRETED
+from pagedkv_kernels.heuristics import next_power_of_two
+from pagedkv_kernels.triton_offsets import INTERPRETED
 
 if bool(triton.knobs.runtime.interpret) != INTERPRETED:
-    # A compiled kernel cannot call interpreted helpers or vice versa; see kernels.dispatch.
-    raise ImportError("TRITON_INTERPRET changed between importing kernels.triton_offsets and this module")
+    # A compiled kernel cannot call interpreted helpers or vice versa; see pagedkv_kernels.dispatch.
+    raise ImportError("TRITON_INTERPRET changed between importing pagedkv_kernels.triton_offsets and this module")
 
 ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
@@ -190,7 +190,7 @@ def experts(
     alpha: float,
     limit: float,
 ) -> torch.Tensor:
-    """The routed sum `[T, H]` in float32 (inputs checked by `kernels.moe`)."""
+    """The routed sum `[T, H]` in float32 (inputs checked by `pagedkv_kernels.moe`)."""
     num_tokens, top_k = expert_ids.shape
     num_experts, two_i, hidden_size = w_gate_up.shape
     inter = two_i // 2

@@ -2,7 +2,7 @@
 
 Triton integer scalars and loaded int32 block ids multiply in int32 unless told otherwise, and a real pool passes
 2**31 elements (e.g. 70k blocks x 16 x 8 x 128): every offset into a cache is widened to int64 *before* the first
-multiplication, here and only here. Import after TRITON_INTERPRET is settled (see kernels.dispatch).
+multiplication, here and only here. Import after TRITON_INTERPRET is settled (see pagedkv_kernels.dispatch).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _interpret_triton_language() -> None:
 
     torch imports Triton early; if that happened before TRITON_INTERPRET was set, those helpers were decorated
     as compiled-mode functions, which interpreted kernels cannot call. Re-wrap them: from here on this process
-    runs Triton interpreted only (see kernels.dispatch)."""
+    runs Triton interpreted only (see pagedkv_kernels.dispatch)."""
     for name, obj in list(vars(standard).items()):
         if isinstance(obj, JITFunction) and not isinstance(obj, InterpretedFunction):
             interpreted = InterpretedFunction(obj.fn)

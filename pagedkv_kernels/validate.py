@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from common.limits import SUPPORTED_BLOCK_SIZES
-from kernels.quant import FP8_DTYPES
-from kernels.reference import first_visible
+from pagedkv_kernels.quant import FP8_DTYPES
+from pagedkv_kernels.reference import first_visible
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
-#: A cache holds the model's dtype, or fp8 (`kernels.quant`): written from and read into the model's dtype.
+#: A cache holds the model's dtype, or fp8 (`pagedkv_kernels.quant`): written from and read into the model's dtype.
 CACHE_DTYPES: tuple[torch.dtype, ...] = SUPPORTED_DTYPES + FP8_DTYPES
 
 

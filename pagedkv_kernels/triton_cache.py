@@ -1,6 +1,6 @@
 """Triton kernels that move K/V within the paged caches: scatter new tokens in, copy blocks on fork.
 
-Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
+Import after TRITON_INTERPRET is settled (see pagedkv_kernels.dispatch): `@triton.jit` reads it at decoration.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.heuristics import next_power_of_two
-from kernels.quant import fp8_max, is_fp8
-from kernels.triton_offsets import INTERPRETED, slot_offset
+from pagedkv_kernels.heuristics import next_power_of_two
+from pagedkv_kernels.quant import fp8_max, is_fp8
+from pagedkv_kernels.triton_offsets import INTERPRETED, slot_offset
 
 if bool(triton.knobs.runtime.interpret) != INTERPRETED:
-    # A compiled kernel cannot call interpreted helpers or vice versa; see kernels.dispatch.
-    raise ImportError("TRITON_INTERPRET changed between importing kernels.triton_offsets and this module")
+    # A compiled kernel cannot call interpreted helpers or vice versa; see pagedkv_kernels.dispatch.
+    raise ImportError("TRITON_INTERPRET changed between importing pagedkv_kernels.triton_offsets and this module")
 
 # Elements one program moves per (block, chunk) in copy_blocks; a block is usually 16 x 8 x 128 = 16k.
 _COPY_CHUNK = 4096
@@ -50,7 +50,7 @@ def _write_kv_kernel(
     FP8_MAX: tl.constexpr,
 ):
     """Program (token, head block): copy BLOCK_H heads of one token's K and V into its slot; FP8_MAX > 0: an fp8
-    cache, each element divided by its scale and saturated to +-FP8_MAX first (`kernels.quant`)."""
+    cache, each element divided by its scale and saturated to +-FP8_MAX first (`pagedkv_kernels.quant`)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):

@@ -1,9 +1,9 @@
 """Paged attention and KV write on the CPU: the CPU serving backend.
 
-Where the native kernels build (`kernels.cpu_native`, the default), decode rows and prefill chunks alike go to them,
+Where the native kernels build (`cpu_native`, the default), decode rows and prefill chunks alike go to them,
 which read K/V blocks where they lie. The rest of this module is the batched-torch path used without them.
 
-The reference (`kernels.reference`) loops over sequences in plain einsum, which is clear and right but spends a
+The reference (`pagedkv_kernels.reference`) loops over sequences in plain einsum, which is clear and right but spends a
 CPU step in Python and temporaries once dozens of sequences decode together. Here the decode rows (one query
 token each) go through a gather + `scaled_dot_product_attention` in a few calls, grouped by context length and
 padded to each group's longest, masked. The gather copies whole blocks (one `index_select` over the block dim,
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, quant, reference
+from pagedkv_kernels import cpu_native, quant, reference
 
 
 def write_kv(
@@ -48,7 +48,7 @@ def write_kv(
 
 @dataclass(frozen=True)
 class Options:
-    """paged_attention's optional features (see `kernels.dispatch`); a call without any passes None instead."""
+    """paged_attention's optional features (see `pagedkv_kernels.dispatch`); a call without any passes None instead."""
 
     sliding_window: int | None
     softcap: float | None
@@ -180,7 +180,7 @@ def _length_groups(rows: list[int], spans: list[int]) -> list[list[int]]:
 
 
 def _native(lib, q, key_cache, value_cache, rows: StepRows, scale, out, options) -> None:
-    """Every row by the native kernels, which read blocks in place (`kernels.cpu_native`): the decode rows in one
+    """Every row by the native kernels, which read blocks in place (`cpu_native`): the decode rows in one
     call, the prefill chunks in another."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     q32 = q.to(torch.float32).contiguous()

@@ -3,7 +3,7 @@
 Why native: on the CPU, batched torch has to gather every decode row's blocks into a contiguous copy before SDPA
 can read them, so each step moves the whole KV cache three times (read, write, read again); this kernel reads each
 block once, where it lies. On a 2-core VM with 256 rows of 16-512 tokens it took 4.1 ms a layer against 14 ms.
-The fused per-token steps (`kernels.pointwise`) replace a dozen small torch ops a layer, each a pass over memory
+The fused per-token steps (`pagedkv_kernels.pointwise`) replace a dozen small torch ops a layer, each a pass over memory
 and a dispatch, with one pass.
 
 The source is compiled by the system C++ compiler ($CXX, else c++) with `-O3 -march=native -fopenmp` into
@@ -195,7 +195,7 @@ def decode_attention(
 
     q [T, h, d] and out [T, h, d] float32 contiguous; caches [blocks, block_size, kv_heads, d] contiguous, of one
     dtype in `_DTYPES`; block_tables [S, W] and seq_lens [S] int32; tokens and seqs [R] int64. The options are
-    `kernels.dispatch.paged_attention`'s; sinks float32 contiguous [h]."""
+    `pagedkv_kernels.dispatch.paged_attention`'s; sinks float32 contiguous [h]."""
     tables, lens = _check_attention(
         q, key_cache, value_cache, block_tables, seq_lens, out, sliding_window, softcap, sinks
     )

@@ -3,11 +3,11 @@
 Backend choice, first match wins:
 1. the call's `backend=` argument when it is not "auto";
 2. the environment variable PAGEDKV_KERNELS = triton | reference | auto;
-3. auto: Triton for CUDA tensors, the CPU backend (`kernels.torch_batched`: its decode rows by the native kernel of
-   `kernels.cpu_native`, or gathered for SDPA where it does not build) for CPU tensors.
+3. auto: Triton for CUDA tensors, the CPU backend (`torch_batched`: its decode rows by the native kernel of
+   `cpu_native`, or gathered for SDPA where it does not build) for CPU tensors.
 
 "reference" is the plain per-sequence loop the tests use as their oracle; "torch" differs from it in paged
-attention (decode rows batched or native) and, through `kernels.pointwise`, in a KV write fused with the rotary
+attention (decode rows batched or native) and, through `pagedkv_kernels.pointwise`, in a KV write fused with the rotary
 embedding for float32 CPU tensors (block copy is the same function).
 
 Forcing Triton on CPU tensors runs the kernels under the Triton interpreter. Triton decides between
@@ -30,8 +30,8 @@ from typing import Literal
 
 import torch
 
-from kernels import quant, reference, torch_batched, validate
-from kernels.heuristics import MAX_SPLITS
+from pagedkv_kernels import quant, reference, torch_batched, validate
+from pagedkv_kernels.heuristics import MAX_SPLITS
 
 Backend = Literal["auto", "triton", "torch", "reference"]
 BACKEND_ENV = "PAGEDKV_KERNELS"
@@ -55,9 +55,9 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
 
 
 def triton_module(name: Literal["triton_attention", "triton_cache", "triton_moe"], device: torch.device) -> ModuleType:
-    """Import `kernels.<name>`, under the Triton interpreter when the tensors are on the CPU."""
-    full_name = f"kernels.{name}"
-    if device.type == "cpu" and "kernels.triton_offsets" not in sys.modules:  # imported first by both
+    """Import `pagedkv_kernels.<name>`, under the Triton interpreter when the tensors are on the CPU."""
+    full_name = f"pagedkv_kernels.{name}"
+    if device.type == "cpu" and "pagedkv_kernels.triton_offsets" not in sys.modules:  # imported first by both
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the import: @triton.jit reads it then
     module = importlib.import_module(full_name)
     if device.type == "cpu" and not module.INTERPRETED:
@@ -86,7 +86,7 @@ def write_kv(
         key, value: `[num_tokens, num_kv_heads, head_dim]`, same dtype as the caches, or any model dtype for
             fp8 caches (last dim dense).
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous; float8_e4m3fn or
-            float8_e5m2 caches store `key / k_scale` and `value / v_scale` saturated (`kernels.quant`).
+            float8_e5m2 caches store `key / k_scale` and `value / v_scale` saturated (`quant`).
         slot_mapping: `[num_tokens]` int32/int64; slot = block_id * block_size + offset, -1 = padding
             (that token is skipped and the cache left untouched).
         k_scale, v_scale: the per-tensor scales of fp8 caches (1.0 for any other cache).

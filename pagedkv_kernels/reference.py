@@ -2,7 +2,7 @@
 
 Written for clarity, not speed: one Python loop over sequences, math in float32 (float64 when given
 float64 inputs, which is how the tests build their high-precision oracle). Inputs are assumed to be
-validated already (see `kernels.validate`); these functions do not check them again.
+validated already (see `pagedkv_kernels.validate`); these functions do not check them again.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import quant
+from pagedkv_kernels import quant
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,7 +29,7 @@ def write_kv(
     v_scale: float = 1.0,
 ) -> None:
     """Scatter token i's K/V into slot `slot_mapping[i]` of the caches; slot -1 is padding and skipped. An fp8
-    cache gets them quantized (`kernels.quant`)."""
+    cache gets them quantized (`pagedkv_kernels.quant`)."""
     if quant.is_fp8(key_cache.dtype):
         key, value = quant.quantize(key, key_cache.dtype, k_scale), quant.quantize(value, value_cache.dtype, v_scale)
     slots = slot_mapping.to(torch.int64)
@@ -80,7 +80,7 @@ def paged_attention(
 
     Query token i of a sequence with q_len queries and kv_len cached tokens sits at absolute position
     p = kv_len - q_len + i and sees positions k <= p (and p - k < sliding_window). Scores are
-    `softcapped(q . k * scale)`; a head's sink logit joins its softmax denominator (see `kernels.dispatch`).
+    `softcapped(q . k * scale)`; a head's sink logit joins its softmax denominator (see `pagedkv_kernels.dispatch`).
     """
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]

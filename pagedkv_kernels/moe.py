@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch, pointwise
-from kernels import linear as cpu_linear
+from pagedkv_kernels import dispatch, pointwise
+from pagedkv_kernels import linear as cpu_linear
 
 Activation = Literal["silu", "gelu_tanh", "swiglu_oai"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "swiglu_oai")
@@ -56,9 +56,9 @@ def experts(
             "swiglu_oai" (gpt-oss): gate clamped to <= limit, up to [-limit, limit],
             (up + 1) * gate * sigmoid(alpha * gate).
         alpha, limit: the swiglu_oai constants (ignored by the other activations).
-        backend: "auto" | "triton" | "torch" | "reference" (see `kernels.dispatch`).
+        backend: "auto" | "triton" | "torch" | "reference" (see `pagedkv_kernels.dispatch`).
         out: optional `[T, H]` output of hidden's dtype on its device; may be `hidden` itself.
-        packed: per expert, its gate_up and down weights as `kernels.linear.pack` gave them (the CPU path's
+        packed: per expert, its gate_up and down weights as `pagedkv_kernels.linear.pack` gave them (the CPU path's
             matmuls then run on those); None: the plain weights.
     """
     _check(hidden, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit, out)

@@ -25,7 +25,7 @@ never loaded nor looked up: they may have been freed), adds a masked head segmen
 tile no longer see, and masks p - k >= window in masked tiles. A softcap maps the scaled scores through
 cap * tanh(. / cap) before the mask. Sinks join the denominator at the end (or in the split reduce).
 
-Import after TRITON_INTERPRET is settled (see kernels.dispatch): `@triton.jit` reads it at decoration.
+Import after TRITON_INTERPRET is settled (see pagedkv_kernels.dispatch): `@triton.jit` reads it at decoration.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.heuristics import choose_num_splits, device_num_sms, next_power_of_two
-from kernels.triton_offsets import INTERPRETED, paged_token_offsets
+from pagedkv_kernels.heuristics import choose_num_splits, device_num_sms, next_power_of_two
+from pagedkv_kernels.triton_offsets import INTERPRETED, paged_token_offsets
 
 if bool(triton.knobs.runtime.interpret) != INTERPRETED:
-    # A compiled kernel cannot call interpreted helpers or vice versa; see kernels.dispatch.
-    raise ImportError("TRITON_INTERPRET changed between importing kernels.triton_offsets and this module")
+    # A compiled kernel cannot call interpreted helpers or vice versa; see pagedkv_kernels.dispatch.
+    raise ImportError("TRITON_INTERPRET changed between importing pagedkv_kernels.triton_offsets and this module")
 
 LOG2_E = 1.4426950408889634
 

@@ -2,7 +2,7 @@
 and greedy sampling's argmax over each row of logits.
 
 Each has one torch form (any device, any dtype: the reference the model used to inline) and, for float32 CPU
-tensors, a fused native one (`kernels.cpu_native`: one pass over the rows where torch makes several, and one call
+tensors, a fused native one (`cpu_native`: one pass over the rows where torch makes several, and one call
 where it makes a dozen dispatches). The native forms compute the same formulas in float32; only the order of the
 sums in the norm differs, so results agree to float32 rounding (tests/kernels/test_pointwise.py).
 """
@@ -14,7 +14,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, dispatch
+from pagedkv_kernels import cpu_native, dispatch
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -78,7 +78,7 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """Split qkv [T, (heads + 2 kv_heads) d], rotate q and k by each token's position (cos/sin tables
     [max_position, d]), write k and v into the caches at `slot_mapping`; the rotated q [T, heads, d], contiguous.
-    An fp8 cache (`kernels.quant`) takes the torch form, whose `write_kv` quantizes with `k_scale` / `v_scale`."""
+    An fp8 cache (`quant`) takes the torch form, whose `write_kv` quantizes with `k_scale` / `v_scale`."""
     _, _, kv_heads, head_dim = key_cache.shape
     tokens = qkv.shape[0]
     lib = _native(qkv, key_cache, cos_table) if dispatch.resolve_backend(backend, qkv.device) == "torch" else None
