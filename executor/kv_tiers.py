@@ -13,6 +13,7 @@ as fast as BLAKE2b where the CPU has SHA instructions (x86 SHA-NI, Arm's SHA2), 
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +55,10 @@ class KvLayout:
         return 2 * self.num_layers * self.layer_bytes
 
     def encoded(self) -> bytes:
+        return self._encoded
+
+    @functools.cached_property
+    def _encoded(self) -> bytes:  # (every block read and write checks it: made once)
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
     @property
@@ -105,15 +110,17 @@ def write_block_file(path: Path, layout: KvLayout, block_hash: bytes, payload: b
         raise
 
 
-def read_block_file(layout: KvLayout, block_hash: bytes, file: BinaryIO) -> memoryview:
-    """The checked payload of an open block file (closed after), writable, so a tensor can wrap it without a copy.
+def read_block_file(layout: KvLayout, block_hash: bytes, file: BinaryIO, buffer: bytearray | None = None) -> memoryview:
+    """The checked payload of an open block file (closed after), writable, so a tensor can wrap it without a copy:
+    a view of `buffer` where the file fits in it (a reader's reused buffer), of a new one where not.
     Raises BadBlock (why it must not be read) or OSError (it cannot be read). Called off the step's thread: a
     file opened there is read here even if it has been deleted or replaced since (its open descriptor keeps it).
     It reads the header first and then only what the header says, plus a byte: a file that claims more than
     `MAX_READ_BYTES` (or four of this layout's) is another layout's, whatever else it holds, and is not read."""
     with file:
-        head = _read_into(file, bytearray(_HEADER.size))
-        if len(head) == _HEADER.size:
+        head = bytearray(_HEADER.size)
+        data: bytearray | memoryview = head[: _read_into(file, memoryview(head))]
+        if len(data) == _HEADER.size:
             magic, fmt, layout_len, payload_len, stored_hash, _ = _HEADER.unpack_from(head)
             total = _HEADER.size + layout_len + payload_len
             if magic == MAGIC and fmt == FORMAT and total > max(MAX_READ_BYTES, 4 * layout.file_bytes):
@@ -123,23 +130,23 @@ def read_block_file(layout: KvLayout, block_hash: bytes, file: BinaryIO) -> memo
                     theirs=stored_hash == block_hash,
                 )
             if magic == MAGIC and fmt == FORMAT:
-                data = bytearray(total + 1)
-                data[: _HEADER.size] = head
-                head = _read_into(file, data, _HEADER.size)
-    return decode_block(layout, block_hash, head)
+                if buffer is None or len(buffer) < total + 1:
+                    buffer = bytearray(total + 1)
+                view = memoryview(buffer)[: total + 1]
+                view[: _HEADER.size] = head
+                data = view[: _read_into(file, view, _HEADER.size)]
+    return decode_block(layout, block_hash, data)
 
 
-def _read_into(file: BinaryIO, data: bytearray, start: int = 0) -> bytearray:
-    """Fill `data` from `start` as far as the file goes; returns it cut to what was read."""
+def _read_into(file: BinaryIO, view: memoryview, start: int = 0) -> int:
+    """Fill `view` from `start` as far as the file goes; returns how far it got."""
     got = start
-    with memoryview(data) as view:
-        while got < len(data) and (n := file.readinto(view[got:])):
-            got += n
-    del data[got:]
-    return data
+    while got < len(view) and (n := file.readinto(view[got:])):
+        got += n
+    return got
 
 
-def decode_block(layout: KvLayout, block_hash: bytes, data: bytes | bytearray) -> memoryview:
+def decode_block(layout: KvLayout, block_hash: bytes, data: bytes | bytearray | memoryview) -> memoryview:
     """The payload of a block file, or BadBlock saying why it must not be read."""
     if len(data) < _HEADER.size:
         raise BadBlock(Dropped.TRUNCATED, f"{len(data)} bytes, less than a header")

@@ -116,7 +116,7 @@ class SharedStore:
         if queued is not None:
             return queued
         try:
-            return self._path(block_hash).open("rb")
+            return self._path(block_hash).open("rb", buffering=0)  # (read whole into a buffer: no copy through another)
         except OSError as exc:  # gone (discarded by another executor, or deleted by hand)
             self._drop(block_hash, Dropped.TRUNCATED, f"cannot read it: {exc.strerror or exc}", delete=False)
             return None

@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,8 +57,11 @@ COUNTERS = (
     "write_failures",
 )
 # Threads that read and check block files (file reads and SHA-256 let go of the GIL: they run side by side, and
-# beside the step's forward pass).
-READERS = max(1, min(4, os.cpu_count() or 1))
+# beside the step's forward pass); the step's thread is one more while it waits for them (`TierStore._wait`). On
+# 2 CPUs a second reader beside it made 40 loads a third slower (144 against 107 us a block): they only took turns.
+READERS = max(1, min(4, (os.cpu_count() or 1) - 1))
+# Free read buffers kept for reuse (executor.tier_store._ReadBuffers), in bytes.
+READ_BUFFER_BYTES = 64 << 20
 
 
 @dataclass
@@ -89,6 +92,29 @@ class _Read:
     taken: bool = False  # (under TierStore._claims)
     payload: memoryview | None = None
     error: BaseException | None = None
+    buffer: bytearray | None = None  # what it read into: back to the pool once landed or thrown away
+
+
+class _ReadBuffers:
+    """Read buffers a block file's size (and a byte, to tell a longer file), used again and again: a new one's
+    pages are faulted in one by one as the read fills it, which cost about as much as the read and the checksum
+    together (a 128 KiB block: some 90 us of 200). Readers take them; the step's thread gives them back once their
+    bytes are copied in. It keeps up to `keep` free ones."""
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self.keep = keep
+        self._free: deque[bytearray] = deque()  # (append and pop are atomic: no lock between the threads)
+
+    def take(self) -> bytearray:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return bytearray(self.size)
+
+    def give(self, buffer: bytearray | None) -> None:
+        if buffer is not None and len(self._free) < self.keep:
+            self._free.append(buffer)
 
 
 class TierStore:
@@ -108,6 +134,8 @@ class TierStore:
         self.shared = shared
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
+        # Each layer's K and V as rows of bytes, a row a block: a block's parts are then plain row views.
+        self._rows = [t.view(t.shape[0], -1).view(torch.uint8) for kv in kv_caches for t in kv]
         block = layout.block_bytes
         self.host_blocks = host_bytes // block
         pin = self.device.type == "cuda"
@@ -130,6 +158,7 @@ class TierStore:
         self._reads: dict[int, _Read] = {}  # ticket -> a disk or shared load still to land
         self._tickets = itertools.count()
         self._claims = threading.Lock()  # guards each read's `taken`
+        self._buffers = _ReadBuffers(layout.file_bytes + 1, max(2 * READERS, READ_BUFFER_BYTES // layout.file_bytes))
         self.help_with_reads = True  # the step's thread reads local disk files while it waits for them (`_wait`)
         if disk_dir is not None and self.disk_blocks:
             disk_dir.mkdir(parents=True, exist_ok=True)
@@ -164,20 +193,19 @@ class TierStore:
             if op.medium == MEDIUM_SHARED:
                 self._run_shared(op, moved)
             elif op.kind == "save":
-                payload = self._device_block(op.block)
                 if op.medium == MEDIUM_CPU:
-                    self._to_host(op.slot, payload, op.block_hash)
+                    self._to_host(op.slot, op.block, op.block_hash)
                 else:
-                    self._to_disk(op.block_hash, payload)
+                    self._to_disk(op.block_hash, self._device_block(op.block))
                 self.counters[f"saves_{op.medium.lower()}"] += 1
             elif op.kind == "spill":
                 self._sync()
-                self._to_disk(op.block_hash, self.host[op.slot].clone())
+                self._to_disk(op.block_hash, self.host[op.slot])
                 self.host_hash[op.slot] = None
                 self.counters["spills"] += 1
             elif op.kind == "load" and op.medium == MEDIUM_CPU:
                 # (now: a later op of this step may give the slot to another block; on CUDA a stream-ordered copy)
-                self._copy_in(op.block, self.host[op.slot])
+                self._copy_in([(op.block, self.host[op.slot])])
                 self.counters["loads_cpu"] += 1
             elif op.kind == "load":
                 self._begin_load(op, self._open_disk(op.block_hash), moved)
@@ -204,7 +232,7 @@ class TierStore:
         if source is None:
             moved.failed.append(op.block)
         elif isinstance(source, bytes):
-            self._copy_in(op.block, torch.frombuffer(bytearray(source), dtype=torch.uint8))
+            self._copy_in([(op.block, torch.frombuffer(bytearray(source), dtype=torch.uint8))])
             self._loaded(op, None)
         else:
             if self._readers is None:
@@ -222,7 +250,8 @@ class TierStore:
                 return
             read.taken = True
         try:
-            read.payload = read_block_file(self.layout, read.op.block_hash, read.file)
+            read.buffer = self._buffers.take()
+            read.payload = read_block_file(self.layout, read.op.block_hash, read.file, read.buffer)
         except BaseException as exc:  # (handed to the step's thread, which tells a bad file from a bug)
             read.error = exc
         finally:
@@ -235,10 +264,13 @@ class TierStore:
         landed = Landed()
         if wait_s > 0:
             self._wait(keep, wait_s)
+        arrived: list[tuple[int, torch.Tensor]] = []
+        finished: list[_Read] = []
         for ticket, read in list(self._reads.items()):
             if not read.done.is_set():
                 continue
             del self._reads[ticket]
+            finished.append(read)
             error = read.error
             if error is not None and not isinstance(error, BadBlock | OSError):
                 raise error  # (a bug, not a bad file)
@@ -250,12 +282,17 @@ class TierStore:
                 continue
             if error is None:
                 assert read.payload is not None
-                self._copy_in(read.op.block, torch.frombuffer(read.payload, dtype=torch.uint8))
+                arrived.append((read.op.block, torch.frombuffer(read.payload, dtype=torch.uint8)))
                 self._loaded(read.op, None)
                 landed.loaded.append(ticket)
             else:
                 self._failed_read(read.op, error)
                 landed.failed.append(ticket)
+        self._copy_in(arrived)  # (on CUDA from pageable memory: its bytes are taken when the call returns)
+        del arrived
+        for read in finished:
+            read.payload = None
+            self._buffers.give(read.buffer)
         landed.in_flight = len(self._reads)
         return landed
 
@@ -295,15 +332,13 @@ class TierStore:
 
     def _device_block(self, block: int) -> torch.Tensor:
         """Block `block` of every layer, K then V, as one uint8 tensor on the device."""
-        parts = []
-        for k, v in self.kv_caches:
-            parts.append(k[block].reshape(-1).view(torch.uint8))
-            parts.append(v[block].reshape(-1).view(torch.uint8))
-        return torch.cat(parts)
+        return torch.cat([rows[block] for rows in self._rows])
 
-    def _to_host(self, slot: int, payload: torch.Tensor, block_hash: bytes) -> None:
-        self.host[slot].copy_(payload, non_blocking=self.device.type == "cuda")
-        self._d2h = self._d2h or self.device.type == "cuda"
+    def _to_host(self, slot: int, block: int, block_hash: bytes) -> None:
+        parts = [rows[block] for rows in self._rows]
+        cuda = self.device.type == "cuda"
+        torch._foreach_copy_(list(self.host[slot].split(self.layout.layer_bytes)), parts, non_blocking=cuda)
+        self._d2h = self._d2h or cuda
         self.host_hash[slot] = block_hash
 
     def _to_disk(self, block_hash: bytes, payload: torch.Tensor) -> None:
@@ -316,13 +351,20 @@ class TierStore:
         self.disk.move_to_end(block_hash)
         self._queue.put(("write", block_hash))
 
-    def _copy_in(self, block: int, source: torch.Tensor) -> None:
-        """A stored block's bytes (every layer, K then V) into device `block`."""
-        source = source.to(self.device, non_blocking=True)
+    def _copy_in(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
+        """Stored blocks' bytes (every layer, K then V) into their device blocks, in one call: every torch call
+        lets go of the GIL and must take it back from the reader and writer threads, so a copy a layer and
+        block cost far more under load than the copies themselves."""
+        if not blocks:
+            return
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         n = self.layout.layer_bytes
-        for i, (k, v) in enumerate(self.kv_caches):
-            k[block].reshape(-1).view(torch.uint8).copy_(source[2 * i * n : (2 * i + 1) * n])
-            v[block].reshape(-1).view(torch.uint8).copy_(source[(2 * i + 1) * n : (2 * i + 2) * n])
+        cuda = self.device.type == "cuda"
+        for block, source in blocks:
+            targets += [rows[block] for rows in self._rows]
+            sources += (source.to(self.device, non_blocking=True) if cuda else source).split(n)
+        torch._foreach_copy_(targets, sources, non_blocking=cuda)
 
     def _open_disk(self, block_hash: bytes) -> bytes | BinaryIO | None:
         """A disk load's first half (executor.shared_tier.SharedStore.open is the shared tier's)."""
@@ -333,7 +375,7 @@ class TierStore:
         if queued is not None:  # not written yet: the bytes themselves
             return queued
         try:
-            return self._path(block_hash).open("rb")
+            return self._path(block_hash).open("rb", buffering=0)  # (read whole into a buffer: no copy through another)
         except OSError as exc:  # gone, or unreadable
             with self._lock:
                 unwritten = block_hash in self._unwritten

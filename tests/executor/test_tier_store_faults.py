@@ -117,3 +117,53 @@ def test_a_file_of_another_layout_reads_as_foreign_whatever_its_size(tmp_path: P
     with pytest.raises(BadBlock) as raised:
         read_block_file(LAYOUT, block_hash, Counted(bytes(huge)))
     assert raised.value.reason is Dropped.FOREIGN and Counted.read_bytes == 48  # the header alone
+
+
+def test_a_reused_read_buffer_never_lends_its_old_bytes(tmp_path: Path) -> None:
+    """Reads go into buffers used again and again: a file cut short, or one a byte longer than a block file, read
+    into a buffer that held a whole block is dropped (truncated, corrupt), never landed with the bytes left there;
+    a whole file lands exactly its own bytes, however many loads the buffer has served."""
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    payloads = {bytes([i]) * 16: torch.randn(LAYOUT.block_bytes // 4).numpy().tobytes() for i in range(1, 7)}
+    for block_hash, payload in payloads.items():
+        (disk / f"{block_hash.hex()}.kvb").write_bytes(encode_block(LAYOUT, block_hash, payload))
+    caches = [(torch.zeros(4, 16, 2, 32), torch.zeros(4, 16, 2, 32)) for _ in range(2)]
+    store = TierStore(LAYOUT, caches, disk_dir=disk, disk_bytes=1 << 20)  # (it scans them in)
+    try:
+        hashes = list(payloads)
+        whole, short, long = hashes[0], hashes[1], hashes[2]
+        assert run_landed(store, [TierOp("load", MEDIUM_DISK, whole, block=0)]) == []  # the buffer holds a block
+        path = disk / f"{short.hex()}.kvb"
+        path.write_bytes(path.read_bytes()[:-100])
+        path = disk / f"{long.hex()}.kvb"
+        path.write_bytes(path.read_bytes() + b"\0")
+        before = caches[0][0][1].clone()
+        assert run_landed(store, [TierOp("load", MEDIUM_DISK, short, block=1)]) == [1]
+        assert run_landed(store, [TierOp("load", MEDIUM_DISK, long, block=1)]) == [1]
+        assert torch.equal(caches[0][0][1], before)  # nothing landed
+        report = store.report()
+        assert report["dropped_truncated"] == 1 and report["dropped_corrupt"] == 1, report
+        for round_ in range(3):  # every buffer reused, in another order each time
+            order = hashes[3:] if round_ % 2 else hashes[3:][::-1]
+            ops = [TierOp("load", MEDIUM_DISK, h, block=i) for i, h in enumerate(order)]
+            assert run_landed(store, ops) == []
+            for i, block_hash in enumerate(order):
+                got = b"".join(t[i].reshape(-1).view(torch.uint8).numpy().tobytes() for kv in caches for t in kv)
+                assert got == payloads[block_hash]
+    finally:
+        store.flush()
+
+
+def test_a_read_buffer_too_small_for_the_file_is_not_used(tmp_path: Path) -> None:
+    """A file longer than the reader's buffer is read into a buffer of its own (to tell what it is), whole."""
+    block_hash = bytes([9]) * 16
+    path = tmp_path / "block.kvb"
+    payload = bytes(range(256)) * (LAYOUT.block_bytes // 256)
+    path.write_bytes(encode_block(LAYOUT, block_hash, payload))
+    small = bytearray(64)
+    got = read_block_file(LAYOUT, block_hash, path.open("rb", buffering=0), small)
+    assert bytes(got) == payload and small == bytearray(64)
+    reused = bytearray(b"\xff" * (LAYOUT.file_bytes + 1))
+    got = read_block_file(LAYOUT, block_hash, path.open("rb", buffering=0), reused)
+    assert bytes(got) == payload and got.obj is reused  # in the reader's own buffer, no copy
