@@ -56,7 +56,7 @@ COUNTERS = (
     "written",
     "write_failures",
 )
-# Threads that read and check block files (file reads and SHA-256 let go of the GIL: they run side by side, and
+# Threads that read and check block files (file reads and the checksum let go of the GIL: they run side by side, and
 # beside the step's forward pass); the step's thread is one more while it waits for them (`TierStore._wait`). On
 # 2 CPUs a second reader beside it made 40 loads a third slower (144 against 107 us a block): they only took turns.
 READERS = max(1, min(4, (os.cpu_count() or 1) - 1))
